@@ -1,0 +1,73 @@
+/*
+ * group_norm.h: framework-free GroupNorm and group-moments kernels (no MXNet types).
+ *
+ * Layout (N, C, S) with S = prod(spatial) (S = 1 for 2-D data), G groups of D = C/G channels.
+ *   mean[n,g] = 1/(D*S) sum_{c in g, s} x[n,c,s]
+ *   var[n,g]  = 1/(D*S) sum (x - mean)^2                      (population variance)
+ *   rstd[n,g] = 1 / sqrt(var + eps)
+ *   y[n,c,s]  = (x - mean) * rstd * gamma[c] + beta[c]        (per-channel affine)
+ * Statistics are AccT (fp32 for fp16/fp32 data, fp64 for fp64 data). gamma/beta/dgamma/dbeta have
+ * `param_dtype`, which is either the data dtype or fp32 (fp32 master parameters with fp16 data).
+ *
+ * Every entry point returns nullptr on success or a static error string. CPU entry points run on the
+ * calling thread's OpenMP team; CUDA entry points enqueue on `stream` (a cudaStream_t passed as void*).
+ */
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/acc_type.h"
+
+namespace gn_mx {
+
+struct MomentsArgs {
+  DType dtype = DType::kFloat32;    // x dtype
+  const void* x = nullptr;          // (N, C, S)
+  void* mean = nullptr;             // (N, G) AccT
+  void* var = nullptr;              // (N, G) AccT, population variance
+  int64_t N = 0, C = 0, G = 1, S = 1;
+};
+
+struct GroupNormFwdArgs {
+  DType dtype = DType::kFloat32;        // x / y dtype
+  DType param_dtype = DType::kFloat32;  // gamma / beta dtype
+  const void* x = nullptr;              // (N, C, S)
+  const void* gamma = nullptr;          // (C,)
+  const void* beta = nullptr;           // (C,)
+  void* y = nullptr;                    // (N, C, S)
+  void* mean = nullptr;                 // (N, G) AccT
+  void* rstd = nullptr;                 // (N, G) AccT
+  int64_t N = 0, C = 0, G = 1, S = 1;
+  double eps = 1e-5;
+};
+
+struct GroupNormBwdArgs {
+  DType dtype = DType::kFloat32;
+  DType param_dtype = DType::kFloat32;
+  const void* dy = nullptr;             // (N, C, S)
+  const void* x = nullptr;              // (N, C, S)
+  const void* mean = nullptr;           // (N, G) AccT, saved by forward
+  const void* rstd = nullptr;           // (N, G) AccT, saved by forward
+  const void* gamma = nullptr;          // (C,)
+  void* dx = nullptr;                   // (N, C, S)
+  void* dgamma = nullptr;               // (C,) param_dtype
+  void* dbeta = nullptr;                // (C,) param_dtype
+  void* workspace = nullptr;            // scratch of group_norm_bwd_workspace_*() bytes
+  int64_t N = 0, C = 0, G = 1, S = 1;
+};
+
+// Scratch bytes the backward needs (0 allowed); the caller passes at least that much, 64-B aligned.
+size_t group_norm_bwd_workspace_cpu(const GroupNormBwdArgs& a);
+
+const char* moments_cpu(const MomentsArgs& a);
+const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a);
+const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a);
+
+#if defined(GNMX_WITH_CUDA)
+size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a);
+const char* moments_cuda(const MomentsArgs& a, void* stream);
+const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream);
+const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream);
+#endif
+
+}  // namespace gn_mx
