@@ -28,6 +28,17 @@ struct MomentsArgs {
   int64_t N = 0, C = 0, G = 1, S = 1;
 };
 
+// Gradient of gn_moments: dx = dmean/(D*S) + dvar * 2 (x - mean)/(D*S).
+struct MomentsBwdArgs {
+  DType dtype = DType::kFloat32;    // x / dx dtype
+  const void* dmean = nullptr;      // (N, G) AccT
+  const void* dvar = nullptr;       // (N, G) AccT
+  const void* x = nullptr;          // (N, C, S)
+  const void* mean = nullptr;       // (N, G) AccT, forward output
+  void* dx = nullptr;               // (N, C, S)
+  int64_t N = 0, C = 0, G = 1, S = 1;
+};
+
 struct GroupNormFwdArgs {
   DType dtype = DType::kFloat32;        // x / y dtype
   DType param_dtype = DType::kFloat32;  // gamma / beta dtype
@@ -60,12 +71,14 @@ struct GroupNormBwdArgs {
 size_t group_norm_bwd_workspace_cpu(const GroupNormBwdArgs& a);
 
 const char* moments_cpu(const MomentsArgs& a);
+const char* moments_bwd_cpu(const MomentsBwdArgs& a);
 const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a);
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a);
 
 #if defined(GNMX_WITH_CUDA)
 size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a);
 const char* moments_cuda(const MomentsArgs& a, void* stream);
+const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream);
 const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream);
 const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream);
 #endif

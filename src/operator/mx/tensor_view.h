@@ -1,0 +1,182 @@
+/*
+ * tensor_view.h: the thin layer between lib_api.h and the framework-free kernels.
+ *
+ * - guarded(): every lib_api callback runs inside it, so a C++ exception (a bad attribute, a failed
+ *   check) becomes MX_ERROR_MSG + MX_FAIL, which MXNet raises as MXNetError at the call site.
+ *   lib_api.cc itself catches nothing; an escaping exception would abort the process.
+ * - Attrs: strict attribute parsing (whole-string numbers, unknown keys rejected so that a typo such as
+ *   `num_group=4` is an error, not a silently ignored argument).
+ * - dtype mapping between MXDType and gn_mx::DType, shape conversion.
+ * - Workspace: one alloc_cpu/alloc_gpu per callback (a second allocation may alias the first),
+ *   carved into 64-byte aligned slices.
+ */
+#pragma once
+#include <cmath>
+#include <cstdint>
+#include <initializer_list>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "lib_api.h"
+#include "../common/acc_type.h"
+#include "../common/group_shape.h"
+
+namespace gn_mx {
+namespace mxa {
+
+using mxnet::ext::MXReturnValue;
+using mxnet::ext::MXTensor;
+using mxnet::ext::OpResource;
+using AttrMap = std::unordered_map<std::string, std::string>;
+
+struct OpError : std::runtime_error {
+  explicit OpError(const std::string& m) : std::runtime_error(m) {}
+};
+
+// Throw an OpError whose text is built by streaming `args`.
+template <typename... Ts>
+[[noreturn]] inline void fail(const Ts&... args) {
+  std::ostringstream os;
+  (os << ... << args);
+  throw OpError(os.str());
+}
+
+inline void require(bool ok, const std::string& msg) {
+  if (!ok) throw OpError(msg);
+}
+
+template <typename F>
+MXReturnValue guarded(const char* op, F&& f) {
+  try {
+    return f();
+  } catch (const std::exception& e) {
+    MX_ERROR_MSG << e.what();
+  } catch (...) {
+    MX_ERROR_MSG << op << ": unknown internal error";
+  }
+  return mxnet::ext::MX_FAIL;
+}
+
+// Attribute access with defaults and strict parsing. Keys MXNet adds itself start with "__".
+class Attrs {
+ public:
+  Attrs(const char* op, const AttrMap& m, std::initializer_list<const char*> known) : op_(op), m_(m) {
+    for (const auto& kv : m) {
+      if (kv.first.rfind("__", 0) == 0) continue;
+      bool ok = false;
+      for (const char* k : known) ok = ok || kv.first == k;
+      if (!ok) {
+        std::ostringstream os;
+        os << op << ": unknown attribute '" << kv.first << "'; expected one of:";
+        for (const char* k : known) os << " " << k;
+        throw OpError(os.str());
+      }
+    }
+  }
+
+  int64_t get_int(const char* key, int64_t dflt) const {
+    auto it = m_.find(key);
+    if (it == m_.end()) return dflt;
+    const std::string& s = it->second;
+    size_t pos = 0;
+    long long v = 0;
+    try {
+      v = std::stoll(s, &pos);
+    } catch (...) {
+      pos = std::string::npos;
+    }
+    while (pos != std::string::npos && pos < s.size() && (s[pos] == 'L' || s[pos] == ' ')) ++pos;
+    if (pos != s.size()) fail(op_, ": attribute ", key, " must be an integer; got '", s, "'");
+    return v;
+  }
+
+  double get_float(const char* key, double dflt) const {
+    auto it = m_.find(key);
+    if (it == m_.end()) return dflt;
+    const std::string& s = it->second;
+    size_t pos = 0;
+    double v = 0;
+    try {
+      v = std::stod(s, &pos);
+    } catch (...) {
+      pos = std::string::npos;
+    }
+    if (pos != s.size()) fail(op_, ": attribute ", key, " must be a number; got '", s, "'");
+    return v;
+  }
+
+ private:
+  const char* op_;
+  const AttrMap& m_;
+};
+
+// MXDType values 0/1/2 are float32/float64/float16 and equal gn_mx::DType.
+inline bool is_float_dtype(int t) { return t == 0 || t == 1 || t == 2; }
+
+inline const char* mx_dtype_name(int t) {
+  switch (t) {
+    case 0: return "float32";
+    case 1: return "float64";
+    case 2: return "float16";
+    case 3: return "uint8";
+    case 4: return "int32";
+    case 5: return "int8";
+    case 6: return "int64";
+    case -1: return "unknown";
+  }
+  return "unsupported";
+}
+
+inline DType to_dtype(int t) { return static_cast<DType>(t); }
+
+inline std::vector<int64_t> to_i64(const std::vector<unsigned int>& s) {
+  return std::vector<int64_t>(s.begin(), s.end());
+}
+
+// A shape MXNet has not inferred yet: no dims, or a 0 (unknown) dim under legacy shape semantics.
+inline bool shape_unknown(const std::vector<unsigned int>& s) {
+  if (s.empty()) return true;
+  for (unsigned d : s)
+    if (d == 0) return true;
+  return false;
+}
+
+// One workspace allocation carved into aligned slices. Sizes are summed first (reserve), then the
+// buffer is allocated once (commit) and handed out in the same order (take).
+class Workspace {
+ public:
+  static constexpr size_t kAlign = 64;
+  size_t reserve(size_t bytes) {
+    const size_t off = total_;
+    total_ += (bytes + kAlign - 1) / kAlign * kAlign;
+    return off;
+  }
+  size_t total() const { return total_; }
+  // Allocates through MXNet's temp space (cpu or gpu); returns the base pointer (nullptr if empty).
+  char* commit(const OpResource& res, bool gpu, const char* op) {
+    if (total_ == 0) return nullptr;
+    // lib_api sizes are int; ask for the alignment slack too.
+    const size_t want = total_ + kAlign;
+    if (want > static_cast<size_t>(INT32_MAX))
+      fail(op, ": workspace of ", want, " bytes exceeds lib_api's int allocation limit");
+    void* p = gpu ? res.alloc_gpu(static_cast<int>(want)) : res.alloc_cpu(static_cast<int>(want));
+    if (!p) fail(op, ": could not allocate ", want, " bytes of workspace");
+    uintptr_t u = reinterpret_cast<uintptr_t>(p);
+    u = (u + kAlign - 1) / kAlign * kAlign;
+    base_ = reinterpret_cast<char*>(u);
+    return base_;
+  }
+  void* at(size_t offset) const { return base_ ? base_ + offset : nullptr; }
+
+ private:
+  size_t total_ = 0;
+  char* base_ = nullptr;
+};
+
+inline const char* ctx_of(const MXTensor& t) { return t.ctx.dev_type.c_str(); }
+
+}  // namespace mxa
+}  // namespace gn_mx
