@@ -62,7 +62,11 @@ struct GroupNormBwdArgs {
   const void* gamma = nullptr;          // (C,)
   void* dx = nullptr;                   // (N, C, S)
   void* dgamma = nullptr;               // (C,) param_dtype
-  void* dbeta = nullptr;                // (C,) param_dtype
+  void* dbeta = nullptr;                // (C,) param_dtype, nullptr = not needed
+  // Optional (nullptr = zero) gradients flowing into the mean / rstd outputs, (N, G) AccT:
+  // dx += dmean / m - drstd * rstd^3 (x - mean) / m, with m = D*S.
+  const void* dmean = nullptr;
+  const void* drstd = nullptr;
   void* workspace = nullptr;            // scratch of group_norm_bwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
 };
