@@ -136,11 +136,14 @@ inline std::vector<int64_t> to_i64(const std::vector<unsigned int>& s) {
   return std::vector<int64_t>(s.begin(), s.end());
 }
 
-// A shape MXNet has not inferred yet: no dims, or a 0 (unknown) dim under legacy shape semantics.
+// A shape MXNet has not inferred yet: no dims (ndim unknown), or an unknown dim, which arrives as 0
+// under legacy shape semantics and as -1 (UINT_MAX after lib_api's unsigned cast) under Gluon's
+// numpy-style semantics.
+inline bool dim_unknown(unsigned int d) { return d == 0 || d == 0xFFFFFFFFu; }
 inline bool shape_unknown(const std::vector<unsigned int>& s) {
   if (s.empty()) return true;
   for (unsigned d : s)
-    if (d == 0) return true;
+    if (dim_unknown(d)) return true;
   return false;
 }
 

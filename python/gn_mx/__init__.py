@@ -1,0 +1,15 @@
+"""gn_mx: native GroupNorm and Decorrelated Batch Normalization ops for MXNet 1.9.
+
+``import gn_mx`` loads the op library (once) and registers ``gn_moments``, ``gn_group_norm``,
+``gn_dbn`` and ``gn_dbn_inference`` in ``mx.nd`` and ``mx.sym``; a fresh process that reloads an
+exported model only needs this import before ``gluon.SymbolBlock.imports``.
+"""
+from ._library import library_path, load as _load
+
+_load()
+
+from . import ops  # noqa: E402
+from .nn import GroupNorm  # noqa: E402
+
+__version__ = "0.1.0"
+__all__ = ["GroupNorm", "library_path", "ops", "__version__"]

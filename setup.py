@@ -1,0 +1,91 @@
+"""Build gn_mx: CMake compiles libgn_mx.so against the installed mxnet wheel's lib_api.
+
+The op library must match the MXNet it is loaded into, so the build needs `mxnet` importable:
+    pip install 'mxnet==1.9.1' 'numpy<1.24'        # or mxnet-cu112==1.9.1
+    pip install --no-build-isolation .             # -e for development
+`mxnet` is not a hard requirement (it would replace a user's mxnet-cu112 with the CPU wheel);
+the extras `gn_mx[cpu]` / `gn_mx[cu112]` name the supported wheels.
+
+Environment: GNMX_BUILD_TYPE (Release), GNMX_CMAKE_ARGS (extra CMake arguments),
+GNMX_JOBS (parallel build jobs).
+"""
+import os
+import shlex
+import shutil
+import subprocess
+import sys
+
+from setuptools import Extension, find_packages, setup
+from setuptools.command.build_ext import build_ext
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+LIB_NAME = "libgn_mx.so"
+
+
+def mxnet_root():
+    code = "import os, mxnet; print(os.path.dirname(mxnet.__file__)); print(mxnet.__version__)"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                             text=True).stdout.split()
+    except subprocess.CalledProcessError as e:
+        raise RuntimeError(
+            "gn_mx builds against the installed MXNet, but `import mxnet` failed in "
+            f"{sys.executable}:\n{e.stderr[-2000:]}\n"
+            "Install it first: pip install 'mxnet==1.9.1' 'numpy<1.24' (or mxnet-cu112==1.9.1), "
+            "then build with: pip install --no-build-isolation .") from None
+    root, version = out[-2], out[-1]
+    if not version.startswith("1.9"):
+        raise RuntimeError(f"gn_mx needs MXNet 1.9 (found {version} at {root}); "
+                           "install mxnet==1.9.1 or mxnet-cu112==1.9.1 with 'numpy<1.24'")
+    return root
+
+
+class CMakeExtension(Extension):
+    def __init__(self, name):
+        super().__init__(name, sources=[])
+
+
+class CMakeBuild(build_ext):
+    def get_ext_filename(self, ext_name):
+        return os.path.join(*ext_name.split(".")[:-1], LIB_NAME)
+
+    def build_extension(self, ext):
+        root = mxnet_root()
+        build_dir = os.path.join(HERE, "build", "cmake")
+        os.makedirs(build_dir, exist_ok=True)
+        cfg = os.environ.get("GNMX_BUILD_TYPE", "Release")
+        args = [f"-DMXNET_ROOT={root}", f"-DCMAKE_BUILD_TYPE={cfg}",
+                f"-DPython3_EXECUTABLE={sys.executable}"]
+        args += self.extra_cmake_args()
+        args += shlex.split(os.environ.get("GNMX_CMAKE_ARGS", ""))
+        subprocess.run(["cmake", "-S", HERE, "-B", build_dir] + args, check=True)
+        jobs = os.environ.get("GNMX_JOBS", str(os.cpu_count() or 1))
+        subprocess.run(["cmake", "--build", build_dir, "--target", "gn_mx", "-j", jobs],
+                       check=True)
+        dest = self.get_ext_fullpath(ext.name)
+        os.makedirs(os.path.dirname(dest), exist_ok=True)
+        shutil.copyfile(os.path.join(build_dir, LIB_NAME), dest)
+
+    def extra_cmake_args(self):
+        return []
+
+
+setup(
+    name="gn_mx",
+    version="0.1.0",
+    description="Native GroupNorm and Decorrelated BatchNorm ops for MXNet 1.9 (CPU/CUDA)",
+    long_description=open(os.path.join(HERE, "README.md")).read(),
+    long_description_content_type="text/markdown",
+    package_dir={"": "python"},
+    packages=find_packages("python"),
+    ext_modules=[CMakeExtension("gn_mx.libgn_mx")],
+    cmdclass={"build_ext": CMakeBuild},
+    python_requires=">=3.8,<3.12",
+    install_requires=[],
+    extras_require={
+        "cpu": ["mxnet==1.9.1", "numpy<1.24"],
+        "cu112": ["mxnet-cu112==1.9.1", "numpy<1.24"],
+        "test": ["pytest"],
+    },
+    zip_safe=False,
+)
