@@ -1,0 +1,117 @@
+/*
+ * dbn.h: framework-free Decorrelated Batch Normalization kernels (Huang et al., CVPR 2018,
+ * arXiv 1804.08450), ZCA whitening with per-group statistics. No MXNet types.
+ *
+ * Layout (N, C, S) with S = prod(spatial) (S = 1 for 2-D data), G groups of D = C/G channels.
+ * For group g the data is a D x m matrix X (m = N*S columns, one per (n, s)); for each sample n
+ * it is the contiguous, row-major D x S block starting at x + (n*C + g*D)*S, so no transposes are
+ * ever needed: kernels gather column panels of up to K columns straight from NCHW.
+ *
+ * Forward (training), per group, computed in AccT passes and fp64 small-matrix math:
+ *   mu     = (1/m) X 1                                  (D,)       saved as `mean`   (AccT)
+ *   Xc     = X - mu 1^T
+ *   Sigma  = (1/m) Xc Xc^T + eps I                      (D, D)     fp64
+ *   Sigma  = U diag(l) U^T                              LAPACK dsyevd (Jacobi fallback); l is
+ *                                                       clamped to >= eps (exact Sigma has all
+ *                                                       eigenvalues >= eps; rounding can break it)
+ *   W      = U diag(l^-1/2) U^T = Sigma^{-1/2}          saved as `eigvec` U, `eigval` l (AccT)
+ *   Y      = W Xc                                       (ZCA whitening; out = Y in x's dtype)
+ *   running_mean       = momentum * running_mean       + (1 - momentum) * mu
+ *   running_projection = momentum * running_projection + (1 - momentum) * W
+ * A non-finite Sigma (NaN/inf input) skips the eigensolver and yields NaN eig/out; never a crash.
+ *
+ * Backward (training), given dY; derivation in dbn_cpu.cc above dbn_bwd_cpu:
+ *   G_W    = dY Xc^T,  Gs = (G_W + G_W^T)/2
+ *   K_ij   = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j)))     (divided difference of l^-1/2,
+ *                                                       diagonal = f'(l_i); no 1/(l_i - l_j) at all)
+ *   G_S    = U (K o (U^T Gs U)) U^T                     (dL/dSigma, symmetric)
+ *   dX     = W (dY - mean_cols(dY) 1^T) + (2/m) G_S Xc
+ *
+ * Inference: Y = P (X - r_mean 1^T) with the running statistics P = running_projection[g],
+ * r_mean = running_mean[g*D : (g+1)*D].  Its backward: dX = P^T dY (aux-state grads are zeros and
+ * are the adapter's business).
+ *
+ * Dtypes: x/y/dy/dx have `dtype` (fp16 -> AccT fp32, fp32 -> fp32, fp64 -> fp64). Saved
+ * mean/eigvec/eigval are AccT. Running stats have `stat_dtype`, either `dtype` or AccT (fp32 running
+ * stats with fp16 data). The eigensolver and all D x D math run in fp64 for every dtype.
+ *
+ * Every entry point returns nullptr on success or a static error string. CPU entry points use
+ * `num_threads` OpenMP threads (0: omp_get_max_threads()); the workspace size depends on it, so
+ * query the size with the same args you run with. Workspace must be 64-byte aligned.
+ * CUDA twins take a cudaStream_t as `void* stream` and have their own workspace-size functions.
+ */
+#pragma once
+#include <cstddef>
+#include <cstdint>
+
+#include "../common/acc_type.h"
+
+namespace gn_mx {
+
+struct DbnFwdArgs {
+  DType dtype = DType::kFloat32;       // x / y dtype
+  DType stat_dtype = DType::kFloat32;  // running_mean / running_projection dtype (dtype or AccT)
+  const void* x = nullptr;             // (N, C, S)
+  void* y = nullptr;                   // (N, C, S)
+  void* mean = nullptr;                // (C,) AccT, batch mean (saved for backward)
+  void* eigvec = nullptr;              // (G, D, D) AccT, row-major U: column j = eigenvector j
+  void* eigval = nullptr;              // (G, D) AccT, eigenvalues of Sigma (eps included), >= eps
+  void* running_mean = nullptr;        // (C,) stat_dtype, updated in place; nullptr: no update
+  void* running_proj = nullptr;        // (G, D, D) stat_dtype, updated in place; nullptr: no update
+  void* workspace = nullptr;           // dbn_fwd_workspace_*() bytes
+  int64_t N = 0, C = 0, G = 1, S = 1;
+  double eps = 1e-5;
+  double momentum = 0.9;
+  int num_threads = 0;                 // CPU only; 0 = omp_get_max_threads()
+};
+
+struct DbnBwdArgs {
+  DType dtype = DType::kFloat32;
+  const void* dy = nullptr;            // (N, C, S)
+  const void* x = nullptr;             // (N, C, S)
+  const void* mean = nullptr;          // (C,) AccT, from forward
+  const void* eigvec = nullptr;        // (G, D, D) AccT, from forward
+  const void* eigval = nullptr;        // (G, D) AccT, from forward
+  void* dx = nullptr;                  // (N, C, S)
+  void* workspace = nullptr;           // dbn_bwd_workspace_*() bytes
+  int64_t N = 0, C = 0, G = 1, S = 1;
+  int num_threads = 0;
+};
+
+// Inference forward (y = P (x - r_mean)) and its backward (dx = P^T dy) share one struct:
+// forward reads `x` and writes `y`; backward reads `x` as dy and writes `y` as dx, ignoring mean.
+struct DbnInferenceArgs {
+  DType dtype = DType::kFloat32;
+  DType stat_dtype = DType::kFloat32;
+  const void* x = nullptr;             // (N, C, S)  (dy for the backward)
+  const void* running_mean = nullptr;  // (C,) stat_dtype
+  const void* running_proj = nullptr;  // (G, D, D) stat_dtype
+  void* y = nullptr;                   // (N, C, S)  (dx for the backward)
+  void* workspace = nullptr;           // dbn_inference_workspace_*() bytes
+  int64_t N = 0, C = 0, G = 1, S = 1;
+  int num_threads = 0;
+};
+
+size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a);
+size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a);
+size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a);  // forward and backward alike
+
+const char* dbn_fwd_cpu(const DbnFwdArgs& a);
+const char* dbn_bwd_cpu(const DbnBwdArgs& a);
+const char* dbn_inference_cpu(const DbnInferenceArgs& a);
+const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a);
+
+// True when the LAPACK eigensolver (dsyevd_) was found at run time; otherwise Jacobi is used.
+bool dbn_have_lapack();
+
+#if defined(GNMX_WITH_CUDA)
+size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a);
+size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a);
+size_t dbn_inference_workspace_cuda(const DbnInferenceArgs& a);
+const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream);
+const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream);
+const char* dbn_inference_cuda(const DbnInferenceArgs& a, void* stream);
+const char* dbn_inference_bwd_cuda(const DbnInferenceArgs& a, void* stream);
+#endif
+
+}  // namespace gn_mx

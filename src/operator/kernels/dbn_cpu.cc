@@ -1,0 +1,682 @@
+/*
+ * dbn_cpu.cc: CPU Decorrelated BN kernels (math in dbn.h / dbn_math.h).
+ *
+ * Every O(D^2 m) stage is a BLAS call on a column panel: for group g, columns j0..j0+K of the
+ * D x m matrix X are gathered (widened to AccT, centred) into a row-major D x K panel straight
+ * from NCHW, then
+ *   covariance  += syrk(panel)            (per-chunk AccT result folded into fp64 accumulators)
+ *   whitening     Q = W panel  -> scattered (narrowed) into y
+ *   backward      G_W += dY panel^T,  then dX = [W | B] [dY - mean(dY); Xc]  (one gemm)
+ * Panels are per thread; (group, chunk) items are spread over an OpenMP team, so OpenBLAS (built
+ * with OpenMP) runs single-threaded inside. D x D math (eigh, W, backward matrices) is fp64.
+ *
+ * BLAS/LAPACK come from the OpenBLAS shipped in the mxnet wheel, looked up at run time (see
+ * blas() below); without it a naive gemm/syrk and the Jacobi eigensolver keep results correct.
+ * NB: BLAS sees row-major D x K panels as column-major K x D matrices (leading dimension K), so
+ * a row-major product C = A B is issued as the column-major C^T = B^T A^T.
+ */
+#include <dlfcn.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <climits>
+#include <cmath>
+#include <cstring>
+#include <limits>
+
+#include "dbn.h"
+#include "dbn_math.h"
+
+// Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
+// hidden size_t arguments; LAPACK (compiled Fortran) gets them explicitly.
+extern "C" {
+typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*, const float*,
+                        const float*, const int*, const float*, const int*, const float*, float*,
+                        const int*);
+typedef void (*dgemm_t)(const char*, const char*, const int*, const int*, const int*,
+                        const double*, const double*, const int*, const double*, const int*,
+                        const double*, double*, const int*);
+typedef void (*ssyrk_t)(const char*, const char*, const int*, const int*, const float*,
+                        const float*, const int*, const float*, float*, const int*);
+typedef void (*dsyrk_t)(const char*, const char*, const int*, const int*, const double*,
+                        const double*, const int*, const double*, double*, const int*);
+typedef void (*dsyevd_t)(const char* jobz, const char* uplo, const int* n, double* a,
+                         const int* lda, double* w, double* work, const int* lwork, int* iwork,
+                         const int* liwork, int* info, size_t jobz_len, size_t uplo_len);
+}
+
+namespace gn_mx {
+namespace {
+
+constexpr size_t kAlign = 64;
+constexpr int64_t kPanelElems = 32768;  // D*K AccT values per panel (128 KiB in fp32)
+
+// BLAS/LAPACK entry points, resolved once. libgn_mx.so does not have to link OpenBLAS: in an
+// MXNet process the wheel's libopenblas.so.0 is already loaded (by libmxnet.so, RTLD_LOCAL), and
+// dlopen(RTLD_NOLOAD) finds it by soname without loading anything new. Outside MXNet (a plain
+// kernel test) the same soname is tried on the normal search path. Missing symbols fall back to
+// a naive gemm/syrk and the Jacobi eigensolver, which are correct but slow.
+struct Blas {
+  sgemm_t sgemm = nullptr;
+  dgemm_t dgemm = nullptr;
+  ssyrk_t ssyrk = nullptr;
+  dsyrk_t dsyrk = nullptr;
+  dsyevd_t dsyevd = nullptr;
+};
+
+const Blas& blas() {
+  static const Blas b = [] {
+    Blas r;
+    void* h = dlopen("libopenblas.so.0", RTLD_LAZY | RTLD_NOLOAD);
+    if (!h) h = dlopen("libopenblas.so.0", RTLD_LAZY);
+    if (!h) return r;
+    r.sgemm = reinterpret_cast<sgemm_t>(dlsym(h, "sgemm_"));
+    r.dgemm = reinterpret_cast<dgemm_t>(dlsym(h, "dgemm_"));
+    r.ssyrk = reinterpret_cast<ssyrk_t>(dlsym(h, "ssyrk_"));
+    r.dsyrk = reinterpret_cast<dsyrk_t>(dlsym(h, "dsyrk_"));
+    r.dsyevd = reinterpret_cast<dsyevd_t>(dlsym(h, "dsyevd_"));
+    return r;  // the handle stays open for the life of the process
+  }();
+  return b;
+}
+
+// Carves one workspace; with base == nullptr it only measures.
+struct Carver {
+  char* base = nullptr;
+  size_t off = 0;
+  template <typename U>
+  U* take(size_t n) {
+    off = (off + kAlign - 1) / kAlign * kAlign;
+    U* p = base ? reinterpret_cast<U*>(base + off) : nullptr;
+    off += n * sizeof(U);
+    return p;
+  }
+};
+
+int resolve_threads(int t) { return t > 0 ? t : std::max(1, omp_get_max_threads()); }
+
+struct Geo {
+  int64_t N, C, G, D, S, m, K, nchunk;
+};
+
+Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
+  Geo q;
+  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  int64_t K = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(q.D, 1));
+  K = (K + 15) / 16 * 16;
+  q.K = std::min(q.m, K);
+  q.nchunk = (q.m + q.K - 1) / q.K;
+  return q;
+}
+
+const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
+  if (C % G != 0) return "dbn: C must be divisible by G";
+  const int64_t D = C / G;
+  if (2 * D * D > INT_MAX / 2 || 2 * D * (kPanelElems / D + 16) > INT_MAX / 2)
+    return "dbn: group size too large";
+  return nullptr;
+}
+
+// ---- BLAS wrappers (column-major), with naive fallbacks -------------------------------------
+template <typename A>
+void gemm_naive(char ta, char tb, int m, int n, int k, A alpha, const A* a, int lda, const A* b,
+                int ldb, A beta, A* c, int ldc) {
+  for (int j = 0; j < n; ++j)
+    for (int i = 0; i < m; ++i) {
+      A s = 0;
+      for (int p = 0; p < k; ++p) {
+        const A av = ta == 'N' ? a[i + p * lda] : a[p + i * lda];
+        const A bv = tb == 'N' ? b[p + j * ldb] : b[j + p * ldb];
+        s += av * bv;
+      }
+      c[i + j * ldc] = alpha * s + (beta == A(0) ? A(0) : beta * c[i + j * ldc]);
+    }
+}
+
+inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda,
+                 const float* b, int ldb, float beta, float* c, int ldc) {
+  if (blas().sgemm) blas().sgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+  else gemm_naive(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda,
+                 const double* b, int ldb, double beta, double* c, int ldc) {
+  if (blas().dgemm) blas().dgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
+  else gemm_naive(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
+}
+// Upper triangle (column-major) of C = A^T A, A is k x n with leading dimension lda.
+inline void syrk_t(int n, int k, const float* a, int lda, float* c) {
+  const float one = 1.f, zero = 0.f;
+  if (blas().ssyrk) blas().ssyrk("U", "T", &n, &k, &one, a, &lda, &zero, c, &n);
+  else gemm_naive('T', 'N', n, n, k, one, a, lda, a, lda, zero, c, n);
+}
+inline void syrk_t(int n, int k, const double* a, int lda, double* c) {
+  const double one = 1.0, zero = 0.0;
+  if (blas().dsyrk) blas().dsyrk("U", "T", &n, &k, &one, a, &lda, &zero, c, &n);
+  else gemm_naive('T', 'N', n, n, k, one, a, lda, a, lda, zero, c, n);
+}
+
+// ---- Eigendecomposition -----------------------------------------------------------------------
+struct EigScratch {
+  double* a;      // D*D
+  double* work;   // lwork
+  int* iwork;     // liwork
+  int lwork, liwork;
+};
+
+size_t eig_lwork(int64_t D) { return 1 + 6 * D + 2 * D * D; }
+size_t eig_liwork(int64_t D) { return 3 + 5 * D; }
+
+// Sigma (row-major, symmetric, finite) -> U (row-major, columns = eigenvectors), l ascending.
+void eigh(const double* Sigma, int D, double* U, double* l, const EigScratch& s) {
+  if (D == 1) {
+    U[0] = 1.0;
+    l[0] = Sigma[0];
+    return;
+  }
+  if (blas().dsyevd) {
+    std::memcpy(s.a, Sigma, sizeof(double) * D * D);
+    int info = 0;
+    blas().dsyevd("V", "U", &D, s.a, &D, l, s.work, &s.lwork, s.iwork, &s.liwork, &info, 1, 1);
+    if (info == 0) {
+      for (int i = 0; i < D; ++i)
+        for (int j = 0; j < D; ++j) U[i * D + j] = s.a[i + j * D];  // column-major -> row-major
+      return;
+    }
+  }
+  std::memcpy(s.a, Sigma, sizeof(double) * D * D);
+  dbn_jacobi_eigh(s.a, U, l, D);
+}
+
+// ---- Panel gather / scatter -------------------------------------------------------------------
+// P[d*ldp + k] = x[n, g*D + d, s] - shift[d] for the kc columns starting at j0 (j = n*S + s).
+template <typename T, typename A>
+void gather(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, const A* shift, A* P,
+            int64_t ldp) {
+  int64_t j = j0, k = 0;
+  while (k < kc) {
+    const int64_t n = j / q.S, s = j % q.S;
+    const int64_t run = std::min(q.S - s, kc - k);
+    const T* base = x + (n * q.C + g * q.D) * q.S + s;
+    for (int64_t d = 0; d < q.D; ++d) {
+      const T* src = base + d * q.S;
+      A* dst = P + d * ldp + k;
+      const A sh = shift ? shift[d] : A(0);
+      for (int64_t r = 0; r < run; ++r) dst[r] = to_acc(src[r]) - sh;
+    }
+    k += run;
+    j += run;
+  }
+}
+
+template <typename T, typename A>
+void scatter(const A* P, int64_t ldp, const Geo& q, int64_t g, int64_t j0, int64_t kc, T* y) {
+  int64_t j = j0, k = 0;
+  while (k < kc) {
+    const int64_t n = j / q.S, s = j % q.S;
+    const int64_t run = std::min(q.S - s, kc - k);
+    T* base = y + (n * q.C + g * q.D) * q.S + s;
+    for (int64_t d = 0; d < q.D; ++d) {
+      T* dst = base + d * q.S;
+      const A* src = P + d * ldp + k;
+      for (int64_t r = 0; r < run; ++r) dst[r] = from_acc<T>(src[r]);
+    }
+    k += run;
+    j += run;
+  }
+}
+
+template <typename SrcT>
+double load_d(const void* p, int64_t i) {
+  return static_cast<double>(to_acc(static_cast<const SrcT*>(p)[i]));
+}
+double load_any(DType t, const void* p, int64_t i) {
+  switch (t) {
+    case DType::kFloat16: return load_d<Half>(p, i);
+    case DType::kFloat32: return load_d<float>(p, i);
+    default: return load_d<double>(p, i);
+  }
+}
+void store_any(DType t, void* p, int64_t i, double v) {
+  switch (t) {
+    case DType::kFloat16: static_cast<Half*>(p)[i] = from_acc<Half>(static_cast<float>(v)); break;
+    case DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    default: static_cast<double*>(p)[i] = v; break;
+  }
+}
+
+// ---- Training forward -------------------------------------------------------------------------
+template <typename A>
+struct FwdLayout {
+  double* acc;   // T x G x D x D, fp64 covariance sums (upper triangle, column-major)
+  A* W;          // G x D x D, Sigma^{-1/2} in AccT for the whitening gemm
+  A* panel;      // T x D x K
+  A* out;        // T x D x K
+  A* cb;         // T x D x D, one chunk's syrk result
+  double* sig;   // T x D x D
+  double* U;     // T x D x D
+  double* l;     // T x D
+  double* Wd;    // T x D x D
+  double* ea;    // T x D x D, eigensolver matrix
+  double* work;  // T x lwork
+  int* iwork;    // T x liwork
+};
+
+template <typename A>
+FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
+  FwdLayout<A> L;
+  const size_t DD = q.D * q.D;
+  L.acc = c->take<double>(T * q.G * DD);
+  L.W = c->take<A>(q.G * DD);
+  L.panel = c->take<A>(T * q.D * q.K);
+  L.out = c->take<A>(T * q.D * q.K);
+  L.cb = c->take<A>(T * DD);
+  L.sig = c->take<double>(T * DD);
+  L.U = c->take<double>(T * DD);
+  L.l = c->take<double>(T * q.D);
+  L.Wd = c->take<double>(T * DD);
+  L.ea = c->take<double>(T * DD);
+  L.work = c->take<double>(T * eig_lwork(q.D));
+  L.iwork = c->take<int>(T * eig_liwork(q.D));
+  return L;
+}
+
+template <typename T>
+const char* fwd_impl(const DbnFwdArgs& a) {
+  using A = AccT<T>;
+  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  Carver cv{static_cast<char*>(a.workspace)};
+  const FwdLayout<A> L = fwd_layout<A>(&cv, q, nt);
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  A* mean = static_cast<A*>(a.mean);
+  A* eigvec = static_cast<A*>(a.eigvec);
+  A* eigval = static_cast<A*>(a.eigval);
+  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int Di = static_cast<int>(D);
+  const int64_t items = q.G * q.nchunk;
+  // Zeroed up front: a team smaller than nt must still leave every partial sum defined.
+  std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    // Pass 1: per-channel mean (row sums in AccT, accumulated over samples in fp64).
+#pragma omp for schedule(static)
+    for (int64_t c = 0; c < q.C; ++c) {
+      double sum = 0.0;
+      for (int64_t n = 0; n < q.N; ++n) {
+        const T* row = x + (n * q.C + c) * q.S;
+        A rs = 0;
+        for (int64_t s = 0; s < q.S; ++s) rs += to_acc(row[s]);
+        sum += static_cast<double>(rs);
+      }
+      mean[c] = static_cast<A>(sum / static_cast<double>(q.m));
+    }
+    double* acc_t = L.acc + t * q.G * DD;
+    A* panel = L.panel + t * D * K;
+    A* cb = L.cb + t * DD;
+    // Pass 2: covariance of the centred panels.
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
+      const int64_t kc = std::min(K, q.m - j0);
+      gather(x, q, g, j0, kc, mean + g * D, panel, K);
+      syrk_t(Di, static_cast<int>(kc), panel, static_cast<int>(K), cb);
+      double* accg = acc_t + g * DD;
+      for (int64_t j = 0; j < D; ++j)
+        for (int64_t i = 0; i <= j; ++i) accg[i + j * D] += static_cast<double>(cb[i + j * D]);
+    }
+    // Per group: Sigma, eigh, W, running statistics.
+    const EigScratch es{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
+                        static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
+    double* sig = L.sig + t * DD;
+    double* U = L.U + t * DD;
+    double* l = L.l + t * D;
+    double* Wd = L.Wd + t * DD;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < q.G; ++g) {
+      bool finite = true;
+      for (int64_t j = 0; j < D; ++j)
+        for (int64_t i = 0; i <= j; ++i) {
+          double s = 0.0;
+          for (int u = 0; u < nt; ++u) s += L.acc[(u * q.G + g) * DD + i + j * D];
+          s /= static_cast<double>(q.m);
+          if (i == j) s += a.eps;
+          sig[i * D + j] = sig[j * D + i] = s;
+          finite = finite && std::isfinite(s);
+        }
+      if (finite) {
+        eigh(sig, Di, U, l, es);
+        dbn_clamp_eigvals(l, Di, a.eps);
+        dbn_inv_sqrt(U, l, Di, Wd);
+      } else {
+        const double nan = std::numeric_limits<double>::quiet_NaN();
+        std::fill(U, U + DD, nan);
+        std::fill(l, l + D, nan);
+        std::fill(Wd, Wd + DD, nan);
+      }
+      for (int64_t i = 0; i < DD; ++i) {
+        eigvec[g * DD + i] = static_cast<A>(U[i]);
+        L.W[g * DD + i] = static_cast<A>(Wd[i]);
+      }
+      for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
+      if (a.running_proj) {
+        for (int64_t i = 0; i < DD; ++i) {
+          const double r = load_any(a.stat_dtype, a.running_proj, g * DD + i);
+          store_any(a.stat_dtype, a.running_proj, g * DD + i,
+                    dbn_running_update(r, Wd[i], a.momentum));
+        }
+      }
+      if (a.running_mean) {
+        for (int64_t i = 0; i < D; ++i) {
+          const double r = load_any(a.stat_dtype, a.running_mean, g * D + i);
+          store_any(a.stat_dtype, a.running_mean, g * D + i,
+                    dbn_running_update(r, static_cast<double>(mean[g * D + i]), a.momentum));
+        }
+      }
+    }
+    // Pass 3: whitening, y = W (x - mu).
+    A* out = L.out + t * D * K;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
+      const int64_t kc = std::min(K, q.m - j0);
+      gather(x, q, g, j0, kc, mean + g * D, panel, K);
+      gemm('N', 'N', static_cast<int>(kc), Di, Di, A(1), panel, static_cast<int>(K),
+           L.W + g * DD, Di, A(0), out, static_cast<int>(K));
+      scatter(out, K, q, g, j0, kc, y);
+    }
+  }
+  return nullptr;
+}
+
+// ---- Training backward ------------------------------------------------------------------------
+//
+// Derivation, per group (X: D x m, Xc = X - mu 1^T, Sigma = Xc Xc^T / m + eps I, W = Sigma^{-1/2},
+// Y = W Xc; L is the loss, dZ = dL/dZ):
+//  1. Y = W Xc gives two paths:  dXc|direct = W^T dY = W dY   and   dW = dY Xc^T =: G_W.
+//  2. W = f(Sigma) with f(l) = l^-1/2 applied to the eigenvalues. For symmetric perturbations the
+//     Frechet derivative is d f(Sigma)[E] = U (K o (U^T E U)) U^T with the Daleckii-Krein matrix
+//     K_ij = (f(l_i) - f(l_j)) / (l_i - l_j) (i != j), K_ii = f'(l_i). For f = l^-1/2 this is
+//     exactly K_ij = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j))) for all i, j: bounded,
+//     with no 1/(l_i - l_j) and no special case for equal eigenvalues. K and the map are
+//     self-adjoint, so dSigma = G_S = U (K o (U^T Gs U)) U^T with Gs = (G_W + G_W^T)/2 (only the
+//     symmetric part of G_W couples to a symmetric dSigma).
+//  3. Sigma = Xc Xc^T / m + eps I gives dXc|Sigma = (G_S + G_S^T) Xc / m = (2/m) G_S Xc.
+//  4. Xc = X - mean_cols(X) 1^T gives dX = dXc - mean_cols(dXc) 1^T. mean_cols(Xc) = 0, so the
+//     Sigma path has zero column mean and only the direct path is centred:
+//        dX = W (dY - mean_cols(dY) 1^T) + (2/m) G_S Xc.
+//  D = 1 reduces to BatchNorm's dx = rstd (dy - mean(dy) - xhat mean(dy xhat)).
+// Pass 1 accumulates G_W and sum(dY) over panels; the D x D step (dbn_bwd_group) runs in fp64;
+// pass 2 is one gemm per panel with [W | B] (D x 2D) on the stacked panel [dY - mean(dY); Xc].
+// Xc is recomputed from x and the saved AccT mean (exactly the forward's centring), which keeps
+// fp16 inputs exact, unlike Xc = W^-1 Y from the rounded output.
+template <typename A>
+struct BwdLayout {
+  double* acc;    // T x G x D x D, G_W sums (row-major)
+  double* dysum;  // T x G x D
+  A* A2;          // G x D x 2D, [W | B]
+  A* dymean;      // G x D
+  A* panel;       // T x 2D x K
+  A* out;         // T x D x K
+  A* cb;          // T x D x D
+  double* U;      // T x D x D
+  double* l;      // T x D
+  double* GW;     // T x D x D
+  double* W;      // T x D x D
+  double* B;      // T x D x D
+  double* tmp;    // T x 2 x D x D
+};
+
+template <typename A>
+BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
+  BwdLayout<A> L;
+  const size_t DD = q.D * q.D;
+  L.acc = c->take<double>(T * q.G * DD);
+  L.dysum = c->take<double>(T * q.G * q.D);
+  L.A2 = c->take<A>(q.G * 2 * DD);
+  L.dymean = c->take<A>(q.G * q.D);
+  L.panel = c->take<A>(T * 2 * q.D * q.K);
+  L.out = c->take<A>(T * q.D * q.K);
+  L.cb = c->take<A>(T * DD);
+  L.U = c->take<double>(T * DD);
+  L.l = c->take<double>(T * q.D);
+  L.GW = c->take<double>(T * DD);
+  L.W = c->take<double>(T * DD);
+  L.B = c->take<double>(T * DD);
+  L.tmp = c->take<double>(T * 2 * DD);
+  return L;
+}
+
+template <typename T>
+const char* bwd_impl(const DbnBwdArgs& a) {
+  using A = AccT<T>;
+  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  Carver cv{static_cast<char*>(a.workspace)};
+  const BwdLayout<A> L = bwd_layout<A>(&cv, q, nt);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  T* dx = static_cast<T*>(a.dx);
+  const A* mean = static_cast<const A*>(a.mean);
+  const A* eigvec = static_cast<const A*>(a.eigvec);
+  const A* eigval = static_cast<const A*>(a.eigval);
+  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  const int64_t items = q.G * q.nchunk;
+  std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
+  std::fill(L.dysum, L.dysum + nt * q.G * D, 0.0);
+
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    double* acc_t = L.acc + t * q.G * DD;
+    double* dys_t = L.dysum + t * q.G * D;
+    A* pdy = L.panel + t * 2 * D * K;  // rows 0..D-1: dY
+    A* pxc = pdy + D * K;              // rows D..2D-1: Xc
+    A* cb = L.cb + t * DD;
+    // Pass 1: G_W = dY Xc^T and sum(dY).
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
+      const int64_t kc = std::min(K, q.m - j0);
+      gather(dy, q, g, j0, kc, static_cast<const A*>(nullptr), pdy, K);
+      gather(x, q, g, j0, kc, mean + g * D, pxc, K);
+      // Column-major cb = Xc_cm^T dY_cm; read row-major it is G_W = dY Xc^T.
+      gemm('T', 'N', Di, Di, static_cast<int>(kc), A(1), pxc, Ki, pdy, Ki, A(0), cb, Di);
+      double* accg = acc_t + g * DD;
+      for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
+      double* dsg = dys_t + g * D;
+      for (int64_t d = 0; d < D; ++d) {
+        A s = 0;
+        for (int64_t k = 0; k < kc; ++k) s += pdy[d * K + k];
+        dsg[d] += static_cast<double>(s);
+      }
+    }
+    double* U = L.U + t * DD;
+    double* l = L.l + t * D;
+    double* GW = L.GW + t * DD;
+    double* W = L.W + t * DD;
+    double* B = L.B + t * DD;
+    double* tmp = L.tmp + t * 2 * DD;
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < q.G; ++g) {
+      for (int64_t i = 0; i < DD; ++i) {
+        double s = 0.0;
+        for (int u = 0; u < nt; ++u) s += L.acc[(u * q.G + g) * DD + i];
+        GW[i] = s;
+        U[i] = static_cast<double>(eigvec[g * DD + i]);
+      }
+      for (int64_t d = 0; d < D; ++d) {
+        double s = 0.0;
+        for (int u = 0; u < nt; ++u) s += L.dysum[(u * q.G + g) * D + d];
+        L.dymean[g * D + d] = static_cast<A>(s / static_cast<double>(q.m));
+        l[d] = static_cast<double>(eigval[g * D + d]);
+      }
+      dbn_bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
+      A* a2 = L.A2 + g * 2 * DD;
+      for (int64_t i = 0; i < D; ++i)
+        for (int64_t j = 0; j < D; ++j) {
+          a2[i * 2 * D + j] = static_cast<A>(W[i * D + j]);
+          a2[i * 2 * D + D + j] = static_cast<A>(B[i * D + j]);
+        }
+    }
+    // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
+    A* out = L.out + t * D * K;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
+      const int64_t kc = std::min(K, q.m - j0);
+      gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, K);
+      gather(x, q, g, j0, kc, mean + g * D, pxc, K);
+      gemm('N', 'N', static_cast<int>(kc), Di, 2 * Di, A(1), pdy, Ki, L.A2 + g * 2 * DD, 2 * Di,
+           A(0), out, Ki);
+      scatter(out, K, q, g, j0, kc, dx);
+    }
+  }
+  return nullptr;
+}
+
+// ---- Inference forward / backward -------------------------------------------------------------
+template <typename A>
+struct InfLayout {
+  A* P;      // G x D x D (transposed for the backward)
+  A* shift;  // C
+  A* panel;  // T x D x K
+  A* out;    // T x D x K
+};
+
+template <typename A>
+InfLayout<A> inf_layout(Carver* c, const Geo& q, int T) {
+  InfLayout<A> L;
+  L.P = c->take<A>(q.G * q.D * q.D);
+  L.shift = c->take<A>(q.C);
+  L.panel = c->take<A>(T * q.D * q.K);
+  L.out = c->take<A>(T * q.D * q.K);
+  return L;
+}
+
+template <typename T>
+const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
+  using A = AccT<T>;
+  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  Carver cv{static_cast<char*>(a.workspace)};
+  const InfLayout<A> L = inf_layout<A>(&cv, q, nt);
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  for (int64_t g = 0; g < q.G; ++g)
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) {
+        const double p = load_any(a.stat_dtype, a.running_proj, g * DD + i * D + j);
+        L.P[g * DD + (backward ? j * D + i : i * D + j)] = static_cast<A>(p);
+      }
+  for (int64_t c = 0; c < q.C; ++c)
+    L.shift[c] = backward ? A(0) : static_cast<A>(load_any(a.stat_dtype, a.running_mean, c));
+  const int64_t items = q.G * q.nchunk;
+#pragma omp parallel num_threads(nt)
+  {
+    const int t = omp_get_thread_num();
+    A* panel = L.panel + t * D * K;
+    A* out = L.out + t * D * K;
+#pragma omp for schedule(static)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
+      const int64_t kc = std::min(K, q.m - j0);
+      gather(x, q, g, j0, kc, L.shift + g * D, panel, K);
+      gemm('N', 'N', static_cast<int>(kc), Di, Di, A(1), panel, Ki, L.P + g * DD, Di, A(0), out,
+           Ki);
+      scatter(out, K, q, g, j0, kc, y);
+    }
+  }
+  return nullptr;
+}
+
+bool stat_dtype_ok(DType data, DType stat) { return stat == data || stat == acc_dtype(data); }
+
+}  // namespace
+
+bool dbn_have_lapack() { return blas().dsyevd != nullptr; }
+
+size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  Carver c;
+  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  if (a.dtype == DType::kFloat64) fwd_layout<double>(&c, q, nt);
+  else fwd_layout<float>(&c, q, nt);
+  return c.off + kAlign;
+}
+
+size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  Carver c;
+  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  if (a.dtype == DType::kFloat64) bwd_layout<double>(&c, q, nt);
+  else bwd_layout<float>(&c, q, nt);
+  return c.off + kAlign;
+}
+
+size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  Carver c;
+  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  if (a.dtype == DType::kFloat64) inf_layout<double>(&c, q, nt);
+  else inf_layout<float>(&c, q, nt);
+  return c.off + kAlign;
+}
+
+const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval || !a.workspace)
+    return "dbn_fwd_cpu: null pointer";
+  if ((a.running_mean || a.running_proj) && !stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "dbn_fwd_cpu: running statistics must have the data dtype or its accumulation dtype";
+  if (!(a.eps > 0)) return "dbn_fwd_cpu: eps must be > 0";
+  switch (a.dtype) {
+    case DType::kFloat16: return fwd_impl<Half>(a);
+    case DType::kFloat32: return fwd_impl<float>(a);
+    case DType::kFloat64: return fwd_impl<double>(a);
+  }
+  return "dbn_fwd_cpu: unsupported dtype";
+}
+
+const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx || !a.workspace)
+    return "dbn_bwd_cpu: null pointer";
+  switch (a.dtype) {
+    case DType::kFloat16: return bwd_impl<Half>(a);
+    case DType::kFloat32: return bwd_impl<float>(a);
+    case DType::kFloat64: return bwd_impl<double>(a);
+  }
+  return "dbn_bwd_cpu: unsupported dtype";
+}
+
+static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean) || !a.workspace)
+    return "dbn_inference_cpu: null pointer";
+  if (!stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "dbn_inference_cpu: running statistics must have the data dtype or its accumulation "
+           "dtype";
+  switch (a.dtype) {
+    case DType::kFloat16: return inference_impl<Half>(a, backward);
+    case DType::kFloat32: return inference_impl<float>(a, backward);
+    case DType::kFloat64: return inference_impl<double>(a, backward);
+  }
+  return "dbn_inference_cpu: unsupported dtype";
+}
+
+const char* dbn_inference_cpu(const DbnInferenceArgs& a) { return inference_dispatch(a, false); }
+const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a) {
+  return inference_dispatch(a, true);
+}
+
+}  // namespace gn_mx

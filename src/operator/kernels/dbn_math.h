@@ -1,0 +1,148 @@
+/*
+ * dbn_math.h: per-group fp64 small-matrix math of Decorrelated BN, shared by the CPU and CUDA
+ * kernels (GN_HOST_DEVICE, no allocation, no LAPACK). All matrices are D x D, row-major, double.
+ * An eigenvector matrix U stores eigenvector j in column j: U[i*D + j].
+ * Formulas are documented in dbn.h (forward) and dbn_cpu.cc (backward derivation).
+ */
+#pragma once
+#include <cmath>
+
+#include "../common/acc_type.h"
+
+namespace gn_mx {
+
+// Cyclic Jacobi eigensolver for a symmetric matrix: a fallback for dsyevd_ (missing LAPACK or
+// info != 0) and usable per thread on a device. `A` is destroyed; on return `l` holds the
+// eigenvalues in ascending order and U the matching orthonormal eigenvectors (columns).
+// Each rotation is J = [[c, s], [-s, c]] in the (p, q) plane chosen so that (J^T A J)_pq = 0.
+GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int D) {
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) U[i * D + j] = (i == j) ? 1.0 : 0.0;
+  double scale = 0.0;
+  for (int i = 0; i < D * D; ++i) scale += A[i] * A[i];
+  const double tol = 1e-30 * scale;
+  for (int sweep = 0; sweep < 100; ++sweep) {
+    double off = 0.0;
+    for (int p = 0; p < D; ++p)
+      for (int q = p + 1; q < D; ++q) off += A[p * D + q] * A[p * D + q];
+    if (off <= tol || off == 0.0) break;
+    for (int p = 0; p < D; ++p) {
+      for (int q = p + 1; q < D; ++q) {
+        const double apq = A[p * D + q];
+        if (apq == 0.0) continue;
+        const double theta = (A[q * D + q] - A[p * D + p]) / (2.0 * apq);
+        double t;
+        if (fabs(theta) > 1e150) {
+          t = 0.5 / theta;
+        } else {
+          t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
+          if (theta < 0) t = -t;
+        }
+        const double c = 1.0 / sqrt(t * t + 1.0);
+        const double s = t * c;
+        for (int k = 0; k < D; ++k) {  // A <- A J
+          const double akp = A[k * D + p], akq = A[k * D + q];
+          A[k * D + p] = c * akp - s * akq;
+          A[k * D + q] = s * akp + c * akq;
+        }
+        for (int k = 0; k < D; ++k) {  // A <- J^T A
+          const double apk = A[p * D + k], aqk = A[q * D + k];
+          A[p * D + k] = c * apk - s * aqk;
+          A[q * D + k] = s * apk + c * aqk;
+        }
+        A[p * D + q] = A[q * D + p] = 0.0;
+        for (int k = 0; k < D; ++k) {  // U <- U J
+          const double ukp = U[k * D + p], ukq = U[k * D + q];
+          U[k * D + p] = c * ukp - s * ukq;
+          U[k * D + q] = s * ukp + c * ukq;
+        }
+      }
+    }
+  }
+  for (int i = 0; i < D; ++i) l[i] = A[i * D + i];
+  for (int i = 0; i < D; ++i) {  // selection sort, ascending (same order as LAPACK)
+    int best = i;
+    for (int j = i + 1; j < D; ++j)
+      if (l[j] < l[best]) best = j;
+    if (best != i) {
+      const double tl = l[i]; l[i] = l[best]; l[best] = tl;
+      for (int k = 0; k < D; ++k) {
+        const double tu = U[k * D + i]; U[k * D + i] = U[k * D + best]; U[k * D + best] = tu;
+      }
+    }
+  }
+}
+
+// The exact eigenvalues of cov + eps*I are >= eps; rounding in the covariance can push the
+// smallest ones slightly below (even negative for badly scaled data), so clamp to eps.
+GN_HOST_DEVICE inline void dbn_clamp_eigvals(double* l, int D, double eps) {
+  for (int i = 0; i < D; ++i)
+    if (!(l[i] >= eps)) l[i] = (l[i] != l[i]) ? l[i] : eps;  // keep NaN as NaN
+}
+
+// W = U diag(l^-1/2) U^T = Sigma^{-1/2}.
+GN_HOST_DEVICE inline void dbn_inv_sqrt(const double* U, const double* l, int D, double* W) {
+  for (int i = 0; i < D; ++i) {
+    for (int j = i; j < D; ++j) {
+      double s = 0.0;
+      for (int k = 0; k < D; ++k) s += U[i * D + k] * U[j * D + k] / sqrt(l[k]);
+      W[i * D + j] = W[j * D + i] = s;
+    }
+  }
+}
+
+// Daleckii-Krein divided difference of f(l) = l^-1/2:
+//   (f(l_i) - f(l_j)) / (l_i - l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j)))
+// which is also f'(l_i) = -1/2 l_i^-3/2 on the diagonal, so equal eigenvalues need no guard.
+GN_HOST_DEVICE inline double dbn_inv_sqrt_divdiff(double li, double lj) {
+  const double si = sqrt(li), sj = sqrt(lj);
+  return -1.0 / (si * sj * (si + sj));
+}
+
+// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
+// GW = dY Xc^T (not necessarily symmetric), m = number of columns. Outputs: W = Sigma^{-1/2} and
+// B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that dX = W (dY - mean(dY)) + B Xc.
+// tmp: 2*D*D doubles.
+GN_HOST_DEVICE inline void dbn_bwd_group(const double* U, const double* l, const double* GW, int D,
+                                         double m, double* W, double* B, double* tmp) {
+  double* H = tmp;          // sym(GW), then U^T sym(GW) U, then K o (...)
+  double* T = tmp + D * D;  // product scratch
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
+  for (int i = 0; i < D; ++i)  // T = H U
+    for (int j = 0; j < D; ++j) {
+      double s = 0.0;
+      for (int k = 0; k < D; ++k) s += H[i * D + k] * U[k * D + j];
+      T[i * D + j] = s;
+    }
+  for (int i = 0; i < D; ++i)  // H = (U^T T) o K
+    for (int j = 0; j < D; ++j) {
+      double s = 0.0;
+      for (int k = 0; k < D; ++k) s += U[k * D + i] * T[k * D + j];
+      H[i * D + j] = s * dbn_inv_sqrt_divdiff(l[i], l[j]);
+    }
+  for (int i = 0; i < D; ++i)  // T = U H
+    for (int j = 0; j < D; ++j) {
+      double s = 0.0;
+      for (int k = 0; k < D; ++k) s += U[i * D + k] * H[k * D + j];
+      T[i * D + j] = s;
+    }
+  const double two_over_m = 2.0 / m;
+  for (int i = 0; i < D; ++i)  // B = (2/m) T U^T (symmetric up to rounding: symmetrize)
+    for (int j = i; j < D; ++j) {
+      double s1 = 0.0, s2 = 0.0;
+      for (int k = 0; k < D; ++k) {
+        s1 += T[i * D + k] * U[j * D + k];
+        s2 += T[j * D + k] * U[i * D + k];
+      }
+      B[i * D + j] = B[j * D + i] = 0.5 * (s1 + s2) * two_over_m;
+    }
+  dbn_inv_sqrt(U, l, D, W);
+}
+
+// r = momentum * r + (1 - momentum) * batch, computed in double.
+GN_HOST_DEVICE inline double dbn_running_update(double r, double batch, double momentum) {
+  return momentum * r + (1.0 - momentum) * batch;
+}
+
+}  // namespace gn_mx
