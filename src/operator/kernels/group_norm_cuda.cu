@@ -1,0 +1,916 @@
+/*
+ * group_norm_cuda.cu: CUDA kernels for gn_moments and gn_group_norm (forward and backward).
+ * Twins of group_norm_cpu.cc: same entry points (plus a stream), same formulas (group_norm_math.h).
+ *
+ * Layout (N, C, S): the group (n, g) is the contiguous run of L = D*S elements at x + (n*G + g)*L, and
+ * row (n, c) is the run of S elements at x + (n*C + c)*S. Offsets inside a group are 32-bit (L < 2^31
+ * is checked), group bases are 64-bit.
+ *
+ * Statistics (one read of x): every thread folds 16-byte vectors into a Welford state (each vector's
+ * exact mean/M2 merged with Chan's update, one division per vector), then warps merge with shuffles and
+ * the block through shared memory. A fixed merge tree: results are deterministic.
+ * NB: when N*G cannot fill the GPU, a group is split across `splits` blocks that write partial
+ * (count, mean, M2) states; the consumer (the apply kernel, or a finalize kernel for gn_moments) merges
+ * them in one warp. No atomics, no E[x^2] - E[x]^2.
+ *
+ * Forward: stats kernel, then an apply kernel over (group, chunk) blocks: y = x * a_c + b_c. For the
+ * SD-UNet shapes x (<= 21 MB) stays in the H200's 50 MB L2 between the two kernels, so DRAM sees about
+ * one read of x and one write of y.
+ *
+ * Backward: kernel 1 reduces each row (n, c) to dsc = sum dy (x - mu) and db = sum dy (a row split
+ * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one set of
+ * blocks per group that fold gamma into the group sums A, B (cheap: D * splits values), then write
+ * dx = c1_c dy + c2 (x - mu) + c3 over their chunk, and C/256 extra blocks that reduce dgamma/dbeta
+ * over n from the same row sums. Two launches.
+ *
+ * fp16 is read as __half (8 per 16-byte load), widened in registers, accumulated in fp32; statistics
+ * are always AccT. Every entry point returns nullptr or a static error string (cudaGetErrorString), and
+ * checks cudaGetLastError after every launch. No lib_api.h here.
+ */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "group_norm.h"
+#include "group_norm_cuda.h"
+#include "group_norm_math.h"
+#include "../common/welford.h"
+
+namespace gn_mx {
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kWarp = 32;
+constexpr int kNumWarps = kBlock / kWarp;
+constexpr int kMaxSplits = 64;      // partial states per group, merged by one warp (2 per lane)
+constexpr int kUnroll = 4;          // 16-byte loads in flight per thread
+constexpr int64_t kMaxGroup = (int64_t(1) << 31) - 1;
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers
+
+template <typename I>
+__device__ __forceinline__ I imin(I a, I b) {
+  return a < b ? a : b;
+}
+
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T>
+constexpr int vec_width() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
+template <typename A>
+__device__ __forceinline__ Welford<A> shfl_xor_welford(const Welford<A>& w, int off) {
+  Welford<A> o;
+  o.mean = __shfl_xor_sync(0xffffffffu, w.mean, off);
+  o.m2 = __shfl_xor_sync(0xffffffffu, w.m2, off);
+  o.count = __shfl_xor_sync(0xffffffffu, w.count, off);
+  return o;
+}
+
+template <typename A>
+__device__ __forceinline__ Welford<A> warp_merge(Welford<A> w) {
+#pragma unroll
+  for (int off = kWarp / 2; off > 0; off >>= 1) w.merge(shfl_xor_welford(w, off));
+  return w;
+}
+
+// Block-wide merge; the result is valid in thread 0.
+template <typename A>
+__device__ __forceinline__ Welford<A> block_merge(Welford<A> w) {
+  __shared__ A s_mean[kNumWarps], s_m2[kNumWarps], s_count[kNumWarps];
+  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
+  w = warp_merge(w);
+  if (lane == 0) {
+    s_mean[wid] = w.mean;
+    s_m2[wid] = w.m2;
+    s_count[wid] = w.count;
+  }
+  __syncthreads();
+  if (wid == 0) {
+    w = lane < kNumWarps ? make_welford<A>(s_count[lane], s_mean[lane], s_m2[lane]) : Welford<A>();
+    w = warp_merge(w);
+  }
+  return w;
+}
+
+template <typename A>
+struct Pair {
+  A a, b;
+};
+
+// Sums within aligned teams of `kTeam` lanes (kTeam <= 32, a power of two).
+template <int kTeam, typename A>
+__device__ __forceinline__ Pair<A> team_sum(Pair<A> p) {
+#pragma unroll
+  for (int off = kTeam / 2; off > 0; off >>= 1) {
+    p.a += __shfl_xor_sync(0xffffffffu, p.a, off);
+    p.b += __shfl_xor_sync(0xffffffffu, p.b, off);
+  }
+  return p;
+}
+
+// Block-wide sum; the result is returned to every thread.
+template <typename A>
+__device__ __forceinline__ Pair<A> block_sum_all(Pair<A> p) {
+  __shared__ A s_a[kNumWarps], s_b[kNumWarps];
+  __shared__ Pair<A> s_out;
+  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
+  p = team_sum<kWarp>(p);
+  if (lane == 0) {
+    s_a[wid] = p.a;
+    s_b[wid] = p.b;
+  }
+  __syncthreads();
+  if (wid == 0) {
+    p.a = lane < kNumWarps ? s_a[lane] : A(0);
+    p.b = lane < kNumWarps ? s_b[lane] : A(0);
+    p = team_sum<kWarp>(p);
+    if (lane == 0) s_out = p;
+  }
+  __syncthreads();
+  return s_out;
+}
+
+// Folds V stored values into a Welford state: the vector's exact mean/M2, then one Chan merge.
+template <typename T, int V, typename A>
+__device__ __forceinline__ void push_vec(Welford<A>& w, const Vec<T, V>& in) {
+  A v[V];
+  A sum = 0;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    v[k] = to_acc(in.v[k]);
+    sum += v[k];
+  }
+  const A mv = sum * (A(1) / A(V));  // V is a power of two: exact
+  A m2 = 0;
+#pragma unroll
+  for (int k = 0; k < V; ++k) {
+    const A d = v[k] - mv;
+    m2 += d * d;
+  }
+  w.merge(make_welford<A>(A(V), mv, m2));
+}
+
+// Welford state of elements [begin, end) of a group; V > 1 needs 16-byte aligned xg and V | begin, end.
+template <typename T, int V, typename A>
+__device__ __forceinline__ Welford<A> thread_moments(const T* __restrict__ xg, uint32_t begin,
+                                                     uint32_t end) {
+  Welford<A> w;
+  if (V > 1) {
+    using VT = Vec<T, V>;
+    const VT* p = reinterpret_cast<const VT*>(xg);
+    uint32_t i = begin / V + threadIdx.x;
+    const uint32_t e = end / V;
+    for (; i + (kUnroll - 1) * kBlock < e; i += kUnroll * kBlock) {
+      VT r[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) r[u] = p[i + u * kBlock];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) push_vec<T, V, A>(w, r[u]);
+    }
+    for (; i < e; i += kBlock) push_vec<T, V, A>(w, p[i]);
+  } else {
+    for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) w.push(to_acc(xg[i]));
+  }
+  return w;
+}
+
+// Merges the `splits` partial states of group ng in one warp (all 32 lanes must call it).
+template <typename A>
+__device__ __forceinline__ Welford<A> warp_merge_partials(const A* __restrict__ part, int64_t ng,
+                                                          int splits) {
+  Welford<A> w;
+  const int lane = threadIdx.x % kWarp;
+  for (int k = lane; k < splits; k += kWarp) {
+    const A* p = part + (ng * splits + k) * 3;
+    w.merge(make_welford<A>(p[0], p[1], p[2]));
+  }
+  return warp_merge(w);
+}
+
+enum StatsMode : int { kStatsPartial = 0, kStatsMeanVar = 1, kStatsMeanRstd = 2 };
+
+// Grid (N*G, splits). Block (ng, k) covers elements [k*chunk, (k+1)*chunk) of group ng.
+template <typename T, int V>
+__global__ void __launch_bounds__(kBlock)
+stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, AccT<T> eps,
+             AccT<T>* __restrict__ mean, AccT<T>* __restrict__ second, AccT<T>* __restrict__ part) {
+  using A = AccT<T>;
+  const int64_t ng = blockIdx.x;
+  const uint32_t begin = blockIdx.y * chunk;
+  const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  Welford<A> w = thread_moments<T, V, A>(x + ng * L, begin, end);
+  w = block_merge(w);
+  if (threadIdx.x != 0) return;
+  if (mode == kStatsPartial) {
+    A* p = part + (ng * gridDim.y + blockIdx.y) * 3;
+    p[0] = w.count;
+    p[1] = w.mean;
+    p[2] = w.m2;
+  } else {
+    mean[ng] = w.mean;
+    second[ng] = mode == kStatsMeanVar ? w.var() : gn_rstd(w.var(), eps);
+  }
+}
+
+// gn_moments with split groups: one warp per group merges the partial states.
+template <typename A>
+__global__ void __launch_bounds__(kBlock)
+moments_finalize_kernel(const A* __restrict__ part, int splits, int64_t NG, A* __restrict__ mean,
+                        A* __restrict__ var) {
+  const int64_t ng = int64_t(blockIdx.x) * kNumWarps + threadIdx.x / kWarp;
+  if (ng >= NG) return;  // whole warps leave together
+  const Welford<A> w = warp_merge_partials(part, ng, splits);
+  if (threadIdx.x % kWarp == 0) {
+    mean[ng] = w.mean;
+    var[ng] = w.var();
+  }
+}
+
+// Elementwise map over elements [begin, end) of one group: out[e] = op(op.coef(channel(e)), in0[e],
+// in1[e]). Vectorized when V > 1 (16-byte aligned pointers, V | begin, end); one coefficient lookup
+// per vector when V | S, else the channel is tracked element by element without divisions.
+template <typename T, int V, int NIn, typename Op>
+__device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __restrict__ in1,
+                                          T* __restrict__ out, uint32_t begin, uint32_t end,
+                                          uint32_t S, const Op& op) {
+  using A = AccT<T>;
+  using Coef = typename Op::Coef;
+  if (V > 1) {
+    using VT = Vec<T, V>;
+    const VT* p0 = reinterpret_cast<const VT*>(in0);
+    const VT* p1 = reinterpret_cast<const VT*>(in1);
+    VT* po = reinterpret_cast<VT*>(out);
+    const uint32_t e = end / V;
+    uint32_t i = begin / V + threadIdx.x;
+    if (S % V == 0) {
+      for (; i + (kUnroll - 1) * kBlock < e; i += kUnroll * kBlock) {
+        VT r0[kUnroll], r1[kUnroll];
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          r0[u] = p0[i + u * kBlock];
+          if (NIn > 1) r1[u] = p1[i + u * kBlock];
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          const Coef cf = op.coef((i + u * kBlock) * V / S);
+          VT o;
+#pragma unroll
+          for (int k = 0; k < V; ++k)
+            o.v[k] = from_acc<T>(op(cf, to_acc(r0[u].v[k]), NIn > 1 ? to_acc(r1[u].v[k]) : A(0)));
+          po[i + u * kBlock] = o;
+        }
+      }
+      for (; i < e; i += kBlock) {
+        const VT r0 = p0[i];
+        VT r1;
+        if (NIn > 1) r1 = p1[i];
+        const Coef cf = op.coef(i * V / S);
+        VT o;
+#pragma unroll
+        for (int k = 0; k < V; ++k)
+          o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
+        po[i] = o;
+      }
+    } else {
+      for (; i < e; i += kBlock) {
+        const VT r0 = p0[i];
+        VT r1;
+        if (NIn > 1) r1 = p1[i];
+        uint32_t c = i * V / S;
+        uint32_t s = i * V - c * S;
+        Coef cf = op.coef(c);
+        VT o;
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          if (s == S) {
+            s = 0;
+            cf = op.coef(++c);
+          }
+          o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
+          ++s;
+        }
+        po[i] = o;
+      }
+    }
+  } else {
+    for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) {
+      const Coef cf = op.coef(i / S);
+      out[i] = from_acc<T>(op(cf, to_acc(in0[i]), NIn > 1 ? to_acc(in1[i]) : A(0)));
+    }
+  }
+}
+
+template <typename P, typename A>
+struct FwdOp {
+  struct Coef {
+    A a, b;
+  };
+  const P* gamma;  // this group's D channels
+  const P* beta;
+  A mu, r;
+  __device__ __forceinline__ Coef coef(uint32_t c) const {
+    Coef cf;
+    gn_fwd_coeffs<A>(mu, r, static_cast<A>(to_acc(gamma[c])), static_cast<A>(to_acc(beta[c])),
+                     &cf.a, &cf.b);
+    return cf;
+  }
+  __device__ __forceinline__ A operator()(const Coef& cf, A x, A) const { return x * cf.a + cf.b; }
+};
+
+// Grid (N*G, chunks). With splits > 1 the block first merges the group's partial states (and the
+// chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them.
+template <typename T, typename P, int V>
+__global__ void __launch_bounds__(kBlock)
+fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* __restrict__ beta,
+                 T* __restrict__ y, AccT<T>* __restrict__ mean, AccT<T>* __restrict__ rstd,
+                 const AccT<T>* __restrict__ part, int splits, AccT<T> eps, int64_t L, uint32_t S,
+                 int64_t G, uint32_t D, uint32_t chunk) {
+  using A = AccT<T>;
+  __shared__ A s_mu, s_r;
+  const int64_t ng = blockIdx.x;
+  if (splits > 1) {
+    if (threadIdx.x < kWarp) {
+      const Welford<A> w = warp_merge_partials(part, ng, splits);
+      if (threadIdx.x == 0) {
+        s_mu = w.mean;
+        s_r = gn_rstd(w.var(), eps);
+        if (blockIdx.y == 0) {
+          mean[ng] = s_mu;
+          rstd[ng] = s_r;
+        }
+      }
+    }
+    __syncthreads();
+  } else if (threadIdx.x == 0) {
+    s_mu = mean[ng];
+    s_r = rstd[ng];
+  }
+  if (splits <= 1) __syncthreads();
+  const int64_t g = ng % G;
+  FwdOp<P, A> op{gamma + g * D, beta + g * D, s_mu, s_r};
+  const uint32_t begin = blockIdx.y * chunk;
+  const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  map_group<T, V, 1>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
+}
+
+template <typename A>
+struct MomentsBwdOp {
+  struct Coef {};
+  A mu, c0, c1;
+  __device__ __forceinline__ Coef coef(uint32_t) const { return Coef{}; }
+  __device__ __forceinline__ A operator()(const Coef&, A x, A) const { return c0 + c1 * (x - mu); }
+};
+
+template <typename T, int V>
+__global__ void __launch_bounds__(kBlock)
+moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
+                   const AccT<T>* __restrict__ dmean, const AccT<T>* __restrict__ dvar,
+                   T* __restrict__ dx, int64_t L, uint32_t S, uint32_t chunk) {
+  using A = AccT<T>;
+  const int64_t ng = blockIdx.x;
+  MomentsBwdOp<A> op;
+  op.mu = mean[ng];
+  gn_moments_bwd_coeffs<A>(dmean ? dmean[ng] : A(0), dvar ? dvar[ng] : A(0), A(1) / A(L), &op.c0,
+                           &op.c1);
+  const uint32_t begin = blockIdx.y * chunk;
+  const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  map_group<T, V, 1>(x + ng * L, nullptr, dx + ng * L, begin, end, S, op);
+}
+
+// Backward kernel 1. Rows (n, c) of S elements, kTeam threads per row (1, 32 or kBlock), rows split
+// into gridDim.y pieces of `chunk` elements. Writes part[(row*splits + k)*2 + {0, 1}] = (dsc, db).
+template <typename T, int V, int kTeam>
+__global__ void __launch_bounds__(kBlock)
+bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                    const AccT<T>* __restrict__ mean, AccT<T>* __restrict__ part, int64_t rows,
+                    uint32_t S, uint32_t D, uint32_t chunk) {
+  using A = AccT<T>;
+  constexpr int kRowsPerBlock = kBlock / kTeam;
+  const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kTeam;
+  const uint32_t lane = threadIdx.x % kTeam;
+  Pair<A> acc{A(0), A(0)};
+  if (row < rows) {
+    const A mu = mean[row / D];  // row = n*C + c, so row / D = n*G + g
+    const T* dyr = dy + row * S;
+    const T* xr = x + row * S;
+    const uint32_t begin = blockIdx.y * chunk;
+    const uint32_t end = static_cast<uint32_t>(imin<int64_t>(S, int64_t(begin) + chunk));
+    if (V > 1) {
+      using VT = Vec<T, V>;
+      const VT* pd = reinterpret_cast<const VT*>(dyr);
+      const VT* px = reinterpret_cast<const VT*>(xr);
+      for (uint32_t i = begin / V + lane; i < end / V; i += kTeam) {
+        const VT d = pd[i];
+        const VT v = px[i];
+#pragma unroll
+        for (int k = 0; k < V; ++k) {
+          const A g = to_acc(d.v[k]);
+          acc.a += g * (to_acc(v.v[k]) - mu);
+          acc.b += g;
+        }
+      }
+    } else {
+      for (uint32_t i = begin + lane; i < end; i += kTeam) {
+        const A g = to_acc(dyr[i]);
+        acc.a += g * (to_acc(xr[i]) - mu);
+        acc.b += g;
+      }
+    }
+  }
+  if (kTeam == kBlock) {
+    acc = block_sum_all(acc);
+    if (threadIdx.x == 0) {
+      A* p = part + (row * gridDim.y + blockIdx.y) * 2;
+      p[0] = acc.a;
+      p[1] = acc.b;
+    }
+  } else {
+    acc = team_sum<(kTeam < kWarp ? kTeam : kWarp)>(acc);
+    if (lane == 0 && row < rows) {
+      A* p = part + (row * gridDim.y + blockIdx.y) * 2;
+      p[0] = acc.a;
+      p[1] = acc.b;
+    }
+  }
+}
+
+template <typename P, typename A>
+struct BwdOp {
+  struct Coef {
+    A c1;
+  };
+  const P* gamma;  // this group's D channels
+  A mu, r, c2, c3;
+  __device__ __forceinline__ Coef coef(uint32_t c) const {
+    return Coef{r * static_cast<A>(to_acc(gamma[c]))};
+  }
+  __device__ __forceinline__ A operator()(const Coef& cf, A dy, A x) const {
+    return gn_bwd_dx<A>(cf.c1, c2, c3, mu, dy, x);
+  }
+};
+
+// Backward kernel 2. Grid (N*G + param_blocks, chunks): blocks x < N*G write dx for a chunk of their
+// group; blocks x >= N*G (y == 0 only) reduce dgamma/dbeta for kBlock channels each.
+template <typename T, typename P, int V>
+__global__ void __launch_bounds__(kBlock)
+bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
+              const AccT<T>* __restrict__ rstd, const AccT<T>* __restrict__ dmean_o,
+              const AccT<T>* __restrict__ drstd_o, const P* __restrict__ gamma,
+              const AccT<T>* __restrict__ part, int rsplits, T* __restrict__ dx,
+              P* __restrict__ dgamma, P* __restrict__ dbeta, int64_t N, int64_t C, int64_t G,
+              uint32_t D, uint32_t S, uint32_t chunk) {
+  using A = AccT<T>;
+  const int64_t NG = N * G;
+  const int64_t ng = blockIdx.x;
+  if (ng >= NG) {
+    if (blockIdx.y != 0) return;
+    const int64_t c = (ng - NG) * kBlock + threadIdx.x;
+    if (c >= C) return;
+    const int64_t g = c / D;
+    A sg = 0, sb = 0;
+    for (int64_t n = 0; n < N; ++n) {
+      const A* p = part + (n * C + c) * rsplits * 2;
+      A ds = 0, db = 0;
+      for (int k = 0; k < rsplits; ++k) {
+        ds += p[2 * k];
+        db += p[2 * k + 1];
+      }
+      sg += ds * rstd[n * G + g];
+      sb += db;
+    }
+    if (dgamma) dgamma[c] = from_acc<P>(sg);
+    if (dbeta) dbeta[c] = from_acc<P>(sb);
+    return;
+  }
+  const int64_t g = ng % G;
+  const int64_t row0 = ng * D;  // (n*C + g*D)
+  const P* gg = gamma + g * D;
+  Pair<A> ab{A(0), A(0)};
+  for (uint32_t d = threadIdx.x; d < D; d += kBlock) {
+    const A* p = part + (row0 + d) * rsplits * 2;
+    A ds = 0, db = 0;
+    for (int k = 0; k < rsplits; ++k) {
+      ds += p[2 * k];
+      db += p[2 * k + 1];
+    }
+    const A gm = static_cast<A>(to_acc(gg[d]));
+    ab.a += gm * ds;
+    ab.b += gm * db;
+  }
+  ab = block_sum_all(ab);
+  const int64_t L = int64_t(D) * S;
+  BwdOp<P, A> op;
+  op.gamma = gg;
+  op.mu = mean[ng];
+  op.r = rstd[ng];
+  gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_o ? dmean_o[ng] : A(0),
+                   drstd_o ? drstd_o[ng] : A(0), &op.c2, &op.c3);
+  const uint32_t begin = blockIdx.y * chunk;
+  const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side: launch plans
+
+// DType -> device storage type.
+template <DType> struct DevType;
+template <> struct DevType<DType::kFloat32> { using type = float; };
+template <> struct DevType<DType::kFloat64> { using type = double; };
+template <> struct DevType<DType::kFloat16> { using type = __half; };
+
+const char* sm_count(int* out) {
+  static int cache[64] = {0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (dev >= 0 && dev < 64 && cache[dev] > 0) {
+    *out = cache[dev];
+    return nullptr;
+  }
+  int n = 0;
+  e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (n <= 0) n = 1;
+  if (dev >= 0 && dev < 64) cache[dev] = n;
+  *out = n;
+  return nullptr;
+}
+
+// Blocks that fill the GPU once (kBlock threads, 2048 resident threads per SM on sm_80+/sm_90).
+int64_t wave_blocks(int sms) { return int64_t(sms) * (2048 / kBlock); }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Splits a group of `units` work units (vectors or scalars) into pieces of >= min_units, aiming at
+// `want` pieces, at most max_pieces. Returns the chunk length in units; *pieces = ceil(units/chunk).
+int64_t plan_chunks(int64_t units, int64_t want, int64_t min_units, int64_t max_pieces,
+                    int64_t* pieces) {
+  int64_t p = std::max<int64_t>(1, std::min(want, units / std::max<int64_t>(1, min_units)));
+  p = std::min(p, max_pieces);
+  const int64_t chunk = ceil_div(units, p);
+  *pieces = ceil_div(units, chunk);
+  return chunk;
+}
+
+struct StatsPlan {
+  int V = 1;              // vector width used (1 = scalar path)
+  int64_t splits = 1;     // blocks per group
+  int64_t chunk = 0;      // elements per block (multiple of V)
+};
+
+template <typename T>
+StatsPlan plan_stats(const void* x, const void* y, int64_t NG, int64_t L, int sms, bool can_split) {
+  StatsPlan p;
+  const int Vw = vec_width<T>();
+  p.V = (L % Vw == 0 && aligned16(x) && (y == nullptr || aligned16(y))) ? Vw : 1;
+  const int64_t units = L / p.V;
+  const int64_t want = can_split ? ceil_div(wave_blocks(sms), NG) : 1;
+  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * 4, kMaxSplits, &p.splits);
+  p.chunk = cu * p.V;
+  return p;
+}
+
+// Chunks for the elementwise kernels: about two waves of blocks, >= 4 vectors per thread.
+void plan_map(int64_t NG, int64_t L, int V, int sms, int64_t* chunk, int64_t* chunks) {
+  const int64_t units = L / V;
+  const int64_t want = ceil_div(2 * wave_blocks(sms), NG);
+  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * kUnroll, 65535, chunks);
+  *chunk = cu * V;
+}
+
+#define GN_CUDA_CHECK_LAUNCH()                                  \
+  do {                                                          \
+    const cudaError_t gn_err_ = cudaGetLastError();             \
+    if (gn_err_ != cudaSuccess) return cudaGetErrorString(gn_err_); \
+  } while (0)
+
+const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
+  if (N <= 0 || C <= 0 || S <= 0) return "gn_mx: empty tensors are not supported";
+  if (G <= 0 || C % G != 0) return "gn_mx: channels must be divisible by num_groups > 0";
+  if ((C / G) * S > kMaxGroup)
+    return "gn_mx: CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
+  if (N * G > kMaxGroup) return "gn_mx: CUDA kernels need N * num_groups < 2^31";
+  return nullptr;
+}
+
+template <typename T>
+size_t stats_workspace(const void* x, const void* y, int64_t N, int64_t C, int64_t G, int64_t S) {
+  if (check_dims(N, C, G, S)) return 0;
+  int sms = 1;
+  if (sm_count(&sms)) return 0;
+  const StatsPlan p = plan_stats<T>(x, y, N * G, (C / G) * S, sms, true);
+  if (p.splits <= 1) return 0;
+  return static_cast<size_t>(N * G * p.splits * 3) * sizeof(AccT<T>);
+}
+
+template <typename T>
+const char* launch_stats(const T* x, int64_t NG, int64_t L, const StatsPlan& p, int mode,
+                         AccT<T> eps, AccT<T>* mean, AccT<T>* second, AccT<T>* part,
+                         cudaStream_t st) {
+  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(p.splits));
+  if (p.V > 1)
+    stats_kernel<T, vec_width<T>()><<<grid, kBlock, 0, st>>>(
+        x, L, static_cast<uint32_t>(p.chunk), mode, eps, mean, second, part);
+  else
+    stats_kernel<T, 1><<<grid, kBlock, 0, st>>>(x, L, static_cast<uint32_t>(p.chunk), mode, eps,
+                                                 mean, second, part);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+template <typename T>
+const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  const int64_t NG = a.N * a.G, L = (a.C / a.G) * a.S;
+  const StatsPlan p = plan_stats<T>(a.x, nullptr, NG, L, sms, ws != nullptr);
+  A* mean = static_cast<A*>(a.mean);
+  A* var = static_cast<A*>(a.var);
+  if (p.splits <= 1)
+    return launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsMeanVar, A(0), mean, var,
+                           nullptr, st);
+  A* part = static_cast<A*>(ws);
+  if (const char* e = launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsPartial, A(0),
+                                      nullptr, nullptr, part, st))
+    return e;
+  moments_finalize_kernel<A><<<static_cast<unsigned>(ceil_div(NG, kNumWarps)), kBlock, 0, st>>>(
+      part, static_cast<int>(p.splits), NG, mean, var);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+template <typename T, typename P>
+const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
+  const StatsPlan p = plan_stats<T>(a.x, a.y, NG, L, sms, ws != nullptr);
+  const T* x = static_cast<const T*>(a.x);
+  T* y = static_cast<T*>(a.y);
+  A* mean = static_cast<A*>(a.mean);
+  A* rstd = static_cast<A*>(a.rstd);
+  A* part = p.splits > 1 ? static_cast<A*>(ws) : nullptr;
+  const A eps = static_cast<A>(a.eps);
+  if (const char* e = launch_stats<T>(x, NG, L, p, p.splits > 1 ? kStatsPartial : kStatsMeanRstd,
+                                      eps, mean, rstd, part, st))
+    return e;
+  int64_t chunk = 0, chunks = 1;
+  plan_map(NG, L, p.V, sms, &chunk, &chunks);
+  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
+  const P* gamma = static_cast<const P*>(a.gamma);
+  const P* beta = static_cast<const P*>(a.beta);
+  const int splits = static_cast<int>(p.splits);
+  if (p.V > 1)
+    fwd_apply_kernel<T, P, vec_width<T>()><<<grid, kBlock, 0, st>>>(
+        x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
+        static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
+  else
+    fwd_apply_kernel<T, P, 1><<<grid, kBlock, 0, st>>>(
+        x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
+        static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+template <typename T>
+const char* moments_bwd_impl(const MomentsBwdArgs& a, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  const int64_t NG = a.N * a.G, L = (a.C / a.G) * a.S;
+  const int Vw = vec_width<T>();
+  const int V = (L % Vw == 0 && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
+  int64_t chunk = 0, chunks = 1;
+  plan_map(NG, L, V, sms, &chunk, &chunks);
+  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
+  const T* x = static_cast<const T*>(a.x);
+  const A* mean = static_cast<const A*>(a.mean);
+  const A* dmean = static_cast<const A*>(a.dmean);
+  const A* dvar = static_cast<const A*>(a.dvar);
+  T* dx = static_cast<T*>(a.dx);
+  if (V > 1)
+    moments_bwd_kernel<T, vec_width<T>()><<<grid, kBlock, 0, st>>>(
+        x, mean, dmean, dvar, dx, L, static_cast<uint32_t>(a.S), static_cast<uint32_t>(chunk));
+  else
+    moments_bwd_kernel<T, 1><<<grid, kBlock, 0, st>>>(x, mean, dmean, dvar, dx, L,
+                                                      static_cast<uint32_t>(a.S),
+                                                      static_cast<uint32_t>(chunk));
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+struct RowPlan {
+  int V = 1;
+  int team = kWarp;       // threads per row: 1, kWarp or kBlock
+  int64_t splits = 1;     // blocks per row (team == kBlock only)
+  int64_t chunk = 0;      // elements per split
+};
+
+template <typename T>
+RowPlan plan_rows(const GroupNormBwdArgs& a, int sms) {
+  RowPlan p;
+  const int Vw = vec_width<T>();
+  const int64_t S = a.S, rows = a.N * a.C;
+  p.V = (S % Vw == 0 && aligned16(a.dy) && aligned16(a.x)) ? Vw : 1;
+  if (S <= 16) {
+    p.team = 1;
+    p.V = 1;
+  } else if (S < 2048) {
+    p.team = kWarp;
+  } else {
+    p.team = kBlock;
+  }
+  p.chunk = S;
+  if (p.team == kBlock) {
+    const int64_t units = S / p.V;
+    const int64_t cu = plan_chunks(units, ceil_div(wave_blocks(sms), rows), int64_t(kBlock) * 4,
+                                   kMaxSplits, &p.splits);
+    p.chunk = cu * p.V;
+  }
+  return p;
+}
+
+template <typename T>
+size_t bwd_workspace(const GroupNormBwdArgs& a) {
+  if (check_dims(a.N, a.C, a.G, a.S)) return 0;
+  int sms = 1;
+  if (sm_count(&sms)) return 0;
+  const RowPlan p = plan_rows<T>(a, sms);
+  return static_cast<size_t>(a.N * a.C * p.splits * 2) * sizeof(AccT<T>);
+}
+
+template <typename T, int V>
+const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>* part,
+                            cudaStream_t st) {
+  using A = AccT<T>;
+  const int64_t rows = a.N * a.C;
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* x = static_cast<const T*>(a.x);
+  const A* mean = static_cast<const A*>(a.mean);
+  const uint32_t S = static_cast<uint32_t>(a.S), D = static_cast<uint32_t>(a.C / a.G);
+  const uint32_t chunk = static_cast<uint32_t>(p.chunk);
+  const int rpb = kBlock / p.team;
+  const dim3 grid(static_cast<unsigned>(ceil_div(rows, rpb)), static_cast<unsigned>(p.splits));
+  if (p.team == 1)
+    bwd_row_sums_kernel<T, 1, 1><<<grid, kBlock, 0, st>>>(dy, x, mean, part, rows, S, D, chunk);
+  else if (p.team == kWarp)
+    bwd_row_sums_kernel<T, V, kWarp><<<grid, kBlock, 0, st>>>(dy, x, mean, part, rows, S, D, chunk);
+  else
+    bwd_row_sums_kernel<T, V, kBlock><<<grid, kBlock, 0, st>>>(dy, x, mean, part, rows, S, D, chunk);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+template <typename T, typename P>
+const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  if (a.workspace == nullptr) return "gn_mx: group_norm CUDA backward needs a workspace";
+  if (!aligned16(a.workspace)) return "gn_mx: group_norm CUDA backward workspace must be 16-byte aligned";
+  const RowPlan rp = plan_rows<T>(a, sms);
+  A* part = static_cast<A*>(a.workspace);
+  const char* e = rp.V > 1 ? launch_row_sums<T, vec_width<T>()>(a, rp, part, st)
+                           : launch_row_sums<T, 1>(a, rp, part, st);
+  if (e) return e;
+
+  const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
+  const int Vw = vec_width<T>();
+  const int V = (L % Vw == 0 && aligned16(a.dy) && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
+  int64_t chunk = 0, chunks = 1;
+  plan_map(NG, L, V, sms, &chunk, &chunks);
+  const int64_t pblocks = (a.dgamma || a.dbeta) ? ceil_div(a.C, kBlock) : 0;
+  const dim3 grid(static_cast<unsigned>(NG + pblocks), static_cast<unsigned>(chunks));
+  const T* dy = static_cast<const T*>(a.dy);
+  const T* x = static_cast<const T*>(a.x);
+  const A* mean = static_cast<const A*>(a.mean);
+  const A* rstd = static_cast<const A*>(a.rstd);
+  const A* dmean_o = static_cast<const A*>(a.dmean);
+  const A* drstd_o = static_cast<const A*>(a.drstd);
+  const P* gamma = static_cast<const P*>(a.gamma);
+  T* dx = static_cast<T*>(a.dx);
+  P* dgamma = static_cast<P*>(a.dgamma);
+  P* dbeta = static_cast<P*>(a.dbeta);
+  const int rs = static_cast<int>(rp.splits);
+  const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.S),
+                 ch32 = static_cast<uint32_t>(chunk);
+  if (V > 1)
+    bwd_dx_kernel<T, P, vec_width<T>()><<<grid, kBlock, 0, st>>>(
+        dy, x, mean, rstd, dmean_o, drstd_o, gamma, part, rs, dx, dgamma, dbeta, a.N, a.C, a.G,
+        D32, S32, ch32);
+  else
+    bwd_dx_kernel<T, P, 1><<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma,
+                                                    part, rs, dx, dgamma, dbeta, a.N, a.C, a.G,
+                                                    D32, S32, ch32);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Dtype dispatch: data (T) and the supported (T, P) pairs: (T, T) and (fp16, fp32).
+
+template <typename F>
+const char* dispatch_data(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat64: return f(double{});
+    case DType::kFloat16: return f(__half{});
+  }
+  return "gn_mx: unsupported data dtype";
+}
+
+template <typename F>
+const char* dispatch_data_param(DType t, DType pt, F&& f) {
+  if (t == pt) {
+    return dispatch_data(t, [&](auto tag) {
+      using T = decltype(tag);
+      return f(T{}, T{});
+    });
+  }
+  if (t == DType::kFloat16 && pt == DType::kFloat32) return f(__half{}, float{});
+  return "gn_mx: gamma/beta dtype must equal the data dtype (or be float32 with float16 data)";
+}
+
+cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
+
+}  // namespace
+
+size_t moments_workspace_cuda(const MomentsArgs& a) {
+  size_t n = 0;
+  dispatch_data(a.dtype, [&](auto tag) -> const char* {
+    n = stats_workspace<decltype(tag)>(a.x, nullptr, a.N, a.C, a.G, a.S);
+    return nullptr;
+  });
+  return n;
+}
+
+size_t group_norm_fwd_workspace_cuda(const GroupNormFwdArgs& a) {
+  size_t n = 0;
+  dispatch_data(a.dtype, [&](auto tag) -> const char* {
+    n = stats_workspace<decltype(tag)>(a.x, a.y, a.N, a.C, a.G, a.S);
+    return nullptr;
+  });
+  return n;
+}
+
+size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
+  size_t n = 0;
+  dispatch_data(a.dtype, [&](auto tag) -> const char* {
+    n = bwd_workspace<decltype(tag)>(a);
+    return nullptr;
+  });
+  return n;
+}
+
+const char* moments_cuda(const MomentsArgs& a, void* workspace, void* stream) {
+  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (workspace && !aligned16(workspace)) return "gn_mx: moments CUDA workspace must be 16-byte aligned";
+  return dispatch_data(a.dtype, [&](auto tag) {
+    return moments_impl<decltype(tag)>(a, workspace, as_stream(stream));
+  });
+}
+
+const char* moments_cuda(const MomentsArgs& a, void* stream) { return moments_cuda(a, nullptr, stream); }
+
+const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream) {
+  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  return dispatch_data(a.dtype, [&](auto tag) {
+    return moments_bwd_impl<decltype(tag)>(a, as_stream(stream));
+  });
+}
+
+const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* workspace, void* stream) {
+  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (workspace && !aligned16(workspace))
+    return "gn_mx: group_norm CUDA forward workspace must be 16-byte aligned";
+  return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
+    return fwd_impl<decltype(t), decltype(p)>(a, workspace, as_stream(stream));
+  });
+}
+
+const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
+  return group_norm_fwd_cuda(a, nullptr, stream);
+}
+
+const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream) {
+  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
+    return bwd_impl<decltype(t), decltype(p)>(a, as_stream(stream));
+  });
+}
+
+}  // namespace gn_mx

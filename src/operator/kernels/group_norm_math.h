@@ -1,0 +1,71 @@
+/*
+ * group_norm_math.h: the per-group / per-channel GroupNorm formulas, shared by the CPU and CUDA
+ * kernels (GN_INLINE: host and device). Loops differ between the twins; these formulas may not.
+ *
+ * Forward (per group n,g with mean mu and rstd r; per channel c):
+ *   r = 1 / sqrt(var + eps);   a_c = r * gamma_c;   b_c = beta_c - a_c * mu;   y = x * a_c + b_c
+ * Backward, with m = D*S, per-(n,c) sums dsc_c = sum_s dy (x - mu), db_c = sum_s dy and per group
+ *   A = sum_c gamma_c dsc_c,  B = sum_c gamma_c db_c:
+ *   dx = c1_c dy + c2 (x - mu) + c3,  c1_c = r gamma_c,  c2 = -A r^3 / m,  c3 = -B r / m
+ * plus the gradients arriving at the mean/rstd outputs (d mean/dx = 1/m,
+ * d rstd/dx = -r^3 (x - mu) / m): c3 += dmean / m, c2 -= drstd r^3 / m.
+ *   dgamma_c = sum_n dsc_c r,  dbeta_c = sum_n db_c.
+ * Moments backward (mean, population var): dx = dmean / m + 2 dvar / m (x - mu).
+ * Products are centred at the mean (dsc, not sum dy x) so |mean| >> std loses no precision.
+ */
+#pragma once
+#include <cmath>
+
+#include "../common/acc_type.h"
+
+namespace gn_mx {
+
+GN_INLINE float gn_sqrt(float v) {
+#if defined(__CUDA_ARCH__)
+  return sqrtf(v);
+#else
+  return std::sqrt(v);
+#endif
+}
+GN_INLINE double gn_sqrt(double v) {
+#if defined(__CUDA_ARCH__)
+  return ::sqrt(v);
+#else
+  return std::sqrt(v);
+#endif
+}
+
+template <typename A>
+GN_INLINE A gn_rstd(A var, A eps) {
+  return A(1) / gn_sqrt(var + eps);
+}
+
+// y = x * a + b for channel c of a group with (mu, r).
+template <typename A>
+GN_INLINE void gn_fwd_coeffs(A mu, A r, A gamma_c, A beta_c, A* a, A* b) {
+  *a = r * gamma_c;
+  *b = beta_c - *a * mu;
+}
+
+// Per-group backward coefficients c2, c3 (see header). dmean_o / drstd_o are the incoming gradients of
+// the mean / rstd outputs (0 when absent).
+template <typename A>
+GN_INLINE void gn_bwd_coeffs(A sum_a, A sum_b, A r, A inv_m, A dmean_o, A drstd_o, A* c2, A* c3) {
+  const A r3 = r * r * r;
+  *c2 = -sum_a * r3 * inv_m - drstd_o * r3 * inv_m;
+  *c3 = -sum_b * r * inv_m + dmean_o * inv_m;
+}
+
+template <typename A>
+GN_INLINE A gn_bwd_dx(A c1, A c2, A c3, A mu, A dy, A x) {
+  return c1 * dy + c2 * (x - mu) + c3;
+}
+
+// Moments backward: dx = c0 + c1 (x - mu), c0 = dmean / m, c1 = 2 dvar / m.
+template <typename A>
+GN_INLINE void gn_moments_bwd_coeffs(A dmean, A dvar, A inv_m, A* c0, A* c1) {
+  *c0 = dmean * inv_m;
+  *c1 = A(2) * dvar * inv_m;
+}
+
+}  // namespace gn_mx
