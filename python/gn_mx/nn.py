@@ -20,6 +20,16 @@ def _check_groups(cls, num_groups, epsilon, in_channels):
                          f"({num_groups})")
 
 
+def accumulating_params(F, *params):
+    """Route parameters through `identity` so that grad_req='add' accumulates.
+
+    MXNet's lib_api passes no `req` to library ops: their backward always overwrites the gradient
+    buffer it is given. A built-in identity between the parameter and the op receives the library's
+    gradient in a temporary and honours 'add' (and 'write') itself, at the cost of copying C values.
+    """
+    return tuple(F.identity(p) for p in params)
+
+
 class GroupNorm(HybridBlock):
     """Group Normalization (Wu & He, 2018) with the paper's per-channel affine.
 
@@ -62,6 +72,7 @@ class GroupNorm(HybridBlock):
                                         allow_deferred_init=True, differentiable=center)
 
     def hybrid_forward(self, F, x, gamma, beta):
+        gamma, beta = accumulating_params(F, gamma, beta)
         return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon)[0]
 
     def __repr__(self):
