@@ -1,0 +1,100 @@
+/*
+ * harness.cc: C ABI over the framework-free CUDA kernels, for the GPU test/benchmark harness
+ * (tests/gpu/gnh.py drives it with ctypes on torch CUDA tensors). No MXNet, no torch headers.
+ *
+ * dtype codes are gn_mx::DType (0 float32, 1 float64, 2 float16). Pointers are raw device pointers,
+ * `stream` a cudaStream_t (torch.cuda.current_stream().cuda_stream). Every function returns nullptr
+ * on success or the kernel's error string; *_workspace return bytes.
+ */
+#include <cstddef>
+#include <cstdint>
+
+#include "kernels/dbn.h"
+#include "kernels/group_norm.h"
+#include "kernels/group_norm_cuda.h"
+
+using namespace gn_mx;
+
+#define GNH_API extern "C" __attribute__((visibility("default")))
+
+GNH_API size_t gnh_moments_workspace(int dtype, const void* x, int64_t N, int64_t C, int64_t G,
+                                     int64_t S) {
+  MomentsArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.x = x;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return moments_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_moments(int dtype, const void* x, void* mean, void* var, int64_t N,
+                                int64_t C, int64_t G, int64_t S, void* workspace, void* stream) {
+  MomentsArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.x = x; a.mean = mean; a.var = var;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return workspace ? moments_cuda(a, workspace, stream) : moments_cuda(a, stream);
+}
+
+GNH_API const char* gnh_moments_bwd(int dtype, const void* dmean, const void* dvar, const void* x,
+                                    const void* mean, void* dx, int64_t N, int64_t C, int64_t G,
+                                    int64_t S, void* stream) {
+  MomentsBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.dmean = dmean; a.dvar = dvar; a.x = x; a.mean = mean; a.dx = dx;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return moments_bwd_cuda(a, stream);
+}
+
+GNH_API size_t gnh_gn_fwd_workspace(int dtype, int param_dtype, const void* x, const void* y,
+                                    int64_t N, int64_t C, int64_t G, int64_t S) {
+  GroupNormFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.x = x; a.y = const_cast<void*>(y);
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return group_norm_fwd_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_gn_fwd(int dtype, int param_dtype, const void* x, const void* gamma,
+                               const void* beta, void* y, void* mean, void* rstd, int64_t N,
+                               int64_t C, int64_t G, int64_t S, double eps, void* workspace,
+                               void* stream) {
+  GroupNormFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.rstd = rstd;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.eps = eps;
+  return workspace ? group_norm_fwd_cuda(a, workspace, stream) : group_norm_fwd_cuda(a, stream);
+}
+
+static GroupNormBwdArgs bwd_args(int dtype, int param_dtype, const void* dy, const void* x,
+                                 const void* mean, const void* rstd, const void* gamma, void* dx,
+                                 void* dgamma, void* dbeta, const void* dmean, const void* drstd,
+                                 void* workspace, int64_t N, int64_t C, int64_t G, int64_t S) {
+  GroupNormBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.dy = dy; a.x = x; a.mean = mean; a.rstd = rstd; a.gamma = gamma;
+  a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta; a.dmean = dmean; a.drstd = drstd;
+  a.workspace = workspace;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return a;
+}
+
+GNH_API size_t gnh_gn_bwd_workspace(int dtype, int param_dtype, const void* dy, const void* x,
+                                    void* dx, int64_t N, int64_t C, int64_t G, int64_t S) {
+  return group_norm_bwd_workspace_cuda(bwd_args(dtype, param_dtype, dy, x, nullptr, nullptr, nullptr,
+                                                dx, nullptr, nullptr, nullptr, nullptr, nullptr, N,
+                                                C, G, S));
+}
+
+GNH_API const char* gnh_gn_bwd(int dtype, int param_dtype, const void* dy, const void* x,
+                               const void* mean, const void* rstd, const void* gamma, void* dx,
+                               void* dgamma, void* dbeta, const void* dmean, const void* drstd,
+                               void* workspace, int64_t N, int64_t C, int64_t G, int64_t S,
+                               void* stream) {
+  return group_norm_bwd_cuda(bwd_args(dtype, param_dtype, dy, x, mean, rstd, gamma, dx, dgamma,
+                                      dbeta, dmean, drstd, workspace, N, C, G, S),
+                             stream);
+}

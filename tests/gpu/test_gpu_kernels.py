@@ -1,0 +1,260 @@
+"""GPU harness tests: the framework-free CUDA kernels vs float64 references and torch.
+
+Runs only where torch with a CUDA device is importable (the H200 machine; no MXNet needed there):
+    bash benchmarks/gpu/run_all.sh              # build + these tests + benchmark
+    python -m pytest --confcutdir=tests/gpu tests/gpu -q
+(--confcutdir keeps tests/conftest.py, which imports mxnet, out.) Anywhere else the whole module
+is skipped, so the CPU CI's `pytest tests/` stays green.
+
+References are float64 torch computations on the already-rounded inputs; errors are measured as
+max|ours - ref| / max(1, max|ref|) against one tolerance table keyed by dtype.
+"""
+import math
+
+import pytest
+
+torch = pytest.importorskip("torch")
+if not torch.cuda.is_available():
+    pytest.skip("no CUDA device for the GPU harness", allow_module_level=True)
+
+import gnh  # noqa: E402  (tests/gpu is on sys.path via rootdir-relative import)
+
+DEV = "cuda"
+DTYPES = [torch.float16, torch.float32, torch.float64]
+# (forward tol, backward tol) on the relative max error
+TOL = {torch.float16: (4e-3, 1.5e-2), torch.float32: (2e-5, 1e-4), torch.float64: (1e-11, 1e-9)}
+
+SHAPES = [  # (shape, groups)
+    ((4, 6), [1, 2, 6]),                     # 0 spatial dims
+    ((3, 8, 7), [1, 4, 8]),                  # 1 spatial dim, odd S
+    ((2, 12, 5, 6), [1, 3, 12]),             # 2 spatial dims
+    ((2, 8, 3, 4, 5), [1, 2, 8]),            # 3 spatial dims
+    ((1, 6, 9, 9), [3]),                     # odd group length (scalar paths)
+    ((2, 64, 16, 16), [1, 32, 64]),
+    ((1, 32, 128, 128), [1, 4]),             # few large groups: split statistics
+    ((8, 256, 3), [1, 256]),                 # short rows, G = C
+]
+SD_SHAPES = [((2, c, hw, hw), [32]) for c in (320, 640, 1280) for hw in (64, 32, 16, 8)]
+
+
+def ids(v):
+    if isinstance(v, torch.dtype):
+        return str(v).replace("torch.", "")
+    return str(v)
+
+
+def cases(shapes):
+    return [(s, g) for s, gs in shapes for g in gs]
+
+
+def rel_err(a, ref):
+    a, ref = a.double(), ref.double()
+    return ((a - ref).abs().max() / max(1.0, ref.abs().max().item())).item()
+
+
+def ref_gn(x, gamma, beta, G, eps):
+    """float64 forward; returns (y, mean, rstd) as differentiable functions of the inputs."""
+    N, C = x.shape[:2]
+    xr = x.reshape(N, G, -1)
+    mean = xr.mean(-1)
+    var = ((xr - mean[..., None]) ** 2).mean(-1)
+    rstd = 1.0 / torch.sqrt(var + eps)
+    xh = ((xr - mean[..., None]) * rstd[..., None]).reshape(N, C, -1)
+    y = xh * gamma[None, :, None] + beta[None, :, None]
+    return y.reshape(x.shape), mean, rstd
+
+
+def make(shape, dtype, pdtype=None, offset=0.0, seed=0):
+    g = torch.Generator(device="cpu").manual_seed(seed)
+    C = shape[1]
+    x = (torch.randn(shape, generator=g, dtype=torch.float64) * 2 + offset).to(dtype).to(DEV)
+    pdtype = pdtype or dtype
+    gamma = (torch.rand(C, generator=g, dtype=torch.float64) + 0.5).to(pdtype).to(DEV)
+    beta = torch.randn(C, generator=g, dtype=torch.float64).to(pdtype).to(DEV)
+    return x, gamma, beta
+
+
+def dtype_pairs():
+    return [(d, d) for d in DTYPES] + [(torch.float16, torch.float32)]
+
+
+# -------------------------------------------------------------------------------------------------
+# moments
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,G", cases(SHAPES), ids=ids)
+@pytest.mark.parametrize("use_ws", [True, False], ids=["split", "nosplit"])
+def test_moments(shape, G, dtype, use_ws):
+    x, _, _ = make(shape, dtype)
+    mean, var = gnh.moments(x, G, use_workspace=use_ws)
+    torch.cuda.synchronize()
+    assert mean.dtype == gnh.ACC[dtype] and var.dtype == gnh.ACC[dtype]
+    xr = x.double().reshape(shape[0], G, -1)
+    tol = TOL[dtype][0]
+    assert rel_err(mean, xr.mean(-1)) < tol
+    assert rel_err(var, xr.var(-1, unbiased=False)) < tol
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,G", cases(SHAPES[:6]), ids=ids)
+def test_moments_backward(shape, G, dtype):
+    x, _, _ = make(shape, dtype)
+    mean, _ = gnh.moments(x, G)
+    dmean = torch.randn_like(mean)
+    dvar = torch.randn_like(mean)
+    dx = gnh.moments_bwd(dmean, dvar, x, mean, G)
+    xd = x.double().requires_grad_(True)
+    xr = xd.reshape(shape[0], G, -1)
+    m = xr.mean(-1)
+    v = ((xr - m[..., None]) ** 2).mean(-1)
+    (m * dmean.double() + v * dvar.double()).sum().backward()
+    torch.cuda.synchronize()
+    assert rel_err(dx, xd.grad) < TOL[dtype][1]
+
+
+# -------------------------------------------------------------------------------------------------
+# group_norm forward / backward
+
+
+def check_forward(shape, G, dtype, pdtype, use_ws=True, offset=0.0, eps=1e-5):
+    x, gamma, beta = make(shape, dtype, pdtype, offset)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, G, eps, use_workspace=use_ws)
+    torch.cuda.synchronize()
+    ry, rm, rr = ref_gn(x.double(), gamma.double(), beta.double(), G, eps)
+    tol = TOL[dtype][0]
+    assert y.dtype == dtype and mean.dtype == gnh.ACC[dtype] and rstd.dtype == gnh.ACC[dtype]
+    e_y = rel_err(y, ry)
+    assert e_y < tol, f"y error {e_y}"
+    assert rel_err(mean, rm) < tol
+    assert rel_err(rstd, rr) < tol
+    if pdtype == dtype:  # torch's own kernel, same storage dtype, same rounded inputs
+        ty = torch.nn.functional.group_norm(x, G, gamma, beta, eps)
+        e_t = rel_err(ty, ry)
+        assert e_y <= max(tol, 2 * e_t), f"ours {e_y} vs torch {e_t}"
+    return x, gamma, beta, y, mean, rstd
+
+
+@pytest.mark.parametrize("dtype,pdtype", dtype_pairs(), ids=ids)
+@pytest.mark.parametrize("shape,G", cases(SHAPES), ids=ids)
+def test_forward(shape, G, dtype, pdtype):
+    check_forward(shape, G, dtype, pdtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,G", cases(SD_SHAPES), ids=ids)
+def test_forward_sd_unet(shape, G, dtype):
+    check_forward(shape, G, dtype, dtype)
+
+
+@pytest.mark.parametrize("shape,G", [((2, 320, 64, 64), 32), ((1, 32, 128, 128), 1)], ids=ids)
+def test_forward_no_workspace(shape, G):
+    check_forward(shape, G, torch.float32, torch.float32, use_ws=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=ids)
+def test_forward_large_offset(dtype):
+    # |mean| >> std: one-pass Welford must not lose the variance (Apex-style offset test).
+    check_forward((2, 64, 32, 32), 8, dtype, dtype, offset=1000.0)
+
+
+def test_forward_constant_group_is_finite():
+    x = torch.full((2, 8, 4, 4), 3.0, device=DEV)
+    gamma = torch.ones(8, device=DEV)
+    beta = torch.zeros(8, device=DEV)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, 4)
+    torch.cuda.synchronize()
+    assert torch.isfinite(y).all() and torch.allclose(mean, torch.full_like(mean, 3.0))
+    assert torch.allclose(rstd, torch.full_like(rstd, 1 / math.sqrt(1e-5)), rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_forward_misaligned(dtype):
+    # Offset views: 16-byte vector loads are not allowed, the scalar path must be taken.
+    shape, G = (2, 16, 8, 8), 4
+    buf, gamma, beta = make((2 * 16 * 8 * 8 + 1,), dtype)[0], *make(shape, dtype)[1:]
+    x = buf[1:].view(shape)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, G)
+    torch.cuda.synchronize()
+    ry, _, _ = ref_gn(x.double(), gamma.double(), beta.double(), G, 1e-5)
+    assert rel_err(y, ry) < TOL[dtype][0]
+
+
+def check_backward(shape, G, dtype, pdtype, stat_grads=False, param_grads=True, offset=0.0):
+    eps = 1e-5
+    x, gamma, beta = make(shape, dtype, pdtype, offset)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, G, eps)
+    g = torch.Generator(device="cpu").manual_seed(7)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    dmean = drstd = None
+    if stat_grads:
+        dmean = torch.randn(mean.shape, generator=g, dtype=torch.float64).to(mean.dtype).to(DEV)
+        drstd = torch.randn(mean.shape, generator=g, dtype=torch.float64).to(mean.dtype).to(DEV)
+    dx, dgamma, dbeta = gnh.group_norm_bwd(dy, x, mean, rstd, gamma, G, dmean, drstd, param_grads)
+    torch.cuda.synchronize()
+
+    xd = x.double().requires_grad_(True)
+    gd = gamma.double().requires_grad_(True)
+    bd = beta.double().requires_grad_(True)
+    ry, rm, rr = ref_gn(xd, gd, bd, G, eps)
+    loss = (ry * dy.double()).sum()
+    if stat_grads:
+        loss = loss + (rm * dmean.double()).sum() + (rr * drstd.double()).sum()
+    loss.backward()
+    tol = TOL[dtype][1]
+    e_dx = rel_err(dx, xd.grad)
+    assert dx.dtype == dtype
+    assert e_dx < tol, f"dx error {e_dx}"
+    if param_grads:
+        assert dgamma.dtype == pdtype and dbeta.dtype == pdtype
+        assert rel_err(dgamma, gd.grad) < tol, f"dgamma error {rel_err(dgamma, gd.grad)}"
+        assert rel_err(dbeta, bd.grad) < tol, f"dbeta error {rel_err(dbeta, bd.grad)}"
+    if pdtype == dtype and not stat_grads:
+        xt = x.clone().requires_grad_(True)
+        gt = gamma.clone().requires_grad_(True)
+        bt = beta.clone().requires_grad_(True)
+        torch.nn.functional.group_norm(xt, G, gt, bt, eps).backward(dy)
+        e_t = rel_err(xt.grad, xd.grad)
+        assert e_dx <= max(tol, 2 * e_t), f"ours {e_dx} vs torch {e_t}"
+
+
+@pytest.mark.parametrize("dtype,pdtype", dtype_pairs(), ids=ids)
+@pytest.mark.parametrize("shape,G", cases(SHAPES), ids=ids)
+def test_backward(shape, G, dtype, pdtype):
+    check_backward(shape, G, dtype, pdtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,G", cases(SD_SHAPES), ids=ids)
+def test_backward_sd_unet(shape, G, dtype):
+    check_backward(shape, G, dtype, dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+@pytest.mark.parametrize("shape,G", [((2, 12, 5, 6), 3), ((3, 8, 7), 8), ((1, 16, 64, 64), 2)],
+                         ids=ids)
+def test_backward_stat_grads(shape, G, dtype):
+    check_backward(shape, G, dtype, dtype, stat_grads=True)
+
+
+def test_backward_no_param_grads():
+    check_backward((2, 12, 5, 6), 3, torch.float32, torch.float32, param_grads=False)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=ids)
+def test_backward_large_offset(dtype):
+    check_backward((2, 64, 16, 16), 8, dtype, dtype, offset=1000.0)
+
+
+def test_deterministic():
+    x, gamma, beta = make((2, 320, 64, 64), torch.float16)
+    a = [t.clone() for t in gnh.group_norm_fwd(x, gamma, beta, 32)]
+    b = gnh.group_norm_fwd(x, gamma, beta, 32)
+    for u, v in zip(a, b):
+        assert torch.equal(u, v)
+
+
+def test_bad_dims_return_error():
+    x, gamma, beta = make((2, 6, 4), torch.float32)
+    with pytest.raises(RuntimeError, match="divisible"):
+        gnh.group_norm_fwd(x, gamma, beta, 4)
