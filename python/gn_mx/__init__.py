@@ -5,8 +5,9 @@
 exported model only needs this import before ``gluon.SymbolBlock.imports``.
 """
 from ._library import library_path, load as _load
+from . import amp
 
-_load()
+amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers our ops with AMP
 
 from . import ops  # noqa: E402
 from .nn import GroupNorm  # noqa: E402
