@@ -7,7 +7,9 @@ The op library must match the MXNet it is loaded into, so the build needs `mxnet
 the extras `gn_mx[cpu]` / `gn_mx[cu112]` name the supported wheels.
 
 Environment: GNMX_BUILD_TYPE (Release), GNMX_CMAKE_ARGS (extra CMake arguments),
-GNMX_JOBS (parallel build jobs).
+GNMX_JOBS (parallel build jobs), GNMX_CUDA (unset: CUDA kernels when nvcc is found and the installed
+MXNet is a CUDA build; 1: force on; 0: CPU only), GNMX_CUDA_ARCH (e.g. "80;90"; default: chosen
+from the nvcc version).
 """
 import os
 import shlex
@@ -40,6 +42,17 @@ def mxnet_root():
     return root
 
 
+def mxnet_has_cuda():
+    """True when the installed MXNet was built with CUDA (mxnet-cu112 and friends)."""
+    code = "import mxnet; print(int(mxnet.runtime.Features().is_enabled('CUDA')))"
+    try:
+        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
+                             text=True).stdout.split()
+        return bool(out) and out[-1] == "1"
+    except (subprocess.CalledProcessError, OSError):
+        return False
+
+
 class CMakeExtension(Extension):
     def __init__(self, name):
         super().__init__(name, sources=[])
@@ -67,7 +80,17 @@ class CMakeBuild(build_ext):
         shutil.copyfile(os.path.join(build_dir, LIB_NAME), dest)
 
     def extra_cmake_args(self):
-        return []
+        force = os.environ.get("GNMX_CUDA", "").strip().lower()
+        if force in ("1", "on", "true", "yes"):
+            args = ["-DGNMX_CUDA=ON"]
+        elif force in ("0", "off", "false", "no"):
+            args = ["-DGNMX_CUDA=OFF"]
+        else:
+            args = ["-DGNMX_CUDA=AUTO", f"-DGNMX_MXNET_CUDA={int(mxnet_has_cuda())}"]
+        arch = os.environ.get("GNMX_CUDA_ARCH", "").strip()
+        if arch:
+            args.append(f"-DCMAKE_CUDA_ARCHITECTURES={arch}")
+        return args
 
 
 setup(

@@ -13,6 +13,7 @@
 
 #include "tensor_view.h"
 #include "../kernels/group_norm.h"
+#include "gpu_ops.h"
 
 using namespace mxnet::ext;
 
@@ -117,6 +118,7 @@ MXReturnValue moments_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
     a.mean = (*out)[kMMean].data_ptr;
     a.var = (*out)[kMVar].data_ptr;
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    if (on_gpu(x)) return gpu_result(kMoments, moments_gpu(a, res));
     const char* err = moments_cpu(a);
     if (err) fail(kMoments, ": ", err);
     return MX_SUCCESS;
@@ -137,6 +139,7 @@ MXReturnValue moments_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
     a.mean = (*in)[kMBMean].data_ptr;
     a.dx = (*out)[kMData].data_ptr;
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    if (on_gpu(x)) return gpu_result(kMoments, moments_bwd_gpu(a, res));
     const char* err = moments_bwd_cpu(a);
     if (err) fail(kMoments, ": ", err);
     return MX_SUCCESS;
@@ -245,6 +248,7 @@ MXReturnValue gn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     a.rstd = (*out)[kRstd].data_ptr;
     fill_gn_dims(gs, &a.N, &a.C, &a.G, &a.S);
     a.eps = p.eps;
+    if (on_gpu(x)) return gpu_result(kGroupNorm, group_norm_fwd_gpu(a, res));
     const char* err = group_norm_fwd_cpu(a);
     if (err) fail(kGroupNorm, ": ", err);
     return MX_SUCCESS;
@@ -271,6 +275,7 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     a.dgamma = (*out)[kGamma].data_ptr;
     a.dbeta = (*out)[kBeta].data_ptr;
     fill_gn_dims(gs, &a.N, &a.C, &a.G, &a.S);
+    if (on_gpu(x)) return gpu_result(kGroupNorm, group_norm_bwd_gpu(a, res));
     Workspace ws;
     const size_t off = ws.reserve(group_norm_bwd_workspace_cpu(a));
     ws.commit(res, false, kGroupNorm);
@@ -290,14 +295,24 @@ REGISTER_OP(gn_moments)
     .setInferType(gn_mx::mxa::moments_type)
     .setInferShape(gn_mx::mxa::moments_shape)
     .setForward(gn_mx::mxa::moments_fwd, "cpu")
-    .setBackward(gn_mx::mxa::moments_bwd, "cpu");
+    .setBackward(gn_mx::mxa::moments_bwd, "cpu")
+#if defined(GNMX_WITH_CUDA)
+    .setForward(gn_mx::mxa::moments_fwd, "gpu")
+    .setBackward(gn_mx::mxa::moments_bwd, "gpu")
+#endif
+    ;
 
 REGISTER_OP(gn_group_norm)
     .setParseAttrs(gn_mx::mxa::gn_parse)
     .setInferType(gn_mx::mxa::gn_type)
     .setInferShape(gn_mx::mxa::gn_shape)
     .setForward(gn_mx::mxa::gn_fwd, "cpu")
-    .setBackward(gn_mx::mxa::gn_bwd, "cpu");
+    .setBackward(gn_mx::mxa::gn_bwd, "cpu")
+#if defined(GNMX_WITH_CUDA)
+    .setForward(gn_mx::mxa::gn_fwd, "gpu")
+    .setBackward(gn_mx::mxa::gn_bwd, "gpu")
+#endif
+    ;
 
 MXReturnValue initialize(int version) {
   if (version >= 10900) return MX_SUCCESS;
