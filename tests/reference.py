@@ -82,3 +82,93 @@ def numeric_grad(f, x, h=1e-6):
         x[i] = old
         g[i] = (fp - fm) / (2 * h)
     return g
+
+
+# ---------------------------------------------------------------------------------------------
+# Decorrelated Batch Normalization (Huang et al., CVPR 2018), per-group ZCA whitening.
+# Written from the paper's math with the textbook eigendecomposition backward (1/(l_i - l_j)
+# terms, Ionescu et al. 2015); the kernels use the Daleckii-Krein form instead.
+
+def _dbn_group_matrix(x, G, g):
+    """Group g of (N, C, *spatial) x as a (D, m) float64 matrix, m = N * prod(spatial)."""
+    x = np.asarray(x, dtype=np.float64)
+    N, C = x.shape[:2]
+    D = C // G
+    xr = x.reshape(N, G, D, -1)
+    return xr[:, g].transpose(1, 0, 2).reshape(D, -1)
+
+
+def _dbn_put_group(out, mat, G, g):
+    N, C = out.shape[:2]
+    D = C // G
+    o = out.reshape(N, G, D, -1)
+    o[:, g] = mat.reshape(D, N, -1).transpose(1, 0, 2)
+
+
+def dbn_ref(x, G, eps):
+    """Training-mode DBN. Returns out (float64, x's shape), mean (C,), whitening W (G, D, D)."""
+    x = np.asarray(x, dtype=np.float64)
+    C = x.shape[1]
+    D = C // G
+    out = np.empty_like(x)
+    means = np.empty((G, D))
+    Ws = np.empty((G, D, D))
+    for g in range(G):
+        X = _dbn_group_matrix(x, G, g)
+        m = X.shape[1]
+        mu = X.mean(axis=1, keepdims=True)
+        Xc = X - mu
+        Sigma = Xc @ Xc.T / m + eps * np.eye(D)
+        lam, U = np.linalg.eigh(Sigma)
+        W = U @ np.diag(lam ** -0.5) @ U.T
+        _dbn_put_group(out, W @ Xc, G, g)
+        means[g] = mu[:, 0]
+        Ws[g] = W
+    return out, means.reshape(C), Ws
+
+
+def dbn_inference_ref(x, running_mean, running_projection, G):
+    x = np.asarray(x, dtype=np.float64)
+    D = x.shape[1] // G
+    rm = np.asarray(running_mean, np.float64).reshape(G, D)
+    P = np.asarray(running_projection, np.float64)
+    out = np.empty_like(x)
+    for g in range(G):
+        X = _dbn_group_matrix(x, G, g)
+        _dbn_put_group(out, P[g] @ (X - rm[g][:, None]), G, g)
+    return out
+
+
+def dbn_bwd_ref(x, dy, G, eps):
+    """dx of sum(out * dy) for training-mode DBN, through U and Lambda of Sigma = U Lambda U^T.
+
+    dL/dW = dY Xc^T; W = U Lambda^-1/2 U^T gives dL/dU = (G_W + G_W^T) U Lambda^-1/2 and
+    dL/dlambda_i = -1/2 lambda_i^-3/2 (U^T G_W U)_ii; the symmetric eigen backward gives
+    dL/dSigma = U (Kt o (U^T dL/dU) + diag(dL/dlambda)) U^T, Kt_ij = 1/(lambda_j - lambda_i)
+    (0 on the diagonal and, as a guard, for numerically equal eigenvalues, where this form is
+    ill-conditioned; use finite differences for such cases). Then
+    dXc = W dY + (dL/dSigma + dL/dSigma^T) Xc / m and dX = dXc - mean_cols(dXc).
+    """
+    x = np.asarray(x, dtype=np.float64)
+    dy = np.asarray(dy, dtype=np.float64)
+    C = x.shape[1]
+    D = C // G
+    dx = np.empty_like(x)
+    for g in range(G):
+        X = _dbn_group_matrix(x, G, g)
+        dY = _dbn_group_matrix(dy, G, g)
+        m = X.shape[1]
+        Xc = X - X.mean(axis=1, keepdims=True)
+        Sigma = Xc @ Xc.T / m + eps * np.eye(D)
+        lam, U = np.linalg.eigh(Sigma)
+        W = U @ np.diag(lam ** -0.5) @ U.T
+        GW = dY @ Xc.T
+        dU = (GW + GW.T) @ U @ np.diag(lam ** -0.5)
+        dlam = -0.5 * lam ** -1.5 * np.diag(U.T @ GW @ U)
+        diff = lam[None, :] - lam[:, None]  # lambda_j - lambda_i
+        close = np.abs(diff) <= 1e-12 * np.abs(lam).max()
+        Kt = np.where(close, 0.0, 1.0 / np.where(close, 1.0, diff))
+        GS = U @ (Kt * (U.T @ dU) + np.diag(dlam)) @ U.T
+        dXc = W @ dY + (GS + GS.T) @ Xc / m
+        _dbn_put_group(dx, dXc - dXc.mean(axis=1, keepdims=True), G, g)
+    return dx

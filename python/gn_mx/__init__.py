@@ -10,7 +10,7 @@ from . import amp
 amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers our ops with AMP
 
 from . import ops  # noqa: E402
-from .nn import GroupNorm  # noqa: E402
+from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["GroupNorm", "library_path", "ops", "__version__"]
+__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "ops", "__version__"]

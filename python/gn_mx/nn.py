@@ -79,3 +79,117 @@ class GroupNorm(HybridBlock):
         c = self.gamma.shape[0] if self.gamma.shape else 0
         return (f"{self.__class__.__name__}(num_groups={self._num_groups}, eps={self._epsilon}, "
                 f"center={self._center}, scale={self._scale}, in_channels={c or None})")
+
+
+# ---------------------------------------------------------------------------------------------
+# Decorrelated Batch Normalization
+
+from mxnet import autograd as _autograd  # noqa: E402
+from mxnet import initializer as _initializer  # noqa: E402
+
+from . import _modal  # noqa: E402  (mode-keyed CachedOps for hybridized graphs)
+
+
+@_initializer.register
+class GroupIdentity(_initializer.Initializer):
+    """Initializes a (G, D, D) array to G identity matrices (DBN's running_projection)."""
+
+    def _init_weight(self, _, arr):
+        if len(arr.shape) != 3 or arr.shape[1] != arr.shape[2]:
+            raise ValueError(f"GroupIdentity needs a (G, D, D) shape, got {arr.shape}")
+        arr[:] = 0
+        for d in range(arr.shape[1]):
+            arr[:, d, d] = 1
+
+    _init_default = _init_weight
+
+
+class DecorrelatedBatchNorm(HybridBlock):
+    """Decorrelated Batch Normalization (Huang et al., CVPR 2018): per-group ZCA whitening.
+
+    For data (N, C, *spatial) (any number of spatial dims, including none), channels are split into
+    ``num_groups`` groups of D = C/num_groups. In training, each group is whitened with its batch
+    statistics over the m = N*prod(spatial) samples,
+    ``xhat_g = Sigma_g^{-1/2} (x_g - mu_g)``, ``Sigma_g = cov_g + epsilon*I``,
+    and ``running_mean`` / ``running_projection`` are updated in place with
+    ``r = momentum*r + (1-momentum)*batch_value`` (the projection's batch value is Sigma_g^{-1/2}).
+    Otherwise ``xhat_g = P_g (x_g - running_mean_g)``. Then ``out = gamma[c]*xhat + beta[c]``.
+
+    The mode follows ``autograd.is_training()`` (``autograd.record()`` trains, plain calls and
+    ``autograd.predict_mode()`` infer), imperatively and hybridized: a hybridized block (or any
+    hybridized parent containing it) keeps one CachedOp per mode, and ``export`` writes the
+    inference graph. num_groups=C (D=1) is BatchNorm without the variance bias correction.
+
+    Parameters
+    ----------
+    num_groups : int, default 16
+    epsilon : float, default 1e-5
+        Added to the covariance diagonal (> 0; keeps near-singular batches finite).
+    momentum : float, default 0.9
+        Running statistics decay, in [0, 1].
+    center, scale : bool, default True
+        Learn ``beta`` / ``gamma``; if False they stay at their initial values.
+    beta_initializer, gamma_initializer : str or Initializer
+    in_channels : int, default 0
+        Number of channels; 0 infers it from the first input (deferred initialization).
+    """
+
+    def __init__(self, num_groups=16, epsilon=1e-5, momentum=0.9, center=True, scale=True,
+                 beta_initializer="zeros", gamma_initializer="ones", in_channels=0, **kwargs):
+        super().__init__(**kwargs)
+        _check_groups("DecorrelatedBatchNorm", num_groups, epsilon, in_channels)
+        if not epsilon > 0:
+            raise ValueError(f"DecorrelatedBatchNorm: epsilon must be > 0, got {epsilon!r}")
+        if (isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
+                or not 0 <= momentum <= 1):
+            raise ValueError(f"DecorrelatedBatchNorm: momentum must be in [0, 1], got {momentum!r}")
+        self._num_groups = int(num_groups)
+        self._epsilon = float(epsilon)
+        self._momentum = float(momentum)
+        self._center = bool(center)
+        self._scale = bool(scale)
+        D = in_channels // num_groups
+        with self.name_scope():
+            self.gamma = self.params.get("gamma", grad_req="write" if scale else "null",
+                                         shape=(in_channels,), init=gamma_initializer,
+                                         allow_deferred_init=True, differentiable=scale)
+            self.beta = self.params.get("beta", grad_req="write" if center else "null",
+                                        shape=(in_channels,), init=beta_initializer,
+                                        allow_deferred_init=True, differentiable=center)
+            self.running_mean = self.params.get("running_mean", grad_req="null",
+                                                shape=(in_channels,), init="zeros",
+                                                allow_deferred_init=True, differentiable=False)
+            self.running_projection = self.params.get(
+                "running_projection", grad_req="null", shape=(num_groups, D, D),
+                init=GroupIdentity(), allow_deferred_init=True, differentiable=False)
+
+    def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):
+        if not isinstance(x, _nd_type()):
+            _modal.note_modal_trace()
+        if _autograd.is_training():
+            xhat = F.gn_dbn(x, running_mean, running_projection, num_groups=self._num_groups,
+                            eps=self._epsilon, momentum=self._momentum)[0]
+        else:
+            xhat = F.gn_dbn_inference(x, running_mean, running_projection,
+                                      num_groups=self._num_groups)
+        # Per-channel affine for any number of spatial dims: view as (N, C, S), broadcast, restore.
+        # The elementwise tie to running_mean (whose (C,) shape gn_dbn infers from data) lets
+        # graph-level shape inference size gamma/beta for deferred init; broadcasts cannot.
+        zero_c = F.zeros_like(running_mean)
+        gamma = F.elemwise_add(gamma, zero_c)
+        beta = F.elemwise_add(beta, zero_c)
+        flat = F.reshape(xhat, shape=(0, 0, -1))
+        out = F.broadcast_add(F.broadcast_mul(flat, F.reshape(gamma, shape=(1, -1, 1))),
+                              F.reshape(beta, shape=(1, -1, 1)))
+        return F.reshape_like(out, xhat)
+
+    def __repr__(self):
+        c = self.gamma.shape[0] if self.gamma.shape else 0
+        return (f"{self.__class__.__name__}(num_groups={self._num_groups}, eps={self._epsilon}, "
+                f"momentum={self._momentum}, center={self._center}, scale={self._scale}, "
+                f"in_channels={c or None})")
+
+
+def _nd_type():
+    from mxnet.ndarray import NDArray
+    return NDArray

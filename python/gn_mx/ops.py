@@ -31,3 +31,24 @@ def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False):
     """
     out = _F(data).gn_group_norm(data, gamma, beta, num_groups=num_groups, eps=eps)
     return (out[0], out[1], out[2]) if return_stats else out[0]
+
+
+def dbn(data, running_mean, running_projection, num_groups=1, eps=1e-5, momentum=0.9,
+        return_stats=False):
+    """Decorrelated BN, training mode (op ``gn_dbn``): per-group ZCA whitening with batch stats.
+
+    data: (N, C, *spatial), float16/32/64; running_mean: (C,); running_projection:
+    (num_groups, C/num_groups, C/num_groups), dtype of data (or float32 with float16 data).
+    The running statistics are updated in place: r = momentum*r + (1-momentum)*batch_value.
+    Returns out (data's dtype); with return_stats=True also the backward-only outputs mean (C,),
+    eigvec (G, D, D) (columns are eigenvectors of Sigma) and eigval (G, D), in the accumulation dtype.
+    """
+    out = _F(data).gn_dbn(data, running_mean, running_projection, num_groups=num_groups, eps=eps,
+                          momentum=momentum)
+    return (out[0], out[1], out[2], out[3]) if return_stats else out[0]
+
+
+def dbn_inference(data, running_mean, running_projection, num_groups=1):
+    """Decorrelated BN, inference mode (op ``gn_dbn_inference``): out_g = P_g (x_g - m_g)."""
+    return _F(data).gn_dbn_inference(data, running_mean, running_projection,
+                                     num_groups=num_groups)

@@ -1,0 +1,128 @@
+"""Mode-keyed CachedOps for hybridized blocks that contain train/inference-dependent gn_mx ops.
+
+MXNet's lib_api gives library ops no ``is_train`` flag, so ``DecorrelatedBatchNorm`` chooses between
+``gn_dbn`` (batch statistics) and ``gn_dbn_inference`` (running statistics) in ``hybrid_forward``
+from ``autograd.is_training()``. Imperatively that is exact. Hybridized, MXNet 1.9 traces
+``hybrid_forward`` once per ``hybridize()`` into a CachedOp and reuses it in both modes: the block,
+or any hybridized parent that contains it, would silently keep the mode of its first call.
+
+This module fixes that for every HybridBlock, parents included, without user action:
+  * a symbolic trace of a mode-dependent block calls ``note_modal_trace()``;
+  * the ``_get_graph`` of the hybridized block that owns the trace (the outermost one) records that
+    its graph is mode-dependent and which mode it was traced in;
+  * its ``_call_cached_op`` compares the current ``autograd.is_training()`` with the mode of the
+    active cache; on a mismatch it parks the active cache (graph, CachedOp, argument map, formats)
+    under its mode and restores the other mode's cache, tracing it on first use. Each mode keeps
+    its own CachedOp, so switching back and forth costs a dict lookup, not a rebuild;
+  * ``export`` always writes the inference graph (building it if the block only ran in training);
+  * ``_clear_cached_op`` (hybridize(), new children) drops both caches.
+Blocks whose graphs contain no mode-dependent gn_mx op are untouched (one attribute lookup).
+"""
+import threading
+
+from mxnet import autograd
+from mxnet.gluon import block as _block
+
+_tls = threading.local()
+_CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", "_out_format")
+_MODES = "_gnmx_modes"
+
+
+def note_modal_trace():
+    """Called by a block's hybrid_forward when it is traced with F=mx.sym and is mode-dependent."""
+    _tls.count = getattr(_tls, "count", 0) + 1
+
+
+def _park(blk):
+    return tuple(getattr(blk, a) for a in _CACHE_ATTRS)
+
+
+def _restore(blk, saved):
+    for a, v in zip(_CACHE_ATTRS, saved):
+        object.__setattr__(blk, a, v)
+
+
+def _reset(blk):
+    _restore(blk, ((), None, [], None, None))
+
+
+def _switch(blk, training):
+    """Make the cache of mode `training` active on a mode-dependent block."""
+    modes = blk.__dict__.get(_MODES)
+    if modes is None or modes["current"] == training:
+        return
+    modes[modes["current"]] = _park(blk)
+    saved = modes.pop(training, None)
+    if saved is not None and saved[1] is not None:
+        _restore(blk, saved)
+    else:
+        _reset(blk)  # traced on the next call (or by export) under the new mode
+    modes["current"] = training
+
+
+def _install():
+    HB = _block.HybridBlock
+    if getattr(HB, "_gnmx_modal_installed", False):
+        return
+    orig_get_graph = HB._get_graph
+    orig_call_cached_op = HB._call_cached_op
+    orig_clear = HB._clear_cached_op
+    orig_export = HB.export
+
+    def _get_graph(self, *args):
+        if self._cached_graph:
+            return orig_get_graph(self, *args)
+        outer = getattr(_tls, "count", 0)
+        _tls.count = 0
+        training = autograd.is_training()
+        try:
+            res = orig_get_graph(self, *args)
+            traced = _tls.count
+        finally:
+            _tls.count = outer + getattr(_tls, "count", 0)
+        if traced:
+            modes = self.__dict__.get(_MODES)
+            if modes is None:
+                object.__setattr__(self, _MODES, {"current": training})
+            else:
+                modes["current"] = training
+        return res
+
+    def _call_cached_op(self, *args):
+        if _MODES in self.__dict__:
+            _switch(self, autograd.is_training())
+        return orig_call_cached_op(self, *args)
+
+    def _clear_cached_op(self):
+        self.__dict__.pop(_MODES, None)
+        return orig_clear(self)
+
+    def export(self, path, epoch=0, remove_amp_cast=True):
+        modes = self.__dict__.get(_MODES)
+        if modes is not None:
+            _switch(self, False)
+            if self._cached_op is None:
+                # Only training ran so far: trace and build the inference graph now. The graph
+                # needs just the input structure, so placeholders stand in for the inputs.
+                placeholders = _placeholders(modes[True][3])
+                with autograd.predict_mode():
+                    self._build_cache(*placeholders)
+                modes["current"] = False
+        return orig_export(self, path, epoch=epoch, remove_amp_cast=remove_amp_cast)
+
+    HB._get_graph = _get_graph
+    HB._call_cached_op = _call_cached_op
+    HB._clear_cached_op = _clear_cached_op
+    HB.export = export
+    HB._gnmx_modal_installed = True
+
+
+def _placeholders(fmt):
+    """Inputs with the structure `fmt` (from gluon's _flatten): 0 = an array, -1 = None."""
+    from mxnet import ndarray as nd
+    if isinstance(fmt, int):
+        return None if fmt == -1 else nd.zeros((1,))
+    return [_placeholders(f) for f in fmt]
+
+
+_install()
