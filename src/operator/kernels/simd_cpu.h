@@ -1,0 +1,316 @@
+/*
+ * simd_cpu.h: the CPU kernels' inner loops ("primitives") with runtime ISA dispatch.
+ *
+ * The library is built for the baseline x86-64 (or any other) target; nothing here needs -march flags.
+ * Each primitive exists twice:
+ *   - a portable version (plain loops over to_acc/from_acc that the compiler vectorizes for the baseline
+ *     ISA; fp16 goes through the software conversions of acc_type.h on builds without F16C), and
+ *   - on x86-64 with GCC/Clang, an AVX2+FMA+F16C version compiled with __attribute__((target(...))),
+ *     8 floats a vector, several independent accumulators, fp16 widened with vcvtph2ps in registers.
+ * prims<T>() picks one table per dtype on first use with __builtin_cpu_supports. Setting the environment
+ * variable GNMX_CPU_ISA=generic forces the portable versions (tests use it to cover both paths).
+ *
+ * Every primitive works on one contiguous run of n elements, reads T (fp16/fp32/fp64) and computes in
+ * AccT<T>; no primitive allocates. The arithmetic is that of group_norm_math.h.
+ */
+#pragma once
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+
+#include "../common/acc_type.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define GNMX_X86_DISPATCH 1
+#include <immintrin.h>
+#endif
+
+namespace gn_mx {
+namespace simd {
+
+template <typename T>
+struct Prims {
+  using A = AccT<T>;
+  // Exact moments of x[0, n): *mean = sum / n, *m2 = sum (x - mean)^2 (two passes; n should fit L1).
+  void (*moments)(const T* x, int64_t n, A* mean, A* m2);
+  // y = x * a + b.
+  void (*affine)(const T* x, T* y, int64_t n, A a, A b);
+  // *s1 += sum dy (x - mu), *s2 += sum dy.
+  void (*bwd_sums)(const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2);
+  // dx = c1 dy + c2 (x - mu) + c3.
+  void (*bwd_dx)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
+  // Widen / narrow a short run through an AccT buffer (small-spatial paths).
+  void (*load)(const T* x, A* out, int64_t n);
+  void (*store)(const A* in, T* out, int64_t n);
+  const char* isa;
+};
+
+// ------------------------------------------------------------------------------------------------
+// Portable versions.
+
+template <typename T>
+void moments_generic(const T* x, int64_t n, AccT<T>* mean, AccT<T>* m2) {
+  using A = AccT<T>;
+  A s = 0;
+#pragma omp simd reduction(+ : s)
+  for (int64_t i = 0; i < n; ++i) s += to_acc(x[i]);
+  const A mu = s / static_cast<A>(n);
+  A q = 0;
+#pragma omp simd reduction(+ : q)
+  for (int64_t i = 0; i < n; ++i) {
+    const A d = to_acc(x[i]) - mu;
+    q += d * d;
+  }
+  *mean = mu;
+  *m2 = q;
+}
+
+template <typename T>
+void affine_generic(const T* x, T* y, int64_t n, AccT<T> a, AccT<T> b) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) y[i] = from_acc<T>(to_acc(x[i]) * a + b);
+}
+
+template <typename T>
+void bwd_sums_generic(const T* x, const T* dy, int64_t n, AccT<T> mu, AccT<T>* s1, AccT<T>* s2) {
+  using A = AccT<T>;
+  A a1 = 0, a2 = 0;
+#pragma omp simd reduction(+ : a1, a2)
+  for (int64_t i = 0; i < n; ++i) {
+    const A g = to_acc(dy[i]);
+    a1 += g * (to_acc(x[i]) - mu);
+    a2 += g;
+  }
+  *s1 += a1;
+  *s2 += a2;
+}
+
+template <typename T>
+void bwd_dx_generic(const T* x, const T* dy, T* dx, int64_t n, AccT<T> mu, AccT<T> c1, AccT<T> c2,
+                    AccT<T> c3) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i)
+    dx[i] = from_acc<T>(c1 * to_acc(dy[i]) + c2 * (to_acc(x[i]) - mu) + c3);
+}
+
+template <typename T>
+void load_generic(const T* x, AccT<T>* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = to_acc(x[i]);
+}
+
+template <typename T>
+void store_generic(const AccT<T>* in, T* out, int64_t n) {
+#pragma omp simd
+  for (int64_t i = 0; i < n; ++i) out[i] = from_acc<T>(in[i]);
+}
+
+template <typename T>
+const Prims<T>& generic_prims() {
+  static const Prims<T> p = {moments_generic<T>, affine_generic<T>, bwd_sums_generic<T>,
+                             bwd_dx_generic<T>,  load_generic<T>,   store_generic<T>, "generic"};
+  return p;
+}
+
+// ------------------------------------------------------------------------------------------------
+// AVX2 + FMA + F16C versions (fp32 and fp16 data; fp64 gets the portable loops vectorized for AVX2).
+
+#if defined(GNMX_X86_DISPATCH)
+#define GNMX_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define GNMX_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
+
+GNMX_AVX2_INLINE __m256 ld8(const float* p) { return _mm256_loadu_ps(p); }
+GNMX_AVX2_INLINE __m256 ld8(const Half* p) {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+}
+GNMX_AVX2_INLINE void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+GNMX_AVX2_INLINE void st8(Half* p, __m256 v) {
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+GNMX_AVX2_INLINE float ld1(const float* p) { return *p; }
+GNMX_AVX2_INLINE float ld1(const Half* p) { return _cvtsh_ss(p->bits); }
+GNMX_AVX2_INLINE void st1(float* p, float v) { *p = v; }
+GNMX_AVX2_INLINE void st1(Half* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
+
+GNMX_AVX2_INLINE float hsum8(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
+  return _mm_cvtss_f32(s);
+}
+
+template <typename T>
+GNMX_AVX2 void moments_avx2(const T* x, int64_t n, float* mean, float* m2) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    a0 = _mm256_add_ps(a0, ld8(x + i));
+    a1 = _mm256_add_ps(a1, ld8(x + i + 8));
+    a2 = _mm256_add_ps(a2, ld8(x + i + 16));
+    a3 = _mm256_add_ps(a3, ld8(x + i + 24));
+  }
+  for (; i + 8 <= n; i += 8) a0 = _mm256_add_ps(a0, ld8(x + i));
+  float s = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) s += ld1(x + i);
+  const float mu = s / static_cast<float>(n);
+  const __m256 vmu = _mm256_set1_ps(mu);
+  a0 = _mm256_setzero_ps(); a1 = a0; a2 = a0; a3 = a0;
+  i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m256 d0 = _mm256_sub_ps(ld8(x + i), vmu), d1 = _mm256_sub_ps(ld8(x + i + 8), vmu);
+    const __m256 d2 = _mm256_sub_ps(ld8(x + i + 16), vmu), d3 = _mm256_sub_ps(ld8(x + i + 24), vmu);
+    a0 = _mm256_fmadd_ps(d0, d0, a0);
+    a1 = _mm256_fmadd_ps(d1, d1, a1);
+    a2 = _mm256_fmadd_ps(d2, d2, a2);
+    a3 = _mm256_fmadd_ps(d3, d3, a3);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 d = _mm256_sub_ps(ld8(x + i), vmu);
+    a0 = _mm256_fmadd_ps(d, d, a0);
+  }
+  float q = hsum8(_mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+  for (; i < n; ++i) {
+    const float d = ld1(x + i) - mu;
+    q += d * d;
+  }
+  *mean = mu;
+  *m2 = q;
+}
+
+template <typename T>
+GNMX_AVX2 void affine_avx2(const T* x, T* y, int64_t n, float a, float b) {
+  const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    st8(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
+    st8(y + i + 8, _mm256_fmadd_ps(ld8(x + i + 8), va, vb));
+  }
+  for (; i + 8 <= n; i += 8) st8(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
+  for (; i < n; ++i) st1(y + i, ld1(x + i) * a + b);
+}
+
+template <typename T>
+GNMX_AVX2 void bwd_sums_avx2(const T* x, const T* dy, int64_t n, float mu, float* s1, float* s2) {
+  const __m256 vmu = _mm256_set1_ps(mu);
+  __m256 p0 = _mm256_setzero_ps(), p1 = p0, q0 = p0, q1 = p0;
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 g0 = ld8(dy + i), g1 = ld8(dy + i + 8);
+    p0 = _mm256_fmadd_ps(g0, _mm256_sub_ps(ld8(x + i), vmu), p0);
+    p1 = _mm256_fmadd_ps(g1, _mm256_sub_ps(ld8(x + i + 8), vmu), p1);
+    q0 = _mm256_add_ps(q0, g0);
+    q1 = _mm256_add_ps(q1, g1);
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 g0 = ld8(dy + i);
+    p0 = _mm256_fmadd_ps(g0, _mm256_sub_ps(ld8(x + i), vmu), p0);
+    q0 = _mm256_add_ps(q0, g0);
+  }
+  float a1 = hsum8(_mm256_add_ps(p0, p1)), a2 = hsum8(_mm256_add_ps(q0, q1));
+  for (; i < n; ++i) {
+    const float g = ld1(dy + i);
+    a1 += g * (ld1(x + i) - mu);
+    a2 += g;
+  }
+  *s1 += a1;
+  *s2 += a2;
+}
+
+template <typename T>
+GNMX_AVX2 void bwd_dx_avx2(const T* x, const T* dy, T* dx, int64_t n, float mu, float c1, float c2,
+                           float c3) {
+  const __m256 vmu = _mm256_set1_ps(mu), v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2),
+               v3 = _mm256_set1_ps(c3);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) {
+    const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i), vmu), v3);
+    const __m256 t1 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i + 8), vmu), v3);
+    st8(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
+    st8(dx + i + 8, _mm256_fmadd_ps(v1, ld8(dy + i + 8), t1));
+  }
+  for (; i + 8 <= n; i += 8) {
+    const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i), vmu), v3);
+    st8(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
+  }
+  for (; i < n; ++i) st1(dx + i, c1 * ld1(dy + i) + c2 * (ld1(x + i) - mu) + c3);
+}
+
+template <typename T>
+GNMX_AVX2 void load_avx2(const T* x, float* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(out + i, ld8(x + i));
+  for (; i < n; ++i) out[i] = ld1(x + i);
+}
+
+template <typename T>
+GNMX_AVX2 void store_avx2(const float* in, T* out, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) st8(out + i, _mm256_loadu_ps(in + i));
+  for (; i < n; ++i) st1(out + i, in[i]);
+}
+
+// fp64: the portable loops, compiled for AVX2 by inlining them into target functions.
+GNMX_AVX2 inline void moments_avx2_d(const double* x, int64_t n, double* mean, double* m2) {
+  moments_generic<double>(x, n, mean, m2);
+}
+GNMX_AVX2 inline void affine_avx2_d(const double* x, double* y, int64_t n, double a, double b) {
+  affine_generic<double>(x, y, n, a, b);
+}
+GNMX_AVX2 inline void bwd_sums_avx2_d(const double* x, const double* dy, int64_t n, double mu,
+                                      double* s1, double* s2) {
+  bwd_sums_generic<double>(x, dy, n, mu, s1, s2);
+}
+GNMX_AVX2 inline void bwd_dx_avx2_d(const double* x, const double* dy, double* dx, int64_t n,
+                                    double mu, double c1, double c2, double c3) {
+  bwd_dx_generic<double>(x, dy, dx, n, mu, c1, c2, c3);
+}
+
+inline bool cpu_has_avx2() {
+  static const bool ok = [] {
+    const char* e = std::getenv("GNMX_CPU_ISA");
+    if (e != nullptr && std::strcmp(e, "generic") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+           __builtin_cpu_supports("f16c");
+  }();
+  return ok;
+}
+
+template <typename T> struct Avx2Prims;
+template <> struct Avx2Prims<float> {
+  static const Prims<float>& get() {
+    static const Prims<float> p = {moments_avx2<float>, affine_avx2<float>, bwd_sums_avx2<float>,
+                                   bwd_dx_avx2<float>,  load_avx2<float>,   store_avx2<float>,
+                                   "avx2"};
+    return p;
+  }
+};
+template <> struct Avx2Prims<Half> {
+  static const Prims<Half>& get() {
+    static const Prims<Half> p = {moments_avx2<Half>, affine_avx2<Half>, bwd_sums_avx2<Half>,
+                                  bwd_dx_avx2<Half>,  load_avx2<Half>,   store_avx2<Half>, "avx2"};
+    return p;
+  }
+};
+template <> struct Avx2Prims<double> {
+  static const Prims<double>& get() {
+    static const Prims<double> p = {moments_avx2_d, affine_avx2_d,        bwd_sums_avx2_d,
+                                    bwd_dx_avx2_d,  load_generic<double>, store_generic<double>,
+                                    "avx2"};
+    return p;
+  }
+};
+
+template <typename T>
+const Prims<T>& prims() {
+  return cpu_has_avx2() ? Avx2Prims<T>::get() : generic_prims<T>();
+}
+#else
+template <typename T>
+const Prims<T>& prims() {
+  return generic_prims<T>();
+}
+#endif
+
+}  // namespace simd
+}  // namespace gn_mx
