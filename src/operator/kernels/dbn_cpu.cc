@@ -350,7 +350,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       if (finite) {
         eigh(sig, Di, U, l, es);
         dbn_clamp_eigvals(l, Di, a.eps);
-        dbn_inv_sqrt(U, l, Di, Wd);
+        dbn_inv_sqrt(U, l, Di, Wd, es.a);  // es.a is free after eigh
       } else {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         std::fill(U, U + DD, nan);
@@ -427,7 +427,7 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x 2 x D x D
+  double* tmp;    // T x 3 x D x D
 };
 
 template <typename A>
@@ -446,7 +446,7 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * 2 * DD);
+  L.tmp = c->take<double>(T * 3 * DD);
   return L;
 }
 
@@ -500,7 +500,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     double* GW = L.GW + t * DD;
     double* W = L.W + t * DD;
     double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * 2 * DD;
+    double* tmp = L.tmp + t * 3 * DD;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < q.G; ++g) {
       for (int64_t i = 0; i < DD; ++i) {

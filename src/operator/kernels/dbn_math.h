@@ -80,15 +80,35 @@ GN_HOST_DEVICE inline void dbn_clamp_eigvals(double* l, int D, double eps) {
     if (!(l[i] >= eps)) l[i] = (l[i] != l[i]) ? l[i] : eps;  // keep NaN as NaN
 }
 
-// W = U diag(l^-1/2) U^T = Sigma^{-1/2}.
-GN_HOST_DEVICE inline void dbn_inv_sqrt(const double* U, const double* l, int D, double* W) {
-  for (int i = 0; i < D; ++i) {
-    for (int j = i; j < D; ++j) {
-      double s = 0.0;
-      for (int k = 0; k < D; ++k) s += U[i * D + k] * U[j * D + k] / sqrt(l[k]);
-      W[i * D + j] = W[j * D + i] = s;
+// C = A B for D x D row-major matrices, i-k-j order (unit stride inner loop, vectorizable).
+GN_HOST_DEVICE inline void dbn_matmul(const double* A, const double* B, int D, double* C) {
+  for (int i = 0; i < D * D; ++i) C[i] = 0.0;
+  for (int i = 0; i < D; ++i)
+    for (int k = 0; k < D; ++k) {
+      const double a = A[i * D + k];
+      for (int j = 0; j < D; ++j) C[i * D + j] += a * B[k * D + j];
     }
+}
+
+// C = A B^T (rows of both are contiguous): dot products of rows.
+GN_HOST_DEVICE inline void dbn_matmul_bt(const double* A, const double* B, int D, double* C) {
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) {
+      double s = 0.0;
+      for (int k = 0; k < D; ++k) s += A[i * D + k] * B[j * D + k];
+      C[i * D + j] = s;
+    }
+}
+
+// W = U diag(l^-1/2) U^T = Sigma^{-1/2}, as V V^T with V = U diag(l^-1/4).
+// V: D*D scratch.
+GN_HOST_DEVICE inline void dbn_inv_sqrt(const double* U, const double* l, int D, double* W,
+                                        double* V) {
+  for (int k = 0; k < D; ++k) {
+    const double s = 1.0 / sqrt(sqrt(l[k]));
+    for (int i = 0; i < D; ++i) V[i * D + k] = U[i * D + k] * s;
   }
+  dbn_matmul_bt(V, V, D, W);
 }
 
 // Daleckii-Krein divided difference of f(l) = l^-1/2:
@@ -102,42 +122,30 @@ GN_HOST_DEVICE inline double dbn_inv_sqrt_divdiff(double li, double lj) {
 // Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
 // GW = dY Xc^T (not necessarily symmetric), m = number of columns. Outputs: W = Sigma^{-1/2} and
 // B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that dX = W (dY - mean(dY)) + B Xc.
-// tmp: 2*D*D doubles.
+// tmp: 3*D*D doubles.
 GN_HOST_DEVICE inline void dbn_bwd_group(const double* U, const double* l, const double* GW, int D,
                                          double m, double* W, double* B, double* tmp) {
-  double* H = tmp;          // sym(GW), then U^T sym(GW) U, then K o (...)
-  double* T = tmp + D * D;  // product scratch
+  double* H = tmp;              // sym(GW), later K o (U^T sym(GW) U)
+  double* T = tmp + D * D;      // products
+  double* Ut = tmp + 2 * D * D; // U^T
   for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
-  for (int i = 0; i < D; ++i)  // T = H U
     for (int j = 0; j < D; ++j) {
-      double s = 0.0;
-      for (int k = 0; k < D; ++k) s += H[i * D + k] * U[k * D + j];
-      T[i * D + j] = s;
+      H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
+      Ut[i * D + j] = U[j * D + i];
     }
-  for (int i = 0; i < D; ++i)  // H = (U^T T) o K
-    for (int j = 0; j < D; ++j) {
-      double s = 0.0;
-      for (int k = 0; k < D; ++k) s += U[k * D + i] * T[k * D + j];
-      H[i * D + j] = s * dbn_inv_sqrt_divdiff(l[i], l[j]);
-    }
-  for (int i = 0; i < D; ++i)  // T = U H
-    for (int j = 0; j < D; ++j) {
-      double s = 0.0;
-      for (int k = 0; k < D; ++k) s += U[i * D + k] * H[k * D + j];
-      T[i * D + j] = s;
-    }
+  dbn_matmul(H, U, D, T);   // T = sym(GW) U
+  dbn_matmul(Ut, T, D, H);  // H = U^T sym(GW) U
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) H[i * D + j] *= dbn_inv_sqrt_divdiff(l[i], l[j]);
+  dbn_matmul(U, H, D, T);   // T = U H
+  dbn_matmul_bt(T, U, D, B);  // B = T U^T
   const double two_over_m = 2.0 / m;
-  for (int i = 0; i < D; ++i)  // B = (2/m) T U^T (symmetric up to rounding: symmetrize)
+  for (int i = 0; i < D; ++i)  // symmetrize (exact in exact arithmetic) and scale
     for (int j = i; j < D; ++j) {
-      double s1 = 0.0, s2 = 0.0;
-      for (int k = 0; k < D; ++k) {
-        s1 += T[i * D + k] * U[j * D + k];
-        s2 += T[j * D + k] * U[i * D + k];
-      }
-      B[i * D + j] = B[j * D + i] = 0.5 * (s1 + s2) * two_over_m;
+      const double b = 0.5 * (B[i * D + j] + B[j * D + i]) * two_over_m;
+      B[i * D + j] = B[j * D + i] = b;
     }
-  dbn_inv_sqrt(U, l, D, W);
+  dbn_inv_sqrt(U, l, D, W, T);
 }
 
 // r = momentum * r + (1 - momentum) * batch, computed in double.
