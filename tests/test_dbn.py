@@ -439,6 +439,51 @@ def test_export_after_eval_then_training_continues(tmp_path):
     assert np.abs(blk.running_mean.data().asnumpy()).max() > 0
 
 
+def test_export_when_only_training_ran(tmp_path):
+    """No inference call before export: the inference graph is traced for the export."""
+    net = _net()
+    net.initialize(mx.init.Xavier(), ctx=CPU)
+    net.hybridize()
+    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
+    for _ in range(2):
+        _train_step(net, x)
+    prefix = str(tmp_path / "train_only")
+    net.export(prefix)
+    ops = [n["op"] for n in json.load(open(prefix + "-symbol.json"))["nodes"]]
+    assert "gn_dbn_inference" in ops and "gn_dbn" not in ops
+    expected = net(x).asnumpy()
+    reloaded = gluon.SymbolBlock.imports(prefix + "-symbol.json", ["data"], prefix + "-0000.params")
+    np.testing.assert_allclose(reloaded(x).asnumpy(), expected, rtol=1e-5, atol=1e-5)
+    y_train, _, _ = _train_step(net, x)  # and training continues with batch statistics
+    imp = _net()
+    imp.initialize(ctx=CPU)
+    f = str(tmp_path / "p.params")
+    net.save_parameters(f)
+    imp.load_parameters(f, ctx=CPU)
+    with autograd.train_mode():
+        np.testing.assert_allclose(net(x).asnumpy(), imp(x).asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_block_float16(hybridize):
+    blk = gn_mx.DecorrelatedBatchNorm(num_groups=2)
+    blk.initialize(ctx=CPU)
+    x = _data((8, 4, 5), np.float16)
+    blk(mx.nd.array(x, dtype=np.float32))
+    blk.cast("float16")
+    if hybridize:
+        blk.hybridize()
+    xs = mx.nd.array(x, dtype=np.float16)
+    with autograd.record():
+        y = blk(xs)
+    assert y.dtype == np.float16
+    np.testing.assert_allclose(y.asnumpy(), dbn_ref(x, 2, EPS)[0], *tol(np.float16))
+    assert blk.running_projection.data().dtype == np.float16
+    y_eval = blk(xs)
+    ref = dbn_inference_ref(x, *_stats_of_block(blk), 2)
+    np.testing.assert_allclose(y_eval.asnumpy(), ref, *tol(np.float16))
+
+
 def test_block_constructor_errors():
     with pytest.raises(ValueError, match="num_groups"):
         gn_mx.DecorrelatedBatchNorm(num_groups=0)
