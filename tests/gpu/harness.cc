@@ -98,3 +98,70 @@ GNH_API const char* gnh_gn_bwd(int dtype, int param_dtype, const void* dy, const
                                       dbeta, dmean, drstd, workspace, N, C, G, S),
                              stream);
 }
+
+// ---- Decorrelated BN -----------------------------------------------------------------------------
+
+GNH_API size_t gnh_dbn_fwd_workspace(int dtype, int stat_dtype, int64_t N, int64_t C, int64_t G,
+                                     int64_t S) {
+  DbnFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return dbn_fwd_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_dbn_fwd(int dtype, int stat_dtype, const void* x, void* y, void* mean,
+                                void* eigvec, void* eigval, void* running_mean, void* running_proj,
+                                void* workspace, int64_t N, int64_t C, int64_t G, int64_t S,
+                                double eps, double momentum, void* stream) {
+  DbnFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.x = x; a.y = y; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval;
+  a.running_mean = running_mean; a.running_proj = running_proj; a.workspace = workspace;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.eps = eps;
+  a.momentum = momentum;
+  return dbn_fwd_cuda(a, stream);
+}
+
+GNH_API size_t gnh_dbn_bwd_workspace(int dtype, int64_t N, int64_t C, int64_t G, int64_t S) {
+  DbnBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return dbn_bwd_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_dbn_bwd(int dtype, const void* dy, const void* x, const void* mean,
+                                const void* eigvec, const void* eigval, void* dx, void* workspace,
+                                int64_t N, int64_t C, int64_t G, int64_t S, void* stream) {
+  DbnBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.dy = dy; a.x = x; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval; a.dx = dx;
+  a.workspace = workspace;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return dbn_bwd_cuda(a, stream);
+}
+
+GNH_API size_t gnh_dbn_inference_workspace(int dtype, int stat_dtype, int64_t N, int64_t C,
+                                           int64_t G, int64_t S) {
+  DbnInferenceArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return dbn_inference_workspace_cuda(a);
+}
+
+// backward != 0: dx = P^T dy (x is dy, y is dx, running_mean ignored).
+GNH_API const char* gnh_dbn_inference(int dtype, int stat_dtype, int backward, const void* x,
+                                      const void* running_mean, const void* running_proj, void* y,
+                                      void* workspace, int64_t N, int64_t C, int64_t G, int64_t S,
+                                      void* stream) {
+  DbnInferenceArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.x = x; a.running_mean = running_mean; a.running_proj = running_proj; a.y = y;
+  a.workspace = workspace;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
+}

@@ -1,0 +1,824 @@
+/*
+ * dbn_cuda.cu: CUDA twins of dbn_cpu.cc (Decorrelated BN, ZCA whitening per group; math in dbn.h,
+ * backward derivation above bwd_impl in dbn_cpu.cc, D x D formulas in dbn_math.h).
+ *
+ * Group g is a D x m matrix (m = N*S columns j = n*S + s); column j of group g lives at
+ * x + (n*C + g*D)*S + s with row stride S, so panels of K columns are gathered straight from NCHW
+ * (consecutive threads read consecutive s: coalesced) into shared memory, widened to AccT.
+ *
+ * Forward:  mean kernel (per channel, fp64 sums)            -> mean (C,)
+ *           gram kernel, grid (G, chunks): each block sums Xc Xc^T over its columns in AccT
+ *           registers (panel products from shared memory), partials written as fp64
+ *           eig kernel, one block per group: Sigma = sum(partials)/m + eps I (fp64), parallel
+ *           cyclic Jacobi (round-robin ordering: D/2 disjoint rotations per step, all threads
+ *           applying them), ascending sort, clamp, W = V V^T with V = U l^-1/4, running stats
+ *           apply kernel, grid (G, column blocks): y = W (x - mu) panel by panel
+ * Backward: gram kernel with dY: G_W = dY Xc^T and sum(dY)  -> fp64 partials
+ *           small kernel, one block per group: dbn_bwd_group's steps as block-parallel fp64
+ *           matrix products (W, B = (2/m) G_S)
+ *           apply kernel: dX = W (dY - mean(dY)) + B Xc
+ * Inference (and its backward, P^T): prep kernel (running stats -> AccT), apply kernel.
+ * No host round trip, no per-group launch: the whole op is 3-4 launches on `stream`.
+ *
+ * Matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64); the
+ * CUDA path supports D = C/G <= 512. Every launch is followed by cudaGetLastError.
+ */
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <climits>
+#include <cstdint>
+
+#include "dbn.h"
+#include "dbn_math.h"
+
+namespace gn_mx {
+namespace {
+
+constexpr int kBlock = 256;
+constexpr int kWarp = 32;
+constexpr int kMaxE = 16;          // gram entries per thread per pass over the columns
+constexpr int kMaxD = 512;         // pair/eigenvalue arrays in static shared memory
+constexpr size_t kAlign = 256;
+constexpr size_t kPanelBytes = 40 * 1024;
+constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
+
+#define DBN_CUDA_CHECK_LAUNCH()                                      \
+  do {                                                               \
+    const cudaError_t dbn_err_ = cudaGetLastError();                 \
+    if (dbn_err_ != cudaSuccess) return cudaGetErrorString(dbn_err_); \
+  } while (0)
+
+// ------------------------------------------------------------------------------------------------
+// Geometry and workspace
+
+struct Geo {
+  int64_t N = 0, C = 0, G = 1, D = 0, S = 1, m = 0;
+  int K = 1;                 // panel columns
+  int64_t gram_cols = 1;     // columns per gram block
+  int64_t gram_chunks = 1;   // gram blocks per group
+  int64_t apply_cols = 1;    // columns per apply block
+  int64_t apply_blocks = 1;  // apply blocks per group
+};
+
+int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+const char* sm_count(int* out) {
+  static int cache[64] = {0};
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (dev >= 0 && dev < 64 && cache[dev] > 0) {
+    *out = cache[dev];
+    return nullptr;
+  }
+  int n = 0;
+  e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (n <= 0) n = 1;
+  if (dev >= 0 && dev < 64) cache[dev] = n;
+  *out = n;
+  return nullptr;
+}
+
+const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
+  if (C % G != 0) return "dbn: C must be divisible by G";
+  if (C / G > kMaxD) return "dbn: the CUDA kernels support C/num_groups <= 512";
+  if (G > INT_MAX || N * S > (int64_t(1) << 40)) return "dbn: tensor too large";
+  return nullptr;
+}
+
+// Panel columns K: the largest power of two <= 64 whose `panels` D x (K+1) AccT panels fit.
+int panel_k(int64_t D, int panels, size_t acc_size) {
+  int K = 64;
+  while (K > 1 && size_t(panels) * D * (K + 1) * acc_size + K * sizeof(int64_t) > kPanelBytes)
+    K /= 2;
+  return K;
+}
+
+Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
+             int64_t gram_entries, int sms) {
+  Geo q;
+  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  q.K = panel_k(q.D, panels, acc_size);
+  const int64_t wave = int64_t(sms) * (2048 / kBlock);
+  int64_t want = std::max<int64_t>(1, ceil_div(wave, G));
+  want = std::min(want, std::max<int64_t>(1, q.m / (4 * q.K)));
+  if (gram_entries > 0)
+    want = std::min(want, std::max<int64_t>(1, kMaxPartialDoubles / (G * gram_entries)));
+  q.gram_cols = ceil_div(q.m, want);
+  q.gram_chunks = ceil_div(q.m, q.gram_cols);
+  int64_t ab = std::max<int64_t>(1, ceil_div(2 * wave, G));
+  ab = std::min(ab, std::max<int64_t>(1, ceil_div(q.m, q.K)));
+  ab = std::min<int64_t>(ab, 65535);
+  q.apply_cols = ceil_div(q.m, ab);
+  q.apply_blocks = ceil_div(q.m, q.apply_cols);
+  return q;
+}
+
+struct Carver {
+  char* base = nullptr;
+  size_t off = 0;
+  template <typename U>
+  U* take(size_t n) {
+    off = (off + kAlign - 1) / kAlign * kAlign;
+    U* p = base ? reinterpret_cast<U*>(base + off) : nullptr;
+    off += n * sizeof(U);
+    return p;
+  }
+};
+
+template <typename A>
+struct FwdWs {
+  double* part;     // G x chunks x DD
+  A* W;             // G x DD
+  double* scratch;  // G x 3 x DD
+};
+template <typename A>
+FwdWs<A> fwd_ws(Carver* c, const Geo& q) {
+  const size_t DD = q.D * q.D;
+  FwdWs<A> w;
+  w.part = c->take<double>(q.G * q.gram_chunks * DD);
+  w.W = c->take<A>(q.G * DD);
+  w.scratch = c->take<double>(q.G * 3 * DD);
+  return w;
+}
+
+template <typename A>
+struct BwdWs {
+  double* part;     // G x chunks x (DD + D)
+  A* W;             // G x DD
+  A* B;             // G x DD
+  A* dymean;        // C
+  double* scratch;  // G x 4 x DD
+};
+template <typename A>
+BwdWs<A> bwd_ws(Carver* c, const Geo& q) {
+  const size_t DD = q.D * q.D;
+  BwdWs<A> w;
+  w.part = c->take<double>(q.G * q.gram_chunks * (DD + q.D));
+  w.W = c->take<A>(q.G * DD);
+  w.B = c->take<A>(q.G * DD);
+  w.dymean = c->take<A>(q.C);
+  w.scratch = c->take<double>(q.G * 4 * DD);
+  return w;
+}
+
+template <typename A>
+struct InfWs {
+  A* P;      // G x DD
+  A* shift;  // C
+};
+template <typename A>
+InfWs<A> inf_ws(Carver* c, const Geo& q) {
+  InfWs<A> w;
+  w.P = c->take<A>(q.G * q.D * q.D);
+  w.shift = c->take<A>(q.C);
+  return w;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Device helpers
+
+__device__ __forceinline__ double block_sum_all(double v) {
+  __shared__ double s_part[kBlock / kWarp];
+  __shared__ double s_out;
+  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
+  __syncthreads();  // s_part / s_out may still be read from a previous call
+  if (lane == 0) s_part[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    v = lane < int(blockDim.x / kWarp) ? s_part[lane] : 0.0;
+    for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0) s_out = v;
+  }
+  __syncthreads();
+  return s_out;
+}
+
+__device__ __forceinline__ double load_stat(DType t, const void* p, int64_t i) {
+  switch (t) {
+    case DType::kFloat16: return static_cast<double>(__half2float(static_cast<const __half*>(p)[i]));
+    case DType::kFloat32: return static_cast<double>(static_cast<const float*>(p)[i]);
+    default: return static_cast<const double*>(p)[i];
+  }
+}
+
+__device__ __forceinline__ void store_stat(DType t, void* p, int64_t i, double v) {
+  switch (t) {
+    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v)); break;
+    case DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    default: static_cast<double*>(p)[i] = v; break;
+  }
+}
+
+// Offsets of panel columns j0..j0+kc of the flattened (n, s) index: n*C*S + s.
+__device__ __forceinline__ void panel_columns(int64_t* colbase, int64_t j0, int kc, int64_t C,
+                                              int64_t S) {
+  for (int k = threadIdx.x; k < kc; k += blockDim.x) {
+    const int64_t j = j0 + k, n = j / S;
+    colbase[k] = n * C * S + (j - n * S);
+  }
+}
+
+// P[d*ld + k] = src[colbase[k] + (g*D + d)*S] - shift[g*D + d]   (shift may be null)
+template <typename T, typename A>
+__device__ __forceinline__ void gather_panel(const T* __restrict__ src, const int64_t* colbase,
+                                             int64_t rowoff0, int64_t S, int D, int kc,
+                                             const A* __restrict__ shift, A* P, int ld) {
+  for (int idx = threadIdx.x; idx < D * kc; idx += blockDim.x) {
+    const int d = idx / kc, k = idx - d * kc;
+    const A v = to_acc(src[colbase[k] + (rowoff0 + d) * S]);
+    P[d * ld + k] = shift ? v - shift[d] : v;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Kernels
+
+// mean[c] = (1/m) sum_{n,s} x[n, c, s], summed in fp64.
+template <typename T>
+__global__ void __launch_bounds__(kBlock)
+channel_mean_kernel(const T* __restrict__ x, int64_t N, int64_t C, int64_t S,
+                    AccT<T>* __restrict__ mean) {
+  const int64_t c = blockIdx.x;
+  double s = 0.0;
+  const int64_t m = N * S;
+  if (S >= kBlock) {
+    for (int64_t n = 0; n < N; ++n) {
+      const T* row = x + (n * C + c) * S;
+      for (int64_t i = threadIdx.x; i < S; i += kBlock) s += static_cast<double>(to_acc(row[i]));
+    }
+  } else {
+    for (int64_t j = threadIdx.x; j < m; j += kBlock) {
+      const int64_t n = j / S;
+      s += static_cast<double>(to_acc(x[(n * C + c) * S + (j - n * S)]));
+    }
+  }
+  s = block_sum_all(s);
+  if (threadIdx.x == 0) mean[c] = static_cast<AccT<T>>(s / static_cast<double>(m));
+}
+
+// Grid (G, chunks). Forward (kBwd = false): part[g][chunk][i*D + j] = sum_cols Xc_i Xc_j.
+// Backward (kBwd = true): entries i*D + j = sum dY_i Xc_j (G_W), entries DD + i = sum dY_i.
+template <typename T, bool kBwd>
+__global__ void __launch_bounds__(kBlock)
+gram_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean, const T* __restrict__ dy,
+            int64_t C, int64_t S, int D, int64_t m, int K, int64_t cols, double* __restrict__ part) {
+  using A = AccT<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int ld = K + 1;
+  int64_t* colbase = reinterpret_cast<int64_t*>(smem);
+  A* Px = reinterpret_cast<A*>(smem + ((K * sizeof(int64_t) + 15) / 16) * 16);
+  A* Pd = Px + D * ld;
+  const int64_t g = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
+  const int64_t j_begin = chunk * cols;
+  const int64_t j_end = j_begin + cols < m ? j_begin + cols : m;
+  const int DD = D * D;
+  const int E = DD + (kBwd ? D : 0);
+  const A* sh = mean + g * D;
+  for (int e0 = 0; e0 < E; e0 += kBlock * kMaxE) {
+    A acc[kMaxE];
+#pragma unroll
+    for (int t = 0; t < kMaxE; ++t) acc[t] = A(0);
+    for (int64_t j0 = j_begin; j0 < j_end; j0 += K) {
+      const int kc = static_cast<int>(j_end - j0 < K ? j_end - j0 : K);
+      __syncthreads();
+      panel_columns(colbase, j0, kc, C, S);
+      __syncthreads();
+      gather_panel(x, colbase, g * D, S, D, kc, sh, Px, ld);
+      if (kBwd) gather_panel(dy, colbase, g * D, S, D, kc, static_cast<const A*>(nullptr), Pd, ld);
+      __syncthreads();
+#pragma unroll
+      for (int t = 0; t < kMaxE; ++t) {
+        const int e = e0 + t * kBlock + threadIdx.x;
+        if (e < DD) {
+          const int i = e / D, jj = e - i * D;
+          const A* a = (kBwd ? Pd : Px) + i * ld;
+          const A* b = Px + jj * ld;
+          A s = 0;
+          for (int k = 0; k < kc; ++k) s += a[k] * b[k];
+          acc[t] += s;
+        } else if (kBwd && e < E) {
+          const A* a = Pd + (e - DD) * ld;
+          A s = 0;
+          for (int k = 0; k < kc; ++k) s += a[k];
+          acc[t] += s;
+        }
+      }
+    }
+    double* out = part + (g * chunks + chunk) * E;
+#pragma unroll
+    for (int t = 0; t < kMaxE; ++t) {
+      const int e = e0 + t * kBlock + threadIdx.x;
+      if (e < E) out[e] = static_cast<double>(acc[t]);
+    }
+  }
+}
+
+// Block-parallel C = op(A) op(B) for D x D row-major fp64 matrices (k accumulated in ascending
+// order, as dbn_matmul / dbn_matmul_bt). Ends with __syncthreads().
+__device__ void block_matmul(const double* A, bool ta, const double* B, bool tb, double* Cm,
+                             int D) {
+  for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    double s = 0.0;
+    for (int k = 0; k < D; ++k) {
+      const double a = ta ? A[k * D + i] : A[i * D + k];
+      const double b = tb ? B[j * D + k] : B[k * D + j];
+      s += a * b;
+    }
+    Cm[e] = s;
+  }
+  __syncthreads();
+}
+
+// Round-robin (circle method) pair k of round r for Dp (even) players; p < q.
+__device__ __forceinline__ void rr_pair(int k, int r, int Dp, int* p, int* q) {
+  const int M = Dp - 1;
+  const int a = k == 0 ? 0 : ((k - 1 + r) % M) + 1;
+  const int b = ((Dp - 1 - k - 1 + r) % M) + 1;
+  *p = a < b ? a : b;
+  *q = a < b ? b : a;
+}
+
+// Parallel cyclic Jacobi on the block: A (destroyed) -> eigenvalues diag(A), eigenvectors U
+// (columns). Same rotation formula, stopping rule and sweep limit as dbn_jacobi_eigh; only the
+// order of the rotations differs (D/2 disjoint rotations at a time).
+__device__ void block_jacobi(double* A, double* U, int D) {
+  __shared__ double s_c[kMaxD / 2], s_s[kMaxD / 2];
+  for (int e = threadIdx.x; e < D * D; e += blockDim.x) U[e] = (e / D == e % D) ? 1.0 : 0.0;
+  double part = 0.0;
+  for (int e = threadIdx.x; e < D * D; e += blockDim.x) part += A[e] * A[e];
+  const double tol = 1e-30 * block_sum_all(part);  // also syncs U / A
+  const int Dp = D + (D & 1), npairs = Dp / 2;
+  for (int sweep = 0; sweep < 100; ++sweep) {
+    part = 0.0;
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+      const int i = e / D, j = e - i * D;
+      if (i < j) part += A[e] * A[e];
+    }
+    const double off = block_sum_all(part);
+    if (off <= tol || off == 0.0) break;
+    for (int r = 0; r < Dp - 1; ++r) {
+      for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
+        int p, q;
+        rr_pair(k, r, Dp, &p, &q);
+        double c = 1.0, s = 0.0;
+        if (q < D) {
+          const double apq = A[p * D + q];
+          if (apq != 0.0) {
+            const double theta = (A[q * D + q] - A[p * D + p]) / (2.0 * apq);
+            double t;
+            if (fabs(theta) > 1e150) {
+              t = 0.5 / theta;
+            } else {
+              t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
+              if (theta < 0) t = -t;
+            }
+            c = 1.0 / sqrt(t * t + 1.0);
+            s = t * c;
+          }
+        }
+        s_c[k] = c;
+        s_s[k] = s;
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {  // A <- A J, U <- U J
+        const int k = idx / D, i = idx - k * D;
+        const double s = s_s[k];
+        if (s == 0.0) continue;
+        int p, q;
+        rr_pair(k, r, Dp, &p, &q);
+        const double c = s_c[k];
+        const double akp = A[i * D + p], akq = A[i * D + q];
+        A[i * D + p] = c * akp - s * akq;
+        A[i * D + q] = s * akp + c * akq;
+        const double ukp = U[i * D + p], ukq = U[i * D + q];
+        U[i * D + p] = c * ukp - s * ukq;
+        U[i * D + q] = s * ukp + c * ukq;
+      }
+      __syncthreads();
+      for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {  // A <- J^T A
+        const int k = idx / D, col = idx - k * D;
+        const double s = s_s[k];
+        if (s == 0.0) continue;
+        int p, q;
+        rr_pair(k, r, Dp, &p, &q);
+        const double c = s_c[k];
+        const double apk = A[p * D + col], aqk = A[q * D + col];
+        A[p * D + col] = c * apk - s * aqk;
+        A[q * D + col] = s * apk + c * aqk;
+      }
+      __syncthreads();
+      for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
+        if (s_s[k] == 0.0) continue;
+        int p, q;
+        rr_pair(k, r, Dp, &p, &q);
+        A[p * D + q] = A[q * D + p] = 0.0;
+      }
+      __syncthreads();
+    }
+  }
+}
+
+// One block per group: Sigma -> eigh -> W, outputs and running statistics.
+template <typename A>
+__global__ void __launch_bounds__(kBlock)
+eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, double eps,
+           double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
+           A* __restrict__ eigval, A* __restrict__ Wout, double* __restrict__ scratch,
+           DType stat_dtype, void* running_mean, void* running_proj) {
+  __shared__ double s_l[kMaxD], s_ls[kMaxD];
+  __shared__ int s_rank[kMaxD];
+  const int64_t g = blockIdx.x;
+  const int DD = D * D;
+  double* Am = scratch + g * 3 * DD;  // Sigma, destroyed by Jacobi, then W
+  double* U = Am + DD;
+  double* V = U + DD;                 // sorted U, then U l^-1/4
+  int finite = 1;
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    double s = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * DD + e];
+    s /= m;
+    if (e / D == e % D) s += eps;
+    Am[e] = s;
+    finite &= isfinite(s) ? 1 : 0;
+  }
+  finite = __syncthreads_and(finite);
+  if (finite) {
+    block_jacobi(Am, U, D);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = Am[i * D + i];
+    __syncthreads();
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {  // stable ascending rank
+      int r = 0;
+      for (int j = 0; j < D; ++j) r += (s_l[j] < s_l[i] || (s_l[j] == s_l[i] && j < i)) ? 1 : 0;
+      s_rank[i] = r;
+      s_ls[r] = s_l[i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+      const int i = e / D, k = e - i * D;
+      V[i * D + s_rank[k]] = U[e];
+    }
+    if (threadIdx.x == 0) dbn_clamp_eigvals(s_ls, D, eps);
+    __syncthreads();
+  } else {
+    const double nan = __longlong_as_double(0x7ff8000000000000LL);
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) V[e] = nan;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) s_ls[i] = nan;
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) eigvec[g * DD + e] = static_cast<A>(V[e]);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) eigval[g * D + i] = static_cast<A>(s_ls[i]);
+  __syncthreads();
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // V = U diag(l^-1/4)
+    const int k = e % D;
+    V[e] *= 1.0 / sqrt(sqrt(s_ls[k]));
+  }
+  __syncthreads();
+  block_matmul(V, false, V, true, Am, D);  // W = V V^T
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    Wout[g * DD + e] = static_cast<A>(Am[e]);
+    if (running_proj) {
+      const double r = load_stat(stat_dtype, running_proj, g * DD + e);
+      store_stat(stat_dtype, running_proj, g * DD + e, dbn_running_update(r, Am[e], momentum));
+    }
+  }
+  if (running_mean) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      const double r = load_stat(stat_dtype, running_mean, g * D + i);
+      store_stat(stat_dtype, running_mean, g * D + i,
+                 dbn_running_update(r, static_cast<double>(mean[g * D + i]), momentum));
+    }
+  }
+}
+
+// One block per group: the steps of dbn_bwd_group as block-parallel fp64 products.
+template <typename A>
+__global__ void __launch_bounds__(kBlock)
+bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
+                 const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
+                 A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch) {
+  __shared__ double s_l[kMaxD];
+  const int64_t g = blockIdx.x;
+  const int DD = D * D, E = DD + D;
+  double* GW = scratch + g * 4 * DD;
+  double* H = GW + DD;
+  double* T = H + DD;
+  double* U = T + DD;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    double s = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+    if (e < DD) {
+      GW[e] = s;
+      U[e] = static_cast<double>(eigvec[g * DD + e]);
+    } else {
+      dymean[g * D + (e - DD)] = static_cast<A>(s / m);
+    }
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = static_cast<double>(eigval[g * D + i]);
+  __syncthreads();
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    H[e] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
+  }
+  __syncthreads();
+  block_matmul(H, false, U, false, T, D);   // T = sym(G_W) U
+  block_matmul(U, true, T, false, H, D);    // H = U^T T
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    H[e] *= dbn_inv_sqrt_divdiff(s_l[i], s_l[j]);
+  }
+  __syncthreads();
+  block_matmul(U, false, H, false, T, D);   // T = U H
+  block_matmul(T, false, U, true, GW, D);   // GW := B = T U^T
+  const double two_over_m = 2.0 / m;
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    Bout[g * DD + e] = static_cast<A>(0.5 * (GW[i * D + j] + GW[j * D + i]) * two_over_m);
+  }
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // V = U diag(l^-1/4) into H
+    H[e] = U[e] * (1.0 / sqrt(sqrt(s_l[e % D])));
+  }
+  __syncthreads();
+  block_matmul(H, false, H, true, T, D);    // W = V V^T
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) Wout[g * DD + e] = static_cast<A>(T[e]);
+}
+
+// P[g] (AccT) = running_proj[g] (transposed for the backward); shift = running_mean.
+template <typename A>
+__global__ void __launch_bounds__(kBlock)
+inference_prep_kernel(DType stat_dtype, const void* running_proj, const void* running_mean,
+                      int64_t G, int D, int64_t C, bool transpose, A* __restrict__ P,
+                      A* __restrict__ shift) {
+  const int64_t DD = int64_t(D) * D;
+  const int64_t total = G * DD;
+  for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total + C;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    if (e < total) {
+      const int64_t g = e / DD, r = e - g * DD, i = r / D, j = r - i * D;
+      P[g * DD + (transpose ? j * D + i : i * D + j)] =
+          static_cast<A>(load_stat(stat_dtype, running_proj, e));
+    } else if (running_mean) {
+      shift[e - total] = static_cast<A>(load_stat(stat_dtype, running_mean, e - total));
+    }
+  }
+}
+
+// Grid (G, blocks): out[:, j] = M1[g] (in1[:, j] - shift1) (+ M2[g] (in2[:, j] - shift2)).
+template <typename T, bool kTwo>
+__global__ void __launch_bounds__(kBlock)
+apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
+             const AccT<T>* __restrict__ M1, const T* __restrict__ in2,
+             const AccT<T>* __restrict__ shift2, const AccT<T>* __restrict__ M2,
+             T* __restrict__ out, int64_t C, int64_t S, int D, int64_t m, int K, int64_t cols) {
+  using A = AccT<T>;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const int ld = K + 1;
+  int64_t* colbase = reinterpret_cast<int64_t*>(smem);
+  A* P1 = reinterpret_cast<A*>(smem + ((K * sizeof(int64_t) + 15) / 16) * 16);
+  A* P2 = P1 + D * ld;
+  const int64_t g = blockIdx.x;
+  const int64_t j_begin = blockIdx.y * cols;
+  const int64_t j_end = j_begin + cols < m ? j_begin + cols : m;
+  const int64_t DD = int64_t(D) * D;
+  const A* m1 = M1 + g * DD;
+  const A* m2 = kTwo ? M2 + g * DD : nullptr;
+  const A* s1 = shift1 ? shift1 + g * D : nullptr;
+  const A* s2 = (kTwo && shift2) ? shift2 + g * D : nullptr;
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += K) {
+    const int kc = static_cast<int>(j_end - j0 < K ? j_end - j0 : K);
+    __syncthreads();
+    panel_columns(colbase, j0, kc, C, S);
+    __syncthreads();
+    gather_panel(in1, colbase, g * D, S, D, kc, s1, P1, ld);
+    if (kTwo) gather_panel(in2, colbase, g * D, S, D, kc, s2, P2, ld);
+    __syncthreads();
+    for (int idx = threadIdx.x; idx < D * kc; idx += blockDim.x) {
+      const int d = idx / kc, k = idx - d * kc;
+      A o = 0;
+      for (int t = 0; t < D; ++t) o += m1[d * D + t] * P1[t * ld + k];
+      if (kTwo)
+        for (int t = 0; t < D; ++t) o += m2[d * D + t] * P2[t * ld + k];
+      out[colbase[k] + (g * D + d) * S] = from_acc<T>(o);
+    }
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host side
+
+template <DType> struct DevType;
+template <> struct DevType<DType::kFloat32> { using type = float; };
+template <> struct DevType<DType::kFloat64> { using type = double; };
+template <> struct DevType<DType::kFloat16> { using type = __half; };
+
+template <typename F>
+const char* dispatch(DType t, F&& f) {
+  switch (t) {
+    case DType::kFloat32: return f(float{});
+    case DType::kFloat64: return f(double{});
+    case DType::kFloat16: return f(__half{});
+  }
+  return "dbn: unsupported dtype";
+}
+
+size_t smem_bytes(int D, int K, int panels, size_t acc) {
+  return (K * sizeof(int64_t) + 15) / 16 * 16 + size_t(panels) * D * (K + 1) * acc;
+}
+
+bool stat_dtype_ok(DType data, DType stat) { return stat == data || stat == acc_dtype(data); }
+
+bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
+
+template <typename T>
+Geo fwd_geo(const DbnFwdArgs& a, int sms) {
+  const int64_t D = a.C / a.G;
+  return make_geo(a.N, a.C, a.G, a.S, 1, sizeof(AccT<T>), D * D, sms);
+}
+template <typename T>
+Geo bwd_geo(const DbnBwdArgs& a, int sms) {
+  const int64_t D = a.C / a.G;
+  return make_geo(a.N, a.C, a.G, a.S, 2, sizeof(AccT<T>), D * D + D, sms);
+}
+template <typename T>
+Geo inf_geo(const DbnInferenceArgs& a, int sms) {
+  return make_geo(a.N, a.C, a.G, a.S, 1, sizeof(AccT<T>), 0, sms);
+}
+
+template <typename T, bool kTwo>
+const char* launch_apply(const Geo& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
+                         const T* in2, const AccT<T>* shift2, const AccT<T>* M2, T* out,
+                         cudaStream_t st) {
+  const dim3 grid(static_cast<unsigned>(q.G), static_cast<unsigned>(q.apply_blocks));
+  const size_t sm = smem_bytes(static_cast<int>(q.D), q.K, kTwo ? 2 : 1, sizeof(AccT<T>));
+  apply_kernel<T, kTwo><<<grid, kBlock, sm, st>>>(in1, shift1, M1, in2, shift2, M2, out, q.C, q.S,
+                                                 static_cast<int>(q.D), q.m, q.K, q.apply_cols);
+  DBN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+template <typename T>
+const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  const Geo q = fwd_geo<T>(a, sms);
+  Carver cv{static_cast<char*>(a.workspace)};
+  const FwdWs<A> w = fwd_ws<A>(&cv, q);
+  const T* x = static_cast<const T*>(a.x);
+  A* mean = static_cast<A*>(a.mean);
+  const int D = static_cast<int>(q.D);
+  channel_mean_kernel<T><<<static_cast<unsigned>(q.C), kBlock, 0, st>>>(x, q.N, q.C, q.S, mean);
+  DBN_CUDA_CHECK_LAUNCH();
+  gram_kernel<T, false><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
+                          kBlock, smem_bytes(D, q.K, 1, sizeof(A)), st>>>(
+      x, mean, nullptr, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
+  DBN_CUDA_CHECK_LAUNCH();
+  eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
+      w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
+      static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
+      a.running_mean, a.running_proj);
+  DBN_CUDA_CHECK_LAUNCH();
+  return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr, static_cast<T*>(a.y),
+                                st);
+}
+
+template <typename T>
+const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  const Geo q = bwd_geo<T>(a, sms);
+  Carver cv{static_cast<char*>(a.workspace)};
+  const BwdWs<A> w = bwd_ws<A>(&cv, q);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  const A* mean = static_cast<const A*>(a.mean);
+  const int D = static_cast<int>(q.D);
+  gram_kernel<T, true><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
+                         kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
+      x, mean, dy, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
+  DBN_CUDA_CHECK_LAUNCH();
+  bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
+      w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
+      static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch);
+  DBN_CUDA_CHECK_LAUNCH();
+  return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, static_cast<T*>(a.dx), st);
+}
+
+template <typename T>
+const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_t st) {
+  using A = AccT<T>;
+  int sms = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  const Geo q = inf_geo<T>(a, sms);
+  Carver cv{static_cast<char*>(a.workspace)};
+  const InfWs<A> w = inf_ws<A>(&cv, q);
+  const int D = static_cast<int>(q.D);
+  const int64_t total = q.G * q.D * q.D + q.C;
+  const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, kBlock), 4096));
+  inference_prep_kernel<A><<<blocks, kBlock, 0, st>>>(a.stat_dtype, a.running_proj,
+                                                      backward ? nullptr : a.running_mean, q.G, D,
+                                                      q.C, backward, w.P, w.shift);
+  DBN_CUDA_CHECK_LAUNCH();
+  return launch_apply<T, false>(q, static_cast<const T*>(a.x), backward ? nullptr : w.shift, w.P,
+                                nullptr, nullptr, nullptr, static_cast<T*>(a.y), st);
+}
+
+template <typename Args, typename F>
+size_t ws_size(const Args& a, F&& layout) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  int sms = 1;
+  if (sm_count(&sms)) return 0;
+  Carver c;
+  layout(&c, sms);
+  return c.off + kAlign;
+}
+
+const char* check_ws(const void* ws) {
+  if (!ws) return "dbn CUDA: workspace is required";
+  if (!aligned16(ws)) return "dbn CUDA: workspace must be 16-byte aligned";
+  return nullptr;
+}
+
+}  // namespace
+
+size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
+  return ws_size(a, [&](Carver* c, int sms) {
+    dispatch(a.dtype, [&](auto tag) -> const char* {
+      using T = decltype(tag);
+      fwd_ws<AccT<T>>(c, fwd_geo<T>(a, sms));
+      return nullptr;
+    });
+  });
+}
+
+size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a) {
+  return ws_size(a, [&](Carver* c, int sms) {
+    dispatch(a.dtype, [&](auto tag) -> const char* {
+      using T = decltype(tag);
+      bwd_ws<AccT<T>>(c, bwd_geo<T>(a, sms));
+      return nullptr;
+    });
+  });
+}
+
+size_t dbn_inference_workspace_cuda(const DbnInferenceArgs& a) {
+  return ws_size(a, [&](Carver* c, int sms) {
+    dispatch(a.dtype, [&](auto tag) -> const char* {
+      using T = decltype(tag);
+      inf_ws<AccT<T>>(c, inf_geo<T>(a, sms));
+      return nullptr;
+    });
+  });
+}
+
+const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) return "dbn_fwd_cuda: null pointer";
+  if (const char* e = check_ws(a.workspace)) return e;
+  if ((a.running_mean || a.running_proj) && !stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "dbn_fwd_cuda: running statistics must have the data dtype or its accumulation dtype";
+  if (!(a.eps > 0)) return "dbn_fwd_cuda: eps must be > 0";
+  return dispatch(a.dtype, [&](auto tag) {
+    return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream));
+  });
+}
+
+const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx)
+    return "dbn_bwd_cuda: null pointer";
+  if (const char* e = check_ws(a.workspace)) return e;
+  return dispatch(a.dtype, [&](auto tag) {
+    return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream));
+  });
+}
+
+static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward, void* stream) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean))
+    return "dbn_inference_cuda: null pointer";
+  if (const char* e = check_ws(a.workspace)) return e;
+  if (!stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "dbn_inference_cuda: running statistics must have the data dtype or its accumulation "
+           "dtype";
+  return dispatch(a.dtype, [&](auto tag) {
+    return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
+  });
+}
+
+const char* dbn_inference_cuda(const DbnInferenceArgs& a, void* stream) {
+  return inference_dispatch(a, false, stream);
+}
+
+const char* dbn_inference_bwd_cuda(const DbnInferenceArgs& a, void* stream) {
+  return inference_dispatch(a, true, stream);
+}
+
+}  // namespace gn_mx
