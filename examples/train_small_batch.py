@@ -1,0 +1,316 @@
+"""Why GroupNorm / Decorrelated BN: validation accuracy vs per-device batch size, fp32 and AMP fp16.
+
+Trains the same small CNN on scikit-learn's handwritten digits (1,797 8x8 images that ship inside
+the scikit-learn wheel: nothing is downloaded) with four normalization layers
+
+    BatchNorm             gluon.nn.BatchNorm (batch statistics; running statistics at test time)
+    GroupNorm (MXNet)     gluon.nn.GroupNorm (MXNet 1.x built-in: per-*group* gamma/beta)
+    GroupNorm (gn_mx)     gn_mx.GroupNorm (per-channel gamma/beta, as in the paper)
+    DBN (gn_mx)           gn_mx.DecorrelatedBatchNorm (group-wise ZCA whitening of the batch)
+
+at per-device batch sizes 2, 4, 8 and 32, in float32 and with AMP float16, and reports validation
+accuracy: the shape of Figure 1 of the Group Normalization paper (Wu & He, 2018). Every run sees
+the same number of samples (fixed epochs) with the learning rate scaled linearly with batch size.
+
+AMP: on a GPU, plain ``amp.init()``. On CPU MXNet 1.9.1 has no float16 gemm, so
+``amp.init(**gn_mx.amp.cpu_init_kwargs())`` keeps Convolution/FullyConnected in float32; gn_mx's
+GroupNorm then still runs in float16 (fp32 accumulation) and DBN in float32, as on a GPU. Nets are
+hybridized (MXNet 1.9.1's imperative AMP casts do not handle float16 -> float32 on CPU).
+
+    python examples/train_small_batch.py            # full run (~10 min on 2 CPU cores)
+    python examples/train_small_batch.py --quick    # smoke run (< 2 min on 2 CPU cores)
+
+Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/results/).
+"""
+import argparse
+import json
+import os
+import sys
+import time
+
+# Tiny tensors: one OpenMP thread per op is faster than several (set before MXNet loads).
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import numpy as np  # noqa: E402
+
+import mxnet as mx  # noqa: E402
+from mxnet import autograd, gluon  # noqa: E402
+from mxnet.contrib import amp  # noqa: E402
+
+import gn_mx  # noqa: E402
+
+NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "dbn_gn_mx")
+LABELS = {"batchnorm": "BatchNorm", "groupnorm_mxnet": "GroupNorm (MXNet built-in)",
+          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "dbn_gn_mx": "DBN (gn_mx)"}
+PRECISIONS = ("fp32", "amp")
+BATCH_SIZES = (2, 4, 8, 32)
+CHANNELS = (16, 32, 32)
+GN_GROUP_SIZE = 4   # channels per group for GroupNorm: 4 and 8 groups
+DBN_GROUP_SIZE = 8  # channels per whitening group for DBN
+
+
+# ------------------------------------------------------------------------------------------------
+# Progress bar: tqdm when installed, else a minimal one on stderr
+
+class _SimpleBar:
+    def __init__(self, total, desc, disable=False):
+        self.total, self.desc, self.n, self.disable = total, desc, 0, disable
+        self.postfix = ""
+        self._last = -1
+
+    def update(self, k=1):
+        self.n += k
+        pct = int(100 * self.n / max(self.total, 1))
+        if not self.disable and (pct != self._last or self.n == self.total):
+            self._last = pct
+            filled = pct * 30 // 100
+            sys.stderr.write(f"\r{self.desc} [{'#' * filled}{'.' * (30 - filled)}] {pct:3d}% "
+                             f"{self.postfix}")
+            sys.stderr.flush()
+
+    def set_postfix_str(self, s):
+        self.postfix = s
+
+    def close(self):
+        if not self.disable:
+            sys.stderr.write("\n")
+            sys.stderr.flush()
+
+
+def progress(total, desc, disable):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return _SimpleBar(total, desc, disable)
+    return tqdm(total=total, desc=desc, disable=disable, leave=False, dynamic_ncols=True,
+                file=sys.stderr)
+
+
+# ------------------------------------------------------------------------------------------------
+# Data and model
+
+def load_data(quick, seed=0):
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError:
+        sys.exit("train_small_batch.py needs scikit-learn for its data set: pip install 'scikit-learn<1.4'")
+    digits = load_digits()
+    x = digits.images.astype(np.float32)[:, None] / 16.0       # (1797, 1, 8, 8)
+    y = digits.target.astype(np.float32)
+    perm = np.random.RandomState(seed).permutation(len(x))
+    x, y = x[perm], y[perm]
+    n_val = 360
+    x_tr, y_tr, x_va, y_va = x[n_val:], y[n_val:], x[:n_val], y[:n_val]
+    if quick:
+        x_tr, y_tr = x_tr[:384], y_tr[:384]
+    mean, std = x_tr.mean(), x_tr.std()
+    return (x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va
+
+
+def make_norm(kind, channels):
+    if kind == "batchnorm":
+        return gluon.nn.BatchNorm()
+    if kind == "groupnorm_mxnet":
+        return gluon.nn.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
+    if kind == "groupnorm_gn_mx":
+        return gn_mx.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
+    if kind == "dbn_gn_mx":
+        return gn_mx.DecorrelatedBatchNorm(num_groups=channels // DBN_GROUP_SIZE)
+    raise ValueError(f"unknown normalization {kind!r}")
+
+
+def make_net(kind):
+    """conv-norm-relu x3 (8x8 -> 8x8 -> 4x4 -> 4x4), global average pool, linear classifier."""
+    net = gluon.nn.HybridSequential()
+    with net.name_scope():
+        for i, c in enumerate(CHANNELS):
+            net.add(gluon.nn.Conv2D(c, 3, padding=1, strides=2 if i == 1 else 1, use_bias=False))
+            net.add(make_norm(kind, c))
+            net.add(gluon.nn.Activation("relu"))
+        net.add(gluon.nn.GlobalAvgPool2D())
+        net.add(gluon.nn.Dense(10))
+    return net
+
+
+# ------------------------------------------------------------------------------------------------
+# Training
+
+def evaluate(net, x, y, ctx, batch=120):
+    correct = 0
+    for i in range(0, len(x), batch):  # inference mode: BN/DBN use their running statistics
+        out = net(mx.nd.array(x[i:i + batch], ctx=ctx))
+        correct += int((out.argmax(axis=1).asnumpy() == y[i:i + batch]).sum())
+    return correct / len(x)
+
+
+def train_one(kind, precision, batch_size, data, args, ctx):
+    x_tr, y_tr, x_va, y_va = data
+    seed = args.seed
+    mx.random.seed(seed)
+    rng = np.random.RandomState(seed)
+    net = make_net(kind)
+    net.initialize(mx.init.Xavier(magnitude=2.0), ctx=ctx)
+    net.hybridize(static_alloc=True, static_shape=True)
+    lr = args.base_lr * batch_size / 32.0  # linear scaling rule (Goyal et al.), as in the GN paper
+    steps_per_epoch = len(x_tr) // batch_size
+    total = steps_per_epoch * args.epochs
+    schedule = mx.lr_scheduler.CosineScheduler(max_update=max(total, 1), base_lr=lr,
+                                               final_lr=lr * 0.01)
+    trainer = gluon.Trainer(net.collect_params(), "sgd",
+                            {"learning_rate": lr, "momentum": 0.9, "wd": 1e-4,
+                             "lr_scheduler": schedule})
+    if precision == "amp":
+        amp.init_trainer(trainer)
+    loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
+    bar = progress(total, f"{LABELS[kind]:<27} {precision:>4} bs={batch_size:<2}", args.no_progress)
+    t0 = time.time()
+    loss_ema, diverged = None, False
+    for epoch in range(args.epochs):
+        perm = rng.permutation(len(x_tr))
+        for s in range(steps_per_epoch):
+            idx = perm[s * batch_size:(s + 1) * batch_size]
+            xb = mx.nd.array(x_tr[idx], ctx=ctx)
+            yb = mx.nd.array(y_tr[idx], ctx=ctx)
+            with autograd.record():
+                loss = loss_fn(net(xb), yb)
+                if precision == "amp":
+                    with amp.scale_loss(loss, trainer) as scaled:
+                        autograd.backward(scaled)
+                else:
+                    loss.backward()
+            trainer.step(batch_size)
+            bar.update(1)
+            if s % 20 == 0 or s == steps_per_epoch - 1:
+                cur = float(loss.mean().asscalar())
+                if not np.isfinite(cur):
+                    diverged = True
+                loss_ema = cur if loss_ema is None else 0.9 * loss_ema + 0.1 * cur
+                bar.set_postfix_str(f"loss {loss_ema:.3f}")
+    bar.close()
+    train_time = time.time() - t0
+    acc = evaluate(net, x_va, y_va, ctx)
+    return {"norm": kind, "precision": precision, "batch_size": batch_size, "val_acc": acc,
+            "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 2),
+            "steps": total}
+
+
+# ------------------------------------------------------------------------------------------------
+# Reporting
+
+def results_table(results, batch_sizes):
+    by = {(r["norm"], r["precision"], r["batch_size"]): r for r in results}
+    rows = sorted({(r["norm"], r["precision"]) for r in results},
+                  key=lambda k: (PRECISIONS.index(k[1]), NORMS.index(k[0])))
+    head = "| normalization | precision | " + " | ".join(f"bs={b}" for b in batch_sizes) + " |"
+    lines = [head, "|" + "---|" * (2 + len(batch_sizes))]
+    for norm, prec in rows:
+        cells = []
+        for b in batch_sizes:
+            r = by.get((norm, prec, b))
+            cells.append("-" if r is None else f"{100 * r['val_acc']:.1f}%"
+                         + (" (diverged)" if r["diverged"] else ""))
+        pname = "fp32" if prec == "fp32" else "AMP fp16"
+        lines.append(f"| {LABELS[norm]} | {pname} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def plot(results, batch_sizes, path, title):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("(matplotlib is not installed: no plot; pip install 'matplotlib<3.9')")
+        return None
+    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
+    colors = {"batchnorm": "tab:blue", "groupnorm_mxnet": "tab:gray",
+              "groupnorm_gn_mx": "tab:orange", "dbn_gn_mx": "tab:green"}
+    for norm in NORMS:
+        for prec, style in (("fp32", "-o"), ("amp", "--s")):
+            pts = sorted((r["batch_size"], 100 * r["val_acc"]) for r in results
+                         if r["norm"] == norm and r["precision"] == prec)
+            if pts:
+                bs, acc = zip(*pts)
+                ax.plot(bs, acc, style, color=colors[norm], markersize=4, linewidth=1.5,
+                        label=f"{LABELS[norm]}, {'fp32' if prec == 'fp32' else 'AMP fp16'}",
+                        alpha=1.0 if prec == "fp32" else 0.7)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(list(batch_sizes))
+    ax.set_xticklabels([str(b) for b in batch_sizes])
+    ax.invert_xaxis()  # as in the paper's Figure 1: batch size shrinks to the right
+    ax.set_xlabel("batch size (images per device)")
+    ax.set_ylabel("validation accuracy (%)")
+    ax.set_title(title, fontsize=10)
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7, loc="lower left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 384 training images, 2 epochs (< 2 min on 2 CPU cores; its accuracies "
+                        "only show that training works)")
+    p.add_argument("--epochs", type=int, default=None, help="default 6 (2 with --quick)")
+    p.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
+    p.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS)
+    p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
+    p.add_argument("--base-lr", type=float, default=0.2, help="learning rate at batch size 32")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                 "results"))
+    p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    args = p.parse_args(argv)
+    if args.epochs is None:
+        args.epochs = 2 if args.quick else 6
+    if "dbn_gn_mx" in args.norms and not hasattr(gn_mx, "DecorrelatedBatchNorm"):
+        print("gn_mx.DecorrelatedBatchNorm is not available in this build: skipping DBN")
+        args.norms = [n for n in args.norms if n != "dbn_gn_mx"]
+
+    ctx = mx.gpu(0) if mx.context.num_gpus() > 0 else mx.cpu()
+    data = load_data(args.quick, args.seed)
+    print(f"digits: {len(data[0])} train / {len(data[2])} val images, {args.epochs} epoch(s), "
+          f"context {ctx}, mxnet {mx.__version__}")
+    results = []
+    t_start = time.time()
+    # amp.init() is process-global and irreversible: every fp32 run goes first.
+    for prec in [q for q in PRECISIONS if q in args.precisions]:
+        if prec == "amp":
+            if ctx.device_type == "gpu":
+                amp.init()
+                how = "amp.init() (full AMP: conv/dense in fp16)"
+            else:
+                amp.init(**gn_mx.amp.cpu_init_kwargs())
+                how = "amp.init(**gn_mx.amp.cpu_init_kwargs()) (CPU: conv/dense kept fp32)"
+            print(f"AMP: {how}")
+        for kind in args.norms:
+            for bs in args.batch_sizes:
+                r = train_one(kind, prec, bs, data, args, ctx)
+                results.append(r)
+                if args.no_progress:
+                    print(f"  {LABELS[kind]:<27} {prec:>4} bs={bs:<2} val acc "
+                          f"{100 * r['val_acc']:.1f}%  ({r['train_time_s']:.1f}s)")
+    elapsed = time.time() - t_start
+
+    os.makedirs(args.out, exist_ok=True)
+    stem = os.path.join(args.out, "small_batch_quick" if args.quick else "small_batch")
+    table = results_table(results, args.batch_sizes)
+    setup = (f"scikit-learn digits, {len(data[0])} train / {len(data[2])} val images, "
+             f"{args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
+             f"context {ctx}, {elapsed:.0f} s total")
+    print("\nValidation accuracy (" + setup + ")\n\n" + table)
+    with open(stem + ".json", "w") as f:
+        json.dump({"setup": setup, "args": vars(args), "results": results}, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(f"Validation accuracy ({setup})\n\n{table}\n")
+    png = plot(results, args.batch_sizes, stem + ".png",
+               f"digits: val. accuracy vs batch size ({args.epochs} epoch(s), {ctx.device_type})")
+    print("\nwrote " + ", ".join(x for x in (stem + ".json", stem + ".md", png) if x))
+    return results
+
+
+if __name__ == "__main__":
+    main()
