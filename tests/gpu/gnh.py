@@ -173,3 +173,51 @@ class GroupNormBwd:
 def group_norm_bwd(dy, x, mean, rstd, gamma, G, dmean=None, drstd=None, param_grads=True,
                    dx=None):
     return GroupNormBwd(dy, x, mean, rstd, gamma, G, dmean, drstd, param_grads, dx)()
+
+
+# -------------------------------------------------------------------------------------------------
+# Decorrelated BN
+
+
+def dbn_fwd(x, G, running_mean=None, running_proj=None, eps=1e-5, momentum=0.9):
+    """Training forward; returns (y, mean (C,), eigvec (G, D, D), eigval (G, D)); updates the
+    running statistics in place when given."""
+    lib = load()
+    N, C, G, S = _dims(x, G)
+    D = C // G
+    acc = ACC[x.dtype]
+    stat = running_mean if running_mean is not None else running_proj
+    scode = DTYPE_CODE[stat.dtype] if stat is not None else DTYPE_CODE[acc]
+    y = torch.empty_like(x)
+    mean = torch.empty(C, dtype=acc, device=x.device)
+    eigvec = torch.empty(G, D, D, dtype=acc, device=x.device)
+    eigval = torch.empty(G, D, dtype=acc, device=x.device)
+    ws = workspace(lib.gnh_dbn_fwd_workspace(DTYPE_CODE[x.dtype], scode, N, C, G, S), x.device)
+    _check(lib.gnh_dbn_fwd(DTYPE_CODE[x.dtype], scode, _p(x), _p(y), _p(mean), _p(eigvec),
+                           _p(eigval), _p(running_mean), _p(running_proj), _p(ws), N, C, G, S,
+                           float(eps), float(momentum), _stream()), "gnh_dbn_fwd")
+    return y, mean, eigvec, eigval
+
+
+def dbn_bwd(dy, x, mean, eigvec, eigval, G):
+    lib = load()
+    N, C, G, S = _dims(x, G)
+    dx = torch.empty_like(x)
+    ws = workspace(lib.gnh_dbn_bwd_workspace(DTYPE_CODE[x.dtype], N, C, G, S), x.device)
+    _check(lib.gnh_dbn_bwd(DTYPE_CODE[x.dtype], _p(dy), _p(x), _p(mean), _p(eigvec), _p(eigval),
+                           _p(dx), _p(ws), N, C, G, S, _stream()), "gnh_dbn_bwd")
+    return dx
+
+
+def dbn_inference(x, running_mean, running_proj, G, backward=False):
+    """y = P (x - running_mean) per group; with backward=True, x is dy and the result P^T dy."""
+    lib = load()
+    N, C, G, S = _dims(x, G)
+    scode = DTYPE_CODE[running_proj.dtype]
+    y = torch.empty_like(x)
+    ws = workspace(lib.gnh_dbn_inference_workspace(DTYPE_CODE[x.dtype], scode, N, C, G, S),
+                   x.device)
+    _check(lib.gnh_dbn_inference(DTYPE_CODE[x.dtype], scode, int(backward), _p(x),
+                                 _p(running_mean), _p(running_proj), _p(y), _p(ws), N, C, G, S,
+                                 _stream()), "gnh_dbn_inference")
+    return y
