@@ -1,0 +1,48 @@
+"""The examples run end to end. examples/train_small_batch.py --quick must stay under 2 minutes on
+2 CPU cores (it takes ~45 s); it needs scikit-learn for its data set (matplotlib for the plot)."""
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_train_small_batch_quick(tmp_path):
+    pytest.importorskip("sklearn", reason="train_small_batch.py needs scikit-learn (digits data)")
+    import gn_mx
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_small_batch.py"), "--quick",
+         "--out", str(tmp_path)],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=env)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+
+    with open(tmp_path / "small_batch_quick.json") as f:
+        report = json.load(f)
+    results = report["results"]
+    norms = ["batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx"]
+    if hasattr(gn_mx, "DecorrelatedBatchNorm"):
+        norms.append("dbn_gn_mx")
+    got = {(r["norm"], r["precision"], r["batch_size"]) for r in results}
+    want = {(n, p, b) for n in norms for p in ("fp32", "amp") for b in (2, 4, 8, 32)}
+    assert got == want
+    for r in results:
+        assert not r["diverged"], r
+        assert 0.0 <= r["val_acc"] <= 1.0 and math.isfinite(r["final_loss"]), r
+    # it learns (chance is 10%): the best run of each normalization is well above chance
+    for n in norms:
+        assert max(r["val_acc"] for r in results if r["norm"] == n) > 0.4, (n, results)
+
+    table = (tmp_path / "small_batch_quick.md").read_text()
+    assert "| GroupNorm (gn_mx) | AMP fp16 |" in table and "bs=2" in table
+    assert "| GroupNorm (gn_mx) | AMP fp16 |" in proc.stdout
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    png = tmp_path / "small_batch_quick.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
