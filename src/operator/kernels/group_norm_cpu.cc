@@ -49,6 +49,13 @@ constexpr int64_t kBuf = 512;              // AccT buffer length of the buffered
 constexpr int64_t kMinParallel = 1 << 14;  // fewer elements than this: no OpenMP fork
 constexpr int64_t kMinCoopGroup = 1 << 13; // smallest group that threads share
 constexpr int64_t kSliceAlign = 64;        // slice boundaries (elements) of a shared group
+// Outputs of at least this many bytes are written with streaming stores: they cannot stay in cache
+// anyway, and streaming saves the read-for-ownership of every output line (1/3 of the traffic).
+constexpr int64_t kStreamBytes = int64_t(8) << 20;
+
+bool stream_output(int64_t elems, size_t elem_size) {
+  return elems * static_cast<int64_t>(elem_size) >= kStreamBytes;
+}
 
 int team_size() {
 #if defined(_OPENMP)
@@ -147,13 +154,14 @@ inline void for_elements(int64_t i0, int64_t len, int64_t S, F&& f) {
 // y[lo, hi) of one group, given its statistics; gam/bet point at the group's D channels (AccT).
 template <typename T>
 void fwd_range(const simd::Prims<T>& P, const T* xg, T* yg, int64_t lo, int64_t hi, int64_t S,
-               AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet) {
+               AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet, bool nt) {
   using A = AccT<T>;
   if (S >= kSmallS) {
+    const auto affine = nt ? P.affine_nt : P.affine;
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t s0, int64_t s1) {
       A a, b;
       gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
-      P.affine(xg + s0, yg + s0, s1 - s0, a, b);
+      affine(xg + s0, yg + s0, s1 - s0, a, b);
     });
     return;
   }
@@ -190,17 +198,22 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
   const int64_t G = a.G, D = a.C / a.G, S = a.S, NG = a.N * G, M = D * S;
   const A eps = static_cast<A>(a.eps);
   const Plan pl = make_plan(NG, M);
+  const bool nt = stream_output(NG * M, sizeof(T));
 
   if (!pl.coop) {
-#pragma omp parallel for schedule(static) num_threads(pl.nt) if (pl.nt > 1)
-    for (int64_t ng = 0; ng < NG; ++ng) {
-      const int64_t g = ng % G;
-      const T* xg = x + ng * M;
-      const Welford<A> w = range_moments(P, xg, M);
-      const A r = gn_rstd<A>(w.var(), eps);
-      mean[ng] = w.mean;
-      rstd[ng] = r;
-      fwd_range(P, xg, y + ng * M, 0, M, S, w.mean, r, gam + g * D, bet + g * D);
+#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
+    {
+#pragma omp for schedule(static)
+      for (int64_t ng = 0; ng < NG; ++ng) {
+        const int64_t g = ng % G;
+        const T* xg = x + ng * M;
+        const Welford<A> w = range_moments(P, xg, M);
+        const A r = gn_rstd<A>(w.var(), eps);
+        mean[ng] = w.mean;
+        rstd[ng] = r;
+        fwd_range(P, xg, y + ng * M, 0, M, S, w.mean, r, gam + g * D, bet + g * D, nt);
+      }
+      if (nt) P.fence();
     }
     return;
   }
@@ -223,8 +236,9 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
         mean[ng] = w.mean;
         rstd[ng] = r;
       }
-      fwd_range(P, xg, y + ng * M, lo, hi, S, w.mean, r, gam + g * D, bet + g * D);
+      fwd_range(P, xg, y + ng * M, lo, hi, S, w.mean, r, gam + g * D, bet + g * D, nt);
     }
+    if (nt) P.fence();
   }
 }
 
@@ -338,11 +352,12 @@ void bwd_sums_range(const simd::Prims<T>& P, const T* xg, const T* dyg, int64_t 
 template <typename T>
 void bwd_dx_range(const simd::Prims<T>& P, const T* xg, const T* dyg, T* dxg, int64_t lo,
                   int64_t hi, int64_t S, AccT<T> mu, AccT<T> r, const AccT<T>* gam, AccT<T> c2,
-                  AccT<T> c3) {
+                  AccT<T> c3, bool nt) {
   using A = AccT<T>;
   if (S >= kSmallS) {
+    const auto bwd_dx = nt ? P.bwd_dx_nt : P.bwd_dx;
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t a0, int64_t a1) {
-      P.bwd_dx(xg + a0, dyg + a0, dxg + a0, a1 - a0, mu, r * gam[d], c2, c3);
+      bwd_dx(xg + a0, dyg + a0, dxg + a0, a1 - a0, mu, r * gam[d], c2, c3);
     });
     return;
   }
@@ -381,6 +396,7 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam) {
   const A* drstd_o = static_cast<const A*>(a.drstd);
   const A inv_m = A(1) / static_cast<A>(M);
   const Plan pl = make_plan(NG, M);
+  const bool nt = stream_output(NG * M, sizeof(T));
 
   auto coeffs = [&](int64_t ng, const A* s1, const A* s2, const A* gg, A* c2, A* c3) {
     A sum_a = 0, sum_b = 0;
@@ -393,20 +409,24 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam) {
   };
 
   if (!pl.coop) {
-#pragma omp parallel for schedule(static) num_threads(pl.nt) if (pl.nt > 1)
-    for (int64_t ng = 0; ng < NG; ++ng) {
-      const int64_t n = ng / G, g = ng % G;
-      const A mu = mean[ng];
-      const T* xg = x + ng * M;
-      const T* dyg = dy + ng * M;
-      A* s1 = dsc + n * C + g * D;
-      A* s2 = db + n * C + g * D;
-      std::fill(s1, s1 + D, A(0));
-      std::fill(s2, s2 + D, A(0));
-      bwd_sums_range(P, xg, dyg, 0, M, S, mu, s1, s2);
-      A c2, c3;
-      coeffs(ng, s1, s2, gam + g * D, &c2, &c3);
-      bwd_dx_range(P, xg, dyg, dx + ng * M, 0, M, S, mu, rstd[ng], gam + g * D, c2, c3);
+#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
+    {
+#pragma omp for schedule(static)
+      for (int64_t ng = 0; ng < NG; ++ng) {
+        const int64_t n = ng / G, g = ng % G;
+        const A mu = mean[ng];
+        const T* xg = x + ng * M;
+        const T* dyg = dy + ng * M;
+        A* s1 = dsc + n * C + g * D;
+        A* s2 = db + n * C + g * D;
+        std::fill(s1, s1 + D, A(0));
+        std::fill(s2, s2 + D, A(0));
+        bwd_sums_range(P, xg, dyg, 0, M, S, mu, s1, s2);
+        A c2, c3;
+        coeffs(ng, s1, s2, gam + g * D, &c2, &c3);
+        bwd_dx_range(P, xg, dyg, dx + ng * M, 0, M, S, mu, rstd[ng], gam + g * D, c2, c3, nt);
+      }
+      if (nt) P.fence();
     }
   } else {
     // part[(parity, thread)] holds 2*D partial sums; double-buffered by group parity so one
@@ -447,8 +467,9 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam) {
         A c2, c3;
         gn_bwd_coeffs<A>(sum_a, sum_b, rstd[ng], inv_m, dmean_o ? dmean_o[ng] : A(0),
                          drstd_o ? drstd_o[ng] : A(0), &c2, &c3);
-        bwd_dx_range(P, xg, dyg, dx + ng * M, lo, hi, S, mu, rstd[ng], gam + g * D, c2, c3);
+        bwd_dx_range(P, xg, dyg, dx + ng * M, lo, hi, S, mu, rstd[ng], gam + g * D, c2, c3, nt);
       }
+      if (nt) P.fence();
     }
   }
 }
@@ -463,17 +484,29 @@ void bwd_params(const GroupNormBwdArgs& a) {
   const A* dsc = static_cast<const A*>(a.workspace);
   const int64_t N = a.N, C = a.C, G = a.G, D = C / G;
   const A* db = dsc + N * C;
-  const int nt = N * C >= kMinParallel / 4 ? team_size() : 1;
-#pragma omp parallel for schedule(static) num_threads(nt) if (nt > 1)
-  for (int64_t c = 0; c < C; ++c) {
-    const int64_t g = c / D;
-    A sg = 0, sb = 0;
-    for (int64_t n = 0; n < N; ++n) {
-      sg += dsc[n * C + c] * rstd[n * G + g];
-      sb += db[n * C + c];
+  // Row order (n outer, c inner): contiguous reads of the (N, C) sums; threads own channel ranges.
+  const int nt = N * C >= kMinParallel ? team_size() : 1;
+#pragma omp parallel num_threads(nt) if (nt > 1)
+  {
+    const int t = thread_id(), T_ = num_threads();
+    const int64_t per = (C + T_ - 1) / T_;
+    const int64_t c0 = std::min(C, per * t), c1 = std::min(C, c0 + per);
+    if (c0 < c1) {
+      std::vector<A> sg(static_cast<size_t>(c1 - c0), A(0)), sb(static_cast<size_t>(c1 - c0), A(0));
+      for (int64_t n = 0; n < N; ++n) {
+        const A* ds = dsc + n * C;
+        const A* dbn = db + n * C;
+        const A* rn = rstd + n * G;
+        for (int64_t c = c0; c < c1; ++c) {
+          sg[c - c0] += ds[c] * rn[c / D];
+          sb[c - c0] += dbn[c];
+        }
+      }
+      for (int64_t c = c0; c < c1; ++c) {
+        if (dgamma) dgamma[c] = from_acc<P>(sg[c - c0]);
+        if (dbeta) dbeta[c] = from_acc<P>(sb[c - c0]);
+      }
     }
-    if (dgamma) dgamma[c] = from_acc<P>(sg);
-    if (dbeta) dbeta[c] = from_acc<P>(sb);
   }
 }
 

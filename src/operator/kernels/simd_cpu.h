@@ -39,6 +39,11 @@ struct Prims {
   void (*bwd_sums)(const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2);
   // dx = c1 dy + c2 (x - mu) + c3.
   void (*bwd_dx)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
+  // The same two with non-temporal (streaming) stores, for outputs too large to stay in cache; a
+  // thread that used them calls fence() before its results are read by others.
+  void (*affine_nt)(const T* x, T* y, int64_t n, A a, A b);
+  void (*bwd_dx_nt)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
+  void (*fence)();
   // Widen / narrow a short run through an AccT buffer (small-spatial paths).
   void (*load)(const T* x, A* out, int64_t n);
   void (*store)(const A* in, T* out, int64_t n);
@@ -105,10 +110,14 @@ void store_generic(const AccT<T>* in, T* out, int64_t n) {
   for (int64_t i = 0; i < n; ++i) out[i] = from_acc<T>(in[i]);
 }
 
+inline void fence_none() {}
+
 template <typename T>
 const Prims<T>& generic_prims() {
   static const Prims<T> p = {moments_generic<T>, affine_generic<T>, bwd_sums_generic<T>,
-                             bwd_dx_generic<T>,  load_generic<T>,   store_generic<T>, "generic"};
+                             bwd_dx_generic<T>,  affine_generic<T>, bwd_dx_generic<T>,
+                             fence_none,         load_generic<T>,   store_generic<T>,
+                             "generic"};
   return p;
 }
 
@@ -126,6 +135,19 @@ GNMX_AVX2_INLINE __m256 ld8(const Half* p) {
 GNMX_AVX2_INLINE void st8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
 GNMX_AVX2_INLINE void st8(Half* p, __m256 v) {
   _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+// Streaming stores: 32-byte aligned fp32 / 16-byte aligned fp16 destinations.
+GNMX_AVX2_INLINE void st8nt(float* p, __m256 v) { _mm256_stream_ps(p, v); }
+GNMX_AVX2_INLINE void st8nt(Half* p, __m256 v) {
+  _mm_stream_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
+}
+template <typename T>
+GNMX_AVX2_INLINE bool nt_aligned(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & (8 * sizeof(T) - 1)) == 0;
+}
+template <bool NT, typename T>
+GNMX_AVX2_INLINE void st8x(T* p, __m256 v) {
+  if (NT) st8nt(p, v); else st8(p, v);
 }
 GNMX_AVX2_INLINE float ld1(const float* p) { return *p; }
 GNMX_AVX2_INLINE float ld1(const Half* p) { return _cvtsh_ss(p->bits); }
@@ -177,15 +199,18 @@ GNMX_AVX2 void moments_avx2(const T* x, int64_t n, float* mean, float* m2) {
   *m2 = q;
 }
 
-template <typename T>
+template <typename T, bool NT>
 GNMX_AVX2 void affine_avx2(const T* x, T* y, int64_t n, float a, float b) {
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   int64_t i = 0;
-  for (; i + 16 <= n; i += 16) {
-    st8(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
-    st8(y + i + 8, _mm256_fmadd_ps(ld8(x + i + 8), va, vb));
+  if (NT) {
+    for (; i < n && !nt_aligned(y + i); ++i) st1(y + i, ld1(x + i) * a + b);
   }
-  for (; i + 8 <= n; i += 8) st8(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
+  for (; i + 16 <= n; i += 16) {
+    st8x<NT>(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
+    st8x<NT>(y + i + 8, _mm256_fmadd_ps(ld8(x + i + 8), va, vb));
+  }
+  for (; i + 8 <= n; i += 8) st8x<NT>(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
   for (; i < n; ++i) st1(y + i, ld1(x + i) * a + b);
 }
 
@@ -216,24 +241,30 @@ GNMX_AVX2 void bwd_sums_avx2(const T* x, const T* dy, int64_t n, float mu, float
   *s2 += a2;
 }
 
-template <typename T>
+template <typename T, bool NT>
 GNMX_AVX2 void bwd_dx_avx2(const T* x, const T* dy, T* dx, int64_t n, float mu, float c1, float c2,
                            float c3) {
   const __m256 vmu = _mm256_set1_ps(mu), v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2),
                v3 = _mm256_set1_ps(c3);
   int64_t i = 0;
+  if (NT) {
+    for (; i < n && !nt_aligned(dx + i); ++i)
+      st1(dx + i, c1 * ld1(dy + i) + c2 * (ld1(x + i) - mu) + c3);
+  }
   for (; i + 16 <= n; i += 16) {
     const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i), vmu), v3);
     const __m256 t1 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i + 8), vmu), v3);
-    st8(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
-    st8(dx + i + 8, _mm256_fmadd_ps(v1, ld8(dy + i + 8), t1));
+    st8x<NT>(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
+    st8x<NT>(dx + i + 8, _mm256_fmadd_ps(v1, ld8(dy + i + 8), t1));
   }
   for (; i + 8 <= n; i += 8) {
     const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i), vmu), v3);
-    st8(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
+    st8x<NT>(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
   }
   for (; i < n; ++i) st1(dx + i, c1 * ld1(dy + i) + c2 * (ld1(x + i) - mu) + c3);
 }
+
+GNMX_AVX2 inline void fence_avx2() { _mm_sfence(); }
 
 template <typename T>
 GNMX_AVX2 void load_avx2(const T* x, float* out, int64_t n) {
@@ -279,23 +310,29 @@ inline bool cpu_has_avx2() {
 template <typename T> struct Avx2Prims;
 template <> struct Avx2Prims<float> {
   static const Prims<float>& get() {
-    static const Prims<float> p = {moments_avx2<float>, affine_avx2<float>, bwd_sums_avx2<float>,
-                                   bwd_dx_avx2<float>,  load_avx2<float>,   store_avx2<float>,
-                                   "avx2"};
+    static const Prims<float> p = {
+        moments_avx2<float>,         affine_avx2<float, false>, bwd_sums_avx2<float>,
+        bwd_dx_avx2<float, false>,   affine_avx2<float, true>,  bwd_dx_avx2<float, true>,
+        fence_avx2,                  load_avx2<float>,          store_avx2<float>,
+        "avx2"};
     return p;
   }
 };
 template <> struct Avx2Prims<Half> {
   static const Prims<Half>& get() {
-    static const Prims<Half> p = {moments_avx2<Half>, affine_avx2<Half>, bwd_sums_avx2<Half>,
-                                  bwd_dx_avx2<Half>,  load_avx2<Half>,   store_avx2<Half>, "avx2"};
+    static const Prims<Half> p = {
+        moments_avx2<Half>,        affine_avx2<Half, false>, bwd_sums_avx2<Half>,
+        bwd_dx_avx2<Half, false>,  affine_avx2<Half, true>,  bwd_dx_avx2<Half, true>,
+        fence_avx2,                load_avx2<Half>,          store_avx2<Half>,
+        "avx2"};
     return p;
   }
 };
 template <> struct Avx2Prims<double> {
   static const Prims<double>& get() {
     static const Prims<double> p = {moments_avx2_d, affine_avx2_d,        bwd_sums_avx2_d,
-                                    bwd_dx_avx2_d,  load_generic<double>, store_generic<double>,
+                                    bwd_dx_avx2_d,  affine_avx2_d,        bwd_dx_avx2_d,
+                                    fence_none,     load_generic<double>, store_generic<double>,
                                     "avx2"};
     return p;
   }
