@@ -55,6 +55,36 @@ def test_cpu_op_lists_keep_gemm_fp32():
         gn_mx.amp.cpu_op_lists("bfloat16")
 
 
+@pytest.mark.parametrize("cast_optional_params", [False, True])
+def test_convert_symbol_raw_ops_with_unknown_dtypes(cast_optional_params):
+    """The graph pass calls our inferType with only data's dtype known (gamma/beta -1) and keeps
+    parameters fp32 (cast_optional_params=False) or casts them to fp16 offline (True)."""
+    from mxnet.contrib import amp  # convert_symbol needs no amp.init()
+    data, gamma, beta = mx.sym.var("data"), mx.sym.var("gamma"), mx.sym.var("beta")
+    gn = mx.sym.gn_group_norm(data, gamma, beta, num_groups=2, name="gn")
+    mom = mx.sym.gn_moments(gn[0], num_groups=2, name="mom")
+    sym = mx.sym.Group([gn[0], mom[0], mom[1]])
+    conv = amp.convert_symbol(sym, target_dtype="float16", data_names=["data"],
+                              cast_optional_params=cast_optional_params)
+    ns = json.loads(conv.tojson(remove_amp_cast=False))["nodes"]
+    gn_node = [n for n in ns if n["op"] == "gn_group_norm"][0]
+    assert ns[gn_node["inputs"][0][0]]["op"] == "amp_cast"  # data cast to fp16 before the op
+    arg_t, out_t, _ = conv.infer_type(data="float32")
+    args = dict(zip(conv.list_arguments(), arg_t))
+    want_param = np.float16 if cast_optional_params else np.float32
+    assert args["gamma"] == want_param and args["beta"] == want_param
+    assert out_t == [np.float32] * 3  # fp16 outputs are cast back; moments are fp32 anyway
+
+    rng = np.random.RandomState(0)
+    feed = {"data": mx.nd.array(rng.randn(2, 4, 5) * 3 + 1),
+            "gamma": mx.nd.array(rng.rand(4) + 0.5), "beta": mx.nd.array(rng.randn(4))}
+    ref = [o.asnumpy() for o in sym.bind(mx.cpu(), dict(feed)).forward()]
+    feed16 = {k: v.astype(args[k]) for k, v in feed.items()}
+    got = [o.asnumpy() for o in conv.bind(mx.cpu(), feed16).forward()]
+    for r, g in zip(ref, got):
+        np.testing.assert_allclose(g, r, rtol=1e-2, atol=1e-2)
+
+
 # -------------------------------------------------------------------------------------------------
 # AMP scenarios, each in a fresh interpreter
 
@@ -193,6 +223,7 @@ def _scenario(order, body):
 @pytest.mark.parametrize("order", ["gn_first", "amp_first"])
 def test_amp_init_trainer_training(order):
     r = _scenario(order, _TRAIN)
+    assert r["has_dbn"] == HAS_DBN
     # every wrapper survives the library load, ours included, in either order
     assert all(r["wrapped"].values()), r["wrapped"]
     assert all(r["wrapped_sym"].values()), r["wrapped_sym"]
@@ -213,6 +244,7 @@ def test_amp_init_trainer_training(order):
 @pytest.mark.parametrize("order", ["gn_first", "amp_first"])
 def test_amp_convert_hybrid_block(order):
     r = _scenario(order, _CONVERT)
+    assert r["has_dbn"] == HAS_DBN
     assert r["convert_err"] < 2e-2, r
     assert r["convert_out_dtype"] == "float32"
     for key in ("convert_symbol_explicit", "convert_symbol_defaults", "convert_symbol_bf16"):
