@@ -484,6 +484,41 @@ def test_block_float16(hybridize):
     np.testing.assert_allclose(y_eval.asnumpy(), ref, *tol(np.float16))
 
 
+class _ToFloat16(gluon.HybridBlock):
+    def hybrid_forward(self, F, x):
+        return F.cast(x, dtype="float16")
+
+
+def test_multi_precision_float32_params_float16_data(tmp_path):
+    """float32 gamma/beta/running stats with float16 data produced inside a hybridized net: the
+    trace hook infers the layer's data dtype and casts the affine parameters with plain casts."""
+    def make():
+        net = gluon.nn.HybridSequential()
+        with net.name_scope():
+            net.add(gluon.nn.Conv2D(4, 3, padding=1, in_channels=4), _ToFloat16(),
+                    gn_mx.DecorrelatedBatchNorm(num_groups=2))
+        return net
+    imp = make()
+    imp.initialize(mx.init.Xavier(), ctx=CPU)
+    x = mx.nd.array(_data((4, 4, 5, 5), np.float32))
+    imp(x)
+    f = str(tmp_path / "mp.params")
+    imp.save_parameters(f)
+    hyb = make()
+    hyb.load_parameters(f, ctx=CPU)
+    hyb.hybridize()
+    yi, dxi, gi = _train_step(imp, x)
+    yh, dxh, gh = _train_step(hyb, x)
+    assert yh.dtype == np.float16 and _dbn_layer(hyb).gamma.data().dtype == np.float32
+    np.testing.assert_allclose(yh, yi, rtol=1e-3, atol=1e-3)
+    for k in gi:
+        np.testing.assert_allclose(gh[k], gi[k], rtol=2e-2, atol=2e-2)
+    np.testing.assert_allclose(hyb(x).asnumpy(), imp(x).asnumpy(), rtol=1e-3, atol=1e-3)
+    hyb.export(str(tmp_path / "mp"))
+    ops = [n["op"] for n in json.load(open(str(tmp_path / "mp-symbol.json")))["nodes"]]
+    assert "amp_multicast" not in ops and "Cast" in ops
+
+
 def test_block_constructor_errors():
     with pytest.raises(ValueError, match="num_groups"):
         gn_mx.DecorrelatedBatchNorm(num_groups=0)

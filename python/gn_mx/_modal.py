@@ -28,9 +28,38 @@ _CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", 
 _MODES = "_gnmx_modes"
 
 
-def note_modal_trace():
-    """Called by a block's hybrid_forward when it is traced with F=mx.sym and is mode-dependent."""
+def note_modal_trace(blk=None, data=None):
+    """Called by a block's hybrid_forward when it is traced with F=mx.sym and is mode-dependent.
+
+    `blk`/`data` (the block and its input Symbol) ask for the dtype of `data` to be inferred
+    after the trace and stored in `blk._traced_data_dtype` (see _resolve_dtypes).
+    """
     _tls.count = getattr(_tls, "count", 0) + 1
+    if blk is not None:
+        traced = getattr(_tls, "traced", None)
+        if traced is not None:
+            traced.append((blk, data))
+
+
+def _resolve_dtypes(inputs, args, traced):
+    """Infer the dtype of each traced block's input Symbol from the graph inputs' dtypes.
+    Returns True when some block's recorded dtype changed (the graph must be traced again)."""
+    from mxnet.ndarray import NDArray
+    flat_args = [a for a in _block._flatten(list(args), "input")[0] if a is not None]
+    known = {s.name: a.dtype for s, a in zip(inputs, flat_args) if isinstance(a, NDArray)}
+    changed = False
+    for blk, sym in traced:
+        try:
+            names = set(sym.list_arguments())
+            _, out_types, _ = sym.infer_type_partial(**{k: v for k, v in known.items()
+                                                         if k in names})
+            dtype = out_types[0] if out_types else None
+        except Exception:  # noqa: BLE001  (leave the dtype unknown; the graph still works)
+            dtype = None
+        if dtype is not None and blk._traced_data_dtype != dtype:
+            blk._traced_data_dtype = dtype
+            changed = True
+    return changed
 
 
 def _park(blk):
@@ -73,19 +102,28 @@ def _install():
         if self._cached_graph:
             return orig_get_graph(self, *args)
         outer = getattr(_tls, "count", 0)
-        _tls.count = 0
+        outer_traced = getattr(_tls, "traced", None)
         training = autograd.is_training()
         try:
-            res = orig_get_graph(self, *args)
-            traced = _tls.count
+            for _ in range(2):  # a second trace only if an inferred data dtype changed
+                _tls.count = 0
+                _tls.traced = []
+                res = orig_get_graph(self, *args)
+                traced = _tls.count
+                if not _tls.traced or not _resolve_dtypes(res[0], args, _tls.traced):
+                    break
+                object.__setattr__(self, "_cached_graph", ())
         finally:
             _tls.count = outer + getattr(_tls, "count", 0)
+            _tls.traced = outer_traced
         if traced:
             modes = self.__dict__.get(_MODES)
             if modes is None:
                 object.__setattr__(self, _MODES, {"current": training})
             else:
                 modes["current"] = training
+            self.__dict__[_MODES]["dtypes"] = [getattr(a, "dtype", None) for a in
+                                               _block._flatten(list(args), "input")[0]]
         return res
 
     def _call_cached_op(self, *args):
@@ -104,7 +142,7 @@ def _install():
             if self._cached_op is None:
                 # Only training ran so far: trace and build the inference graph now. The graph
                 # needs just the input structure, so placeholders stand in for the inputs.
-                placeholders = _placeholders(modes[True][3])
+                placeholders = _placeholders(modes[True][3], iter(modes.get("dtypes", [])))
                 with autograd.predict_mode():
                     self._build_cache(*placeholders)
                 modes["current"] = False
@@ -117,12 +155,14 @@ def _install():
     HB._gnmx_modal_installed = True
 
 
-def _placeholders(fmt):
-    """Inputs with the structure `fmt` (from gluon's _flatten): 0 = an array, -1 = None."""
+def _placeholders(fmt, dtypes):
+    """Inputs with the structure `fmt` (from gluon's _flatten): 0 = an array, -1 = None; arrays
+    get the recorded input dtypes (they matter for the dtype inference of the trace)."""
     from mxnet import ndarray as nd
     if isinstance(fmt, int):
-        return None if fmt == -1 else nd.zeros((1,))
-    return [_placeholders(f) for f in fmt]
+        dtype = next(dtypes, None)
+        return None if fmt == -1 else nd.zeros((1,), dtype=dtype or "float32")
+    return [_placeholders(f, dtypes) for f in fmt]
 
 
 _install()
