@@ -116,7 +116,65 @@ def bench_shape(shape, dtype, G, copy_bw, eps=1e-5):
     return res
 
 
-def markdown(meta, rows):
+DBN_SHAPES = [((32, 64, 32, 32), 16), ((32, 64, 32, 32), 4), ((16, 256, 16, 16), 16),
+              ((64, 512, 8, 8), 8)]
+
+
+def torch_dbn(x, G, eps=1e-5):
+    """Reference ZCA whitening in x's dtype with torch.linalg.eigh (what a user would write)."""
+    N, C = x.shape[:2]
+    D = C // G
+    X = x.reshape(N, G, D, -1).permute(1, 2, 0, 3).reshape(G, D, -1)
+    Xc = X - X.mean(-1, keepdim=True)
+    sigma = Xc @ Xc.transpose(1, 2) / X.shape[-1] + eps * torch.eye(D, device=x.device,
+                                                                    dtype=x.dtype)
+    l, U = torch.linalg.eigh(sigma)
+    W = U @ torch.diag_embed(l.clamp_min(eps).rsqrt()) @ U.transpose(1, 2)
+    return (W @ Xc).reshape(G, D, N, -1).permute(2, 0, 1, 3).reshape(x.shape)
+
+
+def bench_dbn(shape, G):
+    if not gnh.has("gnh_dbn_fwd"):
+        return None
+    x = torch.randn(shape, device="cuda", dtype=torch.float32)
+    dy = torch.randn_like(x)
+    y, mean, U, l = gnh.dbn_fwd(x, G)
+
+    def ours_fb():
+        _, m, u, e = gnh.dbn_fwd(x, G)
+        gnh.dbn_bwd(dy, x, m, u, e, G)
+
+    xr = x.clone().requires_grad_(True)
+
+    def torch_fb():
+        torch_dbn(xr, G).backward(dy)
+
+    res = {"shape": list(shape), "G": G, "dtype": "float32"}
+    # eager timing for all four: torch's eigh may synchronize, which graph capture forbids
+    for name, fn in (("ours_fwd", lambda: gnh.dbn_fwd(x, G)), ("torch_fwd", lambda: torch_dbn(x, G)),
+                     ("ours_fwd_bwd", ours_fb), ("torch_fwd_bwd", torch_fb)):
+        t, _ = time_graph_eager(fn)
+        res[name + "_us"] = t * 1e6
+    return res
+
+
+def time_graph_eager(fn, reps=10, replays=5):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        for _ in range(reps):
+            fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times), "eager"
+
+
+def markdown(meta, rows, dbn_rows=()):
     lines = [f"# gn_mx GPU benchmark ({meta['device']})", "",
              f"- date: {meta['date']}; torch {meta['torch']}; CUDA {meta['cuda']}",
              f"- measured device-to-device copy bandwidth: {meta['copy_gbs']:.0f} GB/s",
@@ -133,6 +191,15 @@ def markdown(meta, rows):
             f"{r['fwd_bwd_speedup']:.2f}x | {r['ours_fwd_bwd_pct_copy']:.0f}% |")
     slow = [r for r in rows if r["fwd_speedup"] < 1 or r["fwd_bwd_speedup"] < 1]
     lines += ["", f"Rows slower than torch (fwd or fwd+bwd): {len(slow)} of {len(rows)}."]
+    if dbn_rows:
+        lines += ["", "## Decorrelated BN (float32, eager timing incl. launch overhead)", "",
+                  "torch reference: ZCA whitening with torch.linalg.eigh, autograd backward.", "",
+                  "| shape | G | ours fwd us | torch fwd us | ours f+b us | torch f+b us |",
+                  "|---|---|---|---|---|---|"]
+        for r in dbn_rows:
+            lines.append(f"| {tuple(r['shape'])} | {r['G']} | {r['ours_fwd_us']:.1f} | "
+                         f"{r['torch_fwd_us']:.1f} | {r['ours_fwd_bwd_us']:.1f} | "
+                         f"{r['torch_fwd_bwd_us']:.1f} |")
     return "\n".join(lines) + "\n"
 
 
@@ -159,11 +226,23 @@ def main():
                   f"(torch {r['torch_fwd_us']:8.1f}, {r['ours_fwd_pct_copy']:4.0f}% copy)  "
                   f"f+b {r['ours_fwd_bwd_us']:8.1f}us (torch {r['torch_fwd_bwd_us']:8.1f}, "
                   f"{r['ours_fwd_bwd_pct_copy']:4.0f}% copy)", flush=True)
+    dbn_rows = []
+    for shape, G in ([] if args.quick else DBN_SHAPES):
+        try:
+            r = bench_dbn(shape, G)
+        except Exception as e:  # noqa: BLE001 - keep the GroupNorm results
+            print(f"dbn {shape} G={G}: {e}", flush=True)
+            continue
+        if r:
+            dbn_rows.append(r)
+            print(f"dbn {str(tuple(shape)):20s} G={G:3d} fwd {r['ours_fwd_us']:8.1f}us "
+                  f"(torch {r['torch_fwd_us']:8.1f})  f+b {r['ours_fwd_bwd_us']:8.1f}us "
+                  f"(torch {r['torch_fwd_bwd_us']:8.1f})", flush=True)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
+        json.dump({"meta": meta, "rows": rows, "dbn_rows": dbn_rows}, f, indent=1)
     with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
-        f.write(markdown(meta, rows))
+        f.write(markdown(meta, rows, dbn_rows))
     print(f"wrote {args.out}/gpu_bench.json and gpu_bench.md")
 
 

@@ -22,6 +22,7 @@
 
 #include "tensor_view.h"
 #include "../kernels/dbn.h"
+#include "gpu_ops.h"
 
 using namespace mxnet::ext;
 
@@ -165,6 +166,9 @@ void zero_tensor(MXTensor& t) {
 }
 
 void require_cpu(const char* op, const MXTensor& t) {
+#if defined(GNMX_WITH_CUDA)
+  if (on_gpu(t)) return;  // "gpu" is registered too; the *_gpu twins run on it
+#endif
   if (std::string(ctx_of(t)) != "cpu") fail(op, ": only the cpu context is supported");
 }
 
@@ -207,6 +211,7 @@ MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
     a.eps = p.eps;
     a.momentum = p.momentum;
+    if (on_gpu(x)) return gpu_result(kDbn, dbn_fwd_gpu(a, res));
     Workspace ws;
     const size_t off = ws.reserve(dbn_fwd_workspace_cpu(a));
     ws.commit(res, false, kDbn);
@@ -237,6 +242,8 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.eigval = (*in)[kBEigval].data_ptr;
     a.dx = (*out)[kData].data_ptr;
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    if (on_gpu(x))
+      return gpu_result(kDbn, dbn_bwd_gpu(a, res, &(*out)[kRunMean], &(*out)[kRunProj]));
     Workspace ws;
     const size_t off = ws.reserve(dbn_bwd_workspace_cpu(a));
     ws.commit(res, false, kDbn);
@@ -290,6 +297,7 @@ MXReturnValue inf_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     DbnInferenceArgs a = inference_args(x, (*in)[kRunMean], (*in)[kRunProj], gs);
     a.x = x.data_ptr;
     a.y = (*out)[kOut].data_ptr;
+    if (on_gpu(x)) return gpu_result(kDbnInf, dbn_inference_gpu(a, false, res));
     Workspace ws;
     const size_t off = ws.reserve(dbn_inference_workspace_cpu(a));
     ws.commit(res, false, kDbnInf);
@@ -315,6 +323,9 @@ MXReturnValue inf_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     DbnInferenceArgs a = inference_args(x, (*in)[kIBRunMean], (*in)[kIBRunProj], gs);
     a.x = (*in)[kIBdOut].data_ptr;
     a.y = (*out)[kData].data_ptr;
+    if (on_gpu(x))
+      return gpu_result(kDbnInf,
+                        dbn_inference_gpu(a, true, res, &(*out)[kRunMean], &(*out)[kRunProj]));
     Workspace ws;
     const size_t off = ws.reserve(dbn_inference_workspace_cpu(a));
     ws.commit(res, false, kDbnInf);
@@ -337,7 +348,12 @@ REGISTER_OP(gn_dbn)
     .setInferShape(gn_mx::mxa::dbn_shape)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::dbn_fwd, "cpu")
-    .setBackward(gn_mx::mxa::dbn_bwd, "cpu");
+    .setBackward(gn_mx::mxa::dbn_bwd, "cpu")
+#if defined(GNMX_WITH_CUDA)
+    .setForward(gn_mx::mxa::dbn_fwd, "gpu")
+    .setBackward(gn_mx::mxa::dbn_bwd, "gpu")
+#endif
+    ;
 
 REGISTER_OP(gn_dbn_inference)
     .setParseAttrs(gn_mx::mxa::inf_parse)
@@ -345,4 +361,9 @@ REGISTER_OP(gn_dbn_inference)
     .setInferShape(gn_mx::mxa::inf_shape)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::inf_fwd, "cpu")
-    .setBackward(gn_mx::mxa::inf_bwd, "cpu");
+    .setBackward(gn_mx::mxa::inf_bwd, "cpu")
+#if defined(GNMX_WITH_CUDA)
+    .setForward(gn_mx::mxa::inf_fwd, "gpu")
+    .setBackward(gn_mx::mxa::inf_bwd, "gpu")
+#endif
+    ;

@@ -5,6 +5,7 @@
 #include "gpu_ops.h"
 
 #if defined(GNMX_WITH_CUDA)
+#include "../kernels/cuda_util.h"
 #include "../kernels/group_norm_cuda.h"
 #endif
 
@@ -43,6 +44,37 @@ const char* group_norm_bwd_gpu(GroupNormBwdArgs a, const OpResource& res) {
   return group_norm_bwd_cuda(a, res.get_cuda_stream());
 }
 
+static const char* zero_gpu(MXTensor* t, const OpResource& res) {
+  if (t == nullptr || t->data_ptr == nullptr || t->size() <= 0) return nullptr;
+  return zero_cuda(t->data_ptr, static_cast<size_t>(t->size()) * dtype_size(to_dtype(t->dtype)),
+                   res.get_cuda_stream());
+}
+
+const char* dbn_fwd_gpu(DbnFwdArgs a, const OpResource& res) {
+  Workspace ws;
+  a.workspace = gpu_workspace(dbn_fwd_workspace_cuda(a), res, "gn_dbn", &ws);
+  return dbn_fwd_cuda(a, res.get_cuda_stream());
+}
+
+const char* dbn_bwd_gpu(DbnBwdArgs a, const OpResource& res, MXTensor* zero1, MXTensor* zero2) {
+  Workspace ws;
+  a.workspace = gpu_workspace(dbn_bwd_workspace_cuda(a), res, "gn_dbn", &ws);
+  if (const char* e = dbn_bwd_cuda(a, res.get_cuda_stream())) return e;
+  if (const char* e = zero_gpu(zero1, res)) return e;
+  return zero_gpu(zero2, res);
+}
+
+const char* dbn_inference_gpu(DbnInferenceArgs a, bool backward, const OpResource& res,
+                              MXTensor* zero1, MXTensor* zero2) {
+  Workspace ws;
+  a.workspace = gpu_workspace(dbn_inference_workspace_cuda(a), res, "gn_dbn_inference", &ws);
+  const char* e = backward ? dbn_inference_bwd_cuda(a, res.get_cuda_stream())
+                           : dbn_inference_cuda(a, res.get_cuda_stream());
+  if (e) return e;
+  if (const char* z = zero_gpu(zero1, res)) return z;
+  return zero_gpu(zero2, res);
+}
+
 #else
 
 namespace {
@@ -53,6 +85,11 @@ const char* moments_gpu(const MomentsArgs&, const OpResource&) { return kNoCuda;
 const char* moments_bwd_gpu(const MomentsBwdArgs&, const OpResource&) { return kNoCuda; }
 const char* group_norm_fwd_gpu(const GroupNormFwdArgs&, const OpResource&) { return kNoCuda; }
 const char* group_norm_bwd_gpu(GroupNormBwdArgs, const OpResource&) { return kNoCuda; }
+const char* dbn_fwd_gpu(DbnFwdArgs, const OpResource&) { return kNoCuda; }
+const char* dbn_bwd_gpu(DbnBwdArgs, const OpResource&, MXTensor*, MXTensor*) { return kNoCuda; }
+const char* dbn_inference_gpu(DbnInferenceArgs, bool, const OpResource&, MXTensor*, MXTensor*) {
+  return kNoCuda;
+}
 
 #endif
 

@@ -7,6 +7,7 @@
  */
 #pragma once
 #include "tensor_view.h"
+#include "../kernels/dbn.h"
 #include "../kernels/group_norm.h"
 
 namespace gn_mx {
@@ -24,6 +25,12 @@ const char* moments_gpu(const MomentsArgs& a, const OpResource& res);
 const char* moments_bwd_gpu(const MomentsBwdArgs& a, const OpResource& res);
 const char* group_norm_fwd_gpu(const GroupNormFwdArgs& a, const OpResource& res);
 const char* group_norm_bwd_gpu(GroupNormBwdArgs a, const OpResource& res);
+
+// DBN. The backward ones also zero the aux-state gradients `zero1`, `zero2` (may be null).
+const char* dbn_fwd_gpu(DbnFwdArgs a, const OpResource& res);
+const char* dbn_bwd_gpu(DbnBwdArgs a, const OpResource& res, MXTensor* zero1, MXTensor* zero2);
+const char* dbn_inference_gpu(DbnInferenceArgs a, bool backward, const OpResource& res,
+                              MXTensor* zero1 = nullptr, MXTensor* zero2 = nullptr);
 
 }  // namespace mxa
 }  // namespace gn_mx
