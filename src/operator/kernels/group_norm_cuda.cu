@@ -336,14 +336,17 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
                  int64_t G, uint32_t D, uint32_t chunk) {
   using A = AccT<T>;
   __shared__ A s_mu, s_r;
-  const int64_t ng = blockIdx.x;
+  // NB: blocks run in reverse of the stats kernel's order, so the first ones find the x that the
+  // stats kernel read last still in L2 (helps tensors larger than L2).
+  const int64_t ng = gridDim.x - 1 - blockIdx.x;
+  const uint32_t piece = gridDim.y - 1 - blockIdx.y;
   if (splits > 1) {
     if (threadIdx.x < kWarp) {
       const Welford<A> w = warp_merge_partials(part, ng, splits);
       if (threadIdx.x == 0) {
         s_mu = w.mean;
         s_r = gn_rstd(w.var(), eps);
-        if (blockIdx.y == 0) {
+        if (piece == 0) {
           mean[ng] = s_mu;
           rstd[ng] = s_r;
         }
@@ -357,7 +360,7 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
   if (splits <= 1) __syncthreads();
   const int64_t g = ng % G;
   FwdOp<P, A> op{gamma + g * D, beta + g * D, s_mu, s_r};
-  const uint32_t begin = blockIdx.y * chunk;
+  const uint32_t begin = piece * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   map_group<T, V, 1>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
 }
@@ -458,8 +461,8 @@ struct BwdOp {
   }
 };
 
-// Backward kernel 2. Grid (N*G + param_blocks, chunks): blocks x < N*G write dx for a chunk of their
-// group; blocks x >= N*G (y == 0 only) reduce dgamma/dbeta for kBlock channels each.
+// Backward kernel 2. Grid (param_blocks + N*G, chunks): blocks x < param_blocks (y == 0 only) reduce
+// dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group.
 template <typename T, typename P, int V>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
@@ -470,10 +473,10 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
               uint32_t D, uint32_t S, uint32_t chunk) {
   using A = AccT<T>;
   const int64_t NG = N * G;
-  const int64_t ng = blockIdx.x;
-  if (ng >= NG) {
+  const int64_t pblocks = int64_t(gridDim.x) - NG;
+  if (int64_t(blockIdx.x) < pblocks) {
     if (blockIdx.y != 0) return;
-    const int64_t c = (ng - NG) * kBlock + threadIdx.x;
+    const int64_t c = int64_t(blockIdx.x) * kBlock + threadIdx.x;
     if (c >= C) return;
     const int64_t g = c / D;
     A sg = 0, sb = 0;
@@ -491,6 +494,8 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
     if (dbeta) dbeta[c] = from_acc<P>(sb);
     return;
   }
+  // Groups in reverse of the row-sum kernel's order: the first blocks find dy and x in L2.
+  const int64_t ng = NG - 1 - (int64_t(blockIdx.x) - pblocks);
   const int64_t g = ng % G;
   const int64_t row0 = ng * D;  // (n*C + g*D)
   const P* gg = gamma + g * D;
@@ -514,7 +519,7 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   op.r = rstd[ng];
   gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_o ? dmean_o[ng] : A(0),
                    drstd_o ? drstd_o[ng] : A(0), &op.c2, &op.c3);
-  const uint32_t begin = blockIdx.y * chunk;
+  const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
 }
