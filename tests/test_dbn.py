@@ -4,6 +4,9 @@ References are float64 numpy (tests/reference.py, written from the paper's math)
 already-rounded inputs. The ops are CPU-only, so everything runs on mx.cpu().
 """
 import json
+import os
+import subprocess
+import sys
 import textwrap
 
 import numpy as np
@@ -13,7 +16,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 import gn_mx
-from conftest import GRAD_TOL, run_python, tol
+from conftest import GRAD_TOL, ROOT, run_python, tol
 from reference import (dbn_bwd_ref, dbn_inference_ref, dbn_ref, numeric_grad,
                        _dbn_group_matrix)
 
@@ -178,6 +181,34 @@ def test_inference_op_and_backward(dtype):
     Pr = rp.asnumpy().astype(np.float64)
     rdx = dbn_inference_ref(dy, np.zeros(6), np.transpose(Pr, (0, 2, 1)), G)
     np.testing.assert_allclose(xs.grad.asnumpy(), rdx, *tol(dtype, GRAD_TOL))
+
+
+def test_blas_path_matches_reference():
+    """float32 panels use AVX2 kernels when the CPU has them; GNMX_CPU_ISA=generic forces the
+    BLAS path (as on other CPUs). Checked in a fresh process, since the choice is made once."""
+    code = f"""
+        import sys; sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
+        import numpy as np, mxnet as mx, gn_mx
+        from mxnet import autograd
+        from reference import dbn_ref, dbn_bwd_ref
+        for shape, G in [((6, 8, 11), 2), ((40, 64, 3), 1), ((4, 12, 5, 5), 12)]:
+            x = np.random.randn(*shape).astype(np.float32)
+            dy = np.random.randn(*shape).astype(np.float32)
+            C = shape[1]; D = C // G
+            rm, rp = mx.nd.zeros((C,)), mx.nd.array(np.tile(np.eye(D), (G, 1, 1)))
+            xs = mx.nd.array(x); xs.attach_grad()
+            with autograd.record():
+                y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G)[0]
+            y.backward(mx.nd.array(dy))
+            np.testing.assert_allclose(y.asnumpy(), dbn_ref(x, G, 1e-5)[0], rtol=1e-4, atol=1e-4)
+            np.testing.assert_allclose(xs.grad.asnumpy(), dbn_bwd_ref(x, dy, G, 1e-5),
+                                       rtol=1e-3, atol=1e-4)
+        print("GENERIC_OK")
+    """
+    env = dict(os.environ, GNMX_CPU_ISA="generic", OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
+                       text=True, timeout=300, cwd=ROOT, env=env)
+    assert p.returncode == 0 and "GENERIC_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -18,9 +18,14 @@
 #include <dlfcn.h>
 #include <omp.h>
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#endif
+
 #include <algorithm>
 #include <climits>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <limits>
 
@@ -98,6 +103,7 @@ int resolve_threads(int t) { return t > 0 ? t : std::max(1, omp_get_max_threads(
 
 struct Geo {
   int64_t N, C, G, D, S, m, K, nchunk;
+  int64_t ld;  // panel row stride: K rounded up + 16, so panel rows are not 4 KiB apart (aliasing)
 };
 
 Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
@@ -107,6 +113,7 @@ Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   K = (K + 15) / 16 * 16;
   q.K = std::min(q.m, K);
   q.nchunk = (q.m + q.K - 1) / q.K;
+  q.ld = (q.K + 15) / 16 * 16 + 16;
   return q;
 }
 
@@ -114,7 +121,7 @@ const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
   if (C % G != 0) return "dbn: C must be divisible by G";
   const int64_t D = C / G;
-  if (2 * D * D > INT_MAX / 2 || 2 * D * (kPanelElems / D + 16) > INT_MAX / 2)
+  if (2 * D * D > INT_MAX / 2 || 2 * D * (kPanelElems / D + 64) > INT_MAX / 2)
     return "dbn: group size too large";
   return nullptr;
 }
@@ -155,6 +162,162 @@ inline void syrk_t(int n, int k, const double* a, int lda, double* c) {
   const double one = 1.0, zero = 0.0;
   if (blas().dsyrk) blas().dsyrk("U", "T", &n, &k, &one, a, &lda, &zero, c, &n);
   else gemm_naive('T', 'N', n, n, k, one, a, lda, a, lda, zero, c, n);
+}
+
+// ---- Panel products ---------------------------------------------------------------------------
+// Row-major panels with row stride `ld`:
+//   panel_apply: Q (Dout x kc) = M (Dout x Din, contiguous) * P (Din x kc)
+//   panel_gram:  C (D x D, row-major) = X (D x kc) Y^T (D x kc); with sym (X == Y) only the upper
+//                triangle in column-major order (= lower row-major) is guaranteed.
+// float uses AVX2+FMA kernels when the CPU has them (OpenBLAS packs these thin operands at a loss:
+// measured 2-3x slower for D = 16..32, 1.2x at 64); double, other CPUs and GNMX_CPU_ISA=generic
+// use BLAS.
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#define GNMX_DBN_AVX2 1
+
+__attribute__((target("avx2,fma"))) void apply_f32_avx2(const float* M, int Dout, int Din,
+                                                        const float* P, int64_t ld, int kc,
+                                                        float* Q) {
+  int i = 0;
+  for (; i + 4 <= Dout; i += 4) {  // 4 rows x 16 columns of accumulators
+    const float* m0 = M + static_cast<int64_t>(i) * Din;
+    int c = 0;
+    for (; c + 16 <= kc; c += 16) {
+      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
+      __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
+      const float* p = P + c;
+      for (int k = 0; k < Din; ++k, p += ld) {
+        const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
+        __m256 w = _mm256_broadcast_ss(m0 + k);
+        a00 = _mm256_fmadd_ps(w, p0, a00);
+        a01 = _mm256_fmadd_ps(w, p1, a01);
+        w = _mm256_broadcast_ss(m0 + Din + k);
+        a10 = _mm256_fmadd_ps(w, p0, a10);
+        a11 = _mm256_fmadd_ps(w, p1, a11);
+        w = _mm256_broadcast_ss(m0 + 2 * Din + k);
+        a20 = _mm256_fmadd_ps(w, p0, a20);
+        a21 = _mm256_fmadd_ps(w, p1, a21);
+        w = _mm256_broadcast_ss(m0 + 3 * Din + k);
+        a30 = _mm256_fmadd_ps(w, p0, a30);
+        a31 = _mm256_fmadd_ps(w, p1, a31);
+      }
+      float* q = Q + static_cast<int64_t>(i) * ld + c;
+      _mm256_storeu_ps(q, a00);
+      _mm256_storeu_ps(q + 8, a01);
+      _mm256_storeu_ps(q + ld, a10);
+      _mm256_storeu_ps(q + ld + 8, a11);
+      _mm256_storeu_ps(q + 2 * ld, a20);
+      _mm256_storeu_ps(q + 2 * ld + 8, a21);
+      _mm256_storeu_ps(q + 3 * ld, a30);
+      _mm256_storeu_ps(q + 3 * ld + 8, a31);
+    }
+    for (; c < kc; ++c)
+      for (int r = 0; r < 4; ++r) {
+        float s = 0.f;
+        for (int k = 0; k < Din; ++k) s += m0[r * Din + k] * P[k * ld + c];
+        Q[(i + r) * ld + c] = s;
+      }
+  }
+  for (; i < Dout; ++i) {  // remaining rows, one 8-column vector at a time
+    const float* mi = M + static_cast<int64_t>(i) * Din;
+    int c = 0;
+    for (; c + 8 <= kc; c += 8) {
+      __m256 a = _mm256_setzero_ps();
+      for (int k = 0; k < Din; ++k)
+        a = _mm256_fmadd_ps(_mm256_broadcast_ss(mi + k), _mm256_loadu_ps(P + k * ld + c), a);
+      _mm256_storeu_ps(Q + i * ld + c, a);
+    }
+    for (; c < kc; ++c) {
+      float s = 0.f;
+      for (int k = 0; k < Din; ++k) s += mi[k] * P[k * ld + c];
+      Q[i * ld + c] = s;
+    }
+  }
+}
+
+__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
+  return _mm_cvtss_f32(s);
+}
+
+// Dot products along the contiguous k axis, 4 rows of X x 2 rows of Y per block.
+__attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const float* Y,
+                                                       int64_t ld, int D, int kc, float* C,
+                                                       bool sym) {
+  const int kv = kc / 8 * 8;
+  for (int i = 0; i < D; i += 4) {
+    const int ni = std::min(4, D - i);
+    for (int j = sym ? i / 2 * 2 : 0; j < D; j += 2) {
+      const int nj = std::min(2, D - j);
+      const float* a[4];
+      const float* b[2];
+      for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
+      for (int u = 0; u < 2; ++u) b[u] = Y + (j + std::min(u, nj - 1)) * ld;
+      __m256 acc[4][2];
+      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+      for (int k = 0; k < kv; k += 8) {
+        const __m256 b0 = _mm256_loadu_ps(b[0] + k), b1 = _mm256_loadu_ps(b[1] + k);
+        for (int r = 0; r < 4; ++r) {
+          const __m256 av = _mm256_loadu_ps(a[r] + k);
+          acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
+        }
+      }
+      for (int r = 0; r < ni; ++r)
+        for (int u = 0; u < nj; ++u) {
+          float v = hsum_avx2(acc[r][u]);
+          for (int k = kv; k < kc; ++k) v += a[r][k] * b[u][k];
+          C[(i + r) * D + j + u] = v;
+          if (sym) C[(j + u) * D + i + r] = v;
+        }
+    }
+  }
+}
+
+bool use_avx2() {
+  static const bool ok = [] {
+    const char* isa = std::getenv("GNMX_CPU_ISA");
+    if (isa && std::strcmp(isa, "generic") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+#endif
+
+inline void panel_apply(const double* M, int Dout, int Din, const double* P, int64_t ld, int kc,
+                        double* Q) {
+  const int ldi = static_cast<int>(ld);
+  gemm('N', 'N', kc, Dout, Din, 1.0, P, ldi, M, Din, 0.0, Q, ldi);
+}
+inline void panel_apply(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
+                        float* Q) {
+#if defined(GNMX_DBN_AVX2)
+  if (use_avx2()) return apply_f32_avx2(M, Dout, Din, P, ld, kc, Q);
+#endif
+  const int ldi = static_cast<int>(ld);
+  gemm('N', 'N', kc, Dout, Din, 1.f, P, ldi, M, Din, 0.f, Q, ldi);
+}
+
+// BLAS: column-major C_cm = Y_cm^T X_cm, i.e. row-major C = X Y^T; sym uses syrk.
+template <typename A>
+void panel_gram_blas(const A* X, const A* Y, int64_t ld, int D, int kc, A* C, bool sym) {
+  const int ldi = static_cast<int>(ld);
+  if (sym) syrk_t(D, kc, X, ldi, C);
+  else gemm('T', 'N', D, D, kc, A(1), Y, ldi, X, ldi, A(0), C, D);
+}
+inline void panel_gram(const double* X, const double* Y, int64_t ld, int D, int kc, double* C,
+                       bool sym) {
+  panel_gram_blas(X, Y, ld, D, kc, C, sym);
+}
+inline void panel_gram(const float* X, const float* Y, int64_t ld, int D, int kc, float* C,
+                       bool sym) {
+#if defined(GNMX_DBN_AVX2)
+  if (use_avx2()) return gram_f32_avx2(X, Y, ld, D, kc, C, sym);
+#endif
+  panel_gram_blas(X, Y, ld, D, kc, C, sym);
 }
 
 // ---- Eigendecomposition -----------------------------------------------------------------------
@@ -271,8 +434,8 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
   L.W = c->take<A>(q.G * DD);
-  L.panel = c->take<A>(T * q.D * q.K);
-  L.out = c->take<A>(T * q.D * q.K);
+  L.panel = c->take<A>(T * q.D * q.ld);
+  L.out = c->take<A>(T * q.D * q.ld);
   L.cb = c->take<A>(T * DD);
   L.sig = c->take<double>(T * DD);
   L.U = c->take<double>(T * DD);
@@ -318,15 +481,15 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       mean[c] = static_cast<A>(sum / static_cast<double>(q.m));
     }
     double* acc_t = L.acc + t * q.G * DD;
-    A* panel = L.panel + t * D * K;
+    A* panel = L.panel + t * D * q.ld;
     A* cb = L.cb + t * DD;
     // Pass 2: covariance of the centred panels.
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(x, q, g, j0, kc, mean + g * D, panel, K);
-      syrk_t(Di, static_cast<int>(kc), panel, static_cast<int>(K), cb);
+      gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
+      panel_gram(panel, panel, q.ld, Di, static_cast<int>(kc), cb, true);
       double* accg = acc_t + g * DD;
       for (int64_t j = 0; j < D; ++j)
         for (int64_t i = 0; i <= j; ++i) accg[i + j * D] += static_cast<double>(cb[i + j * D]);
@@ -381,15 +544,14 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       }
     }
     // Pass 3: whitening, y = W (x - mu).
-    A* out = L.out + t * D * K;
+    A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(x, q, g, j0, kc, mean + g * D, panel, K);
-      gemm('N', 'N', static_cast<int>(kc), Di, Di, A(1), panel, static_cast<int>(K),
-           L.W + g * DD, Di, A(0), out, static_cast<int>(K));
-      scatter(out, K, q, g, j0, kc, y);
+      gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
+      panel_apply(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out);
+      scatter(out, q.ld, q, g, j0, kc, y);
     }
   }
   return nullptr;
@@ -441,8 +603,8 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
   L.dysum = c->take<double>(T * q.G * q.D);
   L.A2 = c->take<A>(q.G * 2 * DD);
   L.dymean = c->take<A>(q.G * q.D);
-  L.panel = c->take<A>(T * 2 * q.D * q.K);
-  L.out = c->take<A>(T * q.D * q.K);
+  L.panel = c->take<A>(T * 2 * q.D * q.ld);
+  L.out = c->take<A>(T * q.D * q.ld);
   L.cb = c->take<A>(T * DD);
   L.U = c->take<double>(T * DD);
   L.l = c->take<double>(T * q.D);
@@ -467,7 +629,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
   const A* eigvec = static_cast<const A*>(a.eigvec);
   const A* eigval = static_cast<const A*>(a.eigval);
   const int64_t D = q.D, DD = D * D, K = q.K;
-  const int Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  const int Di = static_cast<int>(D);
   const int64_t items = q.G * q.nchunk;
   std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
   std::fill(L.dysum, L.dysum + nt * q.G * D, 0.0);
@@ -477,24 +639,23 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     const int t = omp_get_thread_num();
     double* acc_t = L.acc + t * q.G * DD;
     double* dys_t = L.dysum + t * q.G * D;
-    A* pdy = L.panel + t * 2 * D * K;  // rows 0..D-1: dY
-    A* pxc = pdy + D * K;              // rows D..2D-1: Xc
+    A* pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
+    A* pxc = pdy + D * q.ld;              // rows D..2D-1: Xc
     A* cb = L.cb + t * DD;
     // Pass 1: G_W = dY Xc^T and sum(dY).
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(dy, q, g, j0, kc, static_cast<const A*>(nullptr), pdy, K);
-      gather(x, q, g, j0, kc, mean + g * D, pxc, K);
-      // Column-major cb = Xc_cm^T dY_cm; read row-major it is G_W = dY Xc^T.
-      gemm('T', 'N', Di, Di, static_cast<int>(kc), A(1), pxc, Ki, pdy, Ki, A(0), cb, Di);
+      gather(dy, q, g, j0, kc, static_cast<const A*>(nullptr), pdy, q.ld);
+      gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
+      panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
       double* accg = acc_t + g * DD;
       for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
       double* dsg = dys_t + g * D;
       for (int64_t d = 0; d < D; ++d) {
         A s = 0;
-        for (int64_t k = 0; k < kc; ++k) s += pdy[d * K + k];
+        for (int64_t k = 0; k < kc; ++k) s += pdy[d * q.ld + k];
         dsg[d] += static_cast<double>(s);
       }
     }
@@ -527,16 +688,15 @@ const char* bwd_impl(const DbnBwdArgs& a) {
         }
     }
     // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
-    A* out = L.out + t * D * K;
+    A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, K);
-      gather(x, q, g, j0, kc, mean + g * D, pxc, K);
-      gemm('N', 'N', static_cast<int>(kc), Di, 2 * Di, A(1), pdy, Ki, L.A2 + g * 2 * DD, 2 * Di,
-           A(0), out, Ki);
-      scatter(out, K, q, g, j0, kc, dx);
+      gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, q.ld);
+      gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
+      panel_apply(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out);
+      scatter(out, q.ld, q, g, j0, kc, dx);
     }
   }
   return nullptr;
@@ -556,8 +716,8 @@ InfLayout<A> inf_layout(Carver* c, const Geo& q, int T) {
   InfLayout<A> L;
   L.P = c->take<A>(q.G * q.D * q.D);
   L.shift = c->take<A>(q.C);
-  L.panel = c->take<A>(T * q.D * q.K);
-  L.out = c->take<A>(T * q.D * q.K);
+  L.panel = c->take<A>(T * q.D * q.ld);
+  L.out = c->take<A>(T * q.D * q.ld);
   return L;
 }
 
@@ -571,7 +731,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   const int64_t D = q.D, DD = D * D, K = q.K;
-  const int Di = static_cast<int>(D), Ki = static_cast<int>(K);
+  const int Di = static_cast<int>(D);
   for (int64_t g = 0; g < q.G; ++g)
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) {
@@ -584,16 +744,15 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
-    A* panel = L.panel + t * D * K;
-    A* out = L.out + t * D * K;
+    A* panel = L.panel + t * D * q.ld;
+    A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(x, q, g, j0, kc, L.shift + g * D, panel, K);
-      gemm('N', 'N', static_cast<int>(kc), Di, Di, A(1), panel, Ki, L.P + g * DD, Di, A(0), out,
-           Ki);
-      scatter(out, K, q, g, j0, kc, y);
+      gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
+      panel_apply(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out);
+      scatter(out, q.ld, q, g, j0, kc, y);
     }
   }
   return nullptr;
