@@ -51,10 +51,14 @@ constexpr int64_t kMinCoopGroup = 1 << 13; // smallest group that threads share
 constexpr int64_t kSliceAlign = 64;        // slice boundaries (elements) of a shared group
 // Outputs of at least this many bytes are written with streaming stores: they cannot stay in cache
 // anyway, and streaming saves the read-for-ownership of every output line (1/3 of the traffic).
-constexpr int64_t kStreamBytes = int64_t(8) << 20;
+// Forward keeps y cached up to 8 MB (the next layer reads it; x + y fit a typical L3); backward's
+// working set is three tensors (x, dy, dx), so it streams dx from 4 MB. Measured on a Zen 4 with a
+// 32 MB L3: 8x256x28x28 fp32 backward 1.07 -> 0.50 ms with streaming, its forward 0.33 -> 0.43 ms.
+constexpr int64_t kStreamBytesFwd = int64_t(8) << 20;
+constexpr int64_t kStreamBytesBwd = int64_t(4) << 20;
 
-bool stream_output(int64_t elems, size_t elem_size) {
-  return elems * static_cast<int64_t>(elem_size) >= kStreamBytes;
+bool stream_output(int64_t elems, size_t elem_size, int64_t threshold) {
+  return elems * static_cast<int64_t>(elem_size) >= threshold;
 }
 
 int team_size() {
@@ -111,13 +115,6 @@ void slice(int64_t M, int t, int T, int64_t* lo, int64_t* hi) {
   *hi = std::min(M, *lo + per);
 }
 
-template <typename A>
-std::vector<A>& scratch(size_t n) {
-  thread_local std::vector<A> buf;
-  if (buf.size() < n) buf.resize(n);
-  return buf;
-}
-
 template <typename T>
 Welford<AccT<T>> range_moments(const simd::Prims<T>& P, const T* x, int64_t n) {
   using A = AccT<T>;
@@ -169,7 +166,7 @@ void fwd_range(const simd::Prims<T>& P, const T* xg, T* yg, int64_t lo, int64_t 
     });
     return;
   }
-  A* buf = scratch<A>(kBuf).data();
+  alignas(64) A buf[kBuf];
   for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
     const int64_t len = std::min(kBuf, hi - i0);
     P.load(xg + i0, buf, len);
@@ -202,7 +199,7 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
   const int64_t G = a.G, D = a.C / a.G, S = a.S, NG = a.N * G, M = D * S;
   const A eps = static_cast<A>(a.eps);
   const Plan pl = make_plan(NG, M);
-  const bool nt = stream_output(NG * M, sizeof(T));
+  const bool nt = stream_output(NG * M, sizeof(T), kStreamBytesFwd);
 
   if (!pl.coop) {
 #pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
@@ -331,8 +328,8 @@ void bwd_sums_range(const simd::Prims<T>& P, const T* xg, const T* dyg, int64_t 
     });
     return;
   }
-  A* bx = scratch<A>(2 * kBuf).data();
-  A* bg = bx + kBuf;
+  alignas(64) A bx[kBuf];
+  alignas(64) A bg[kBuf];
   for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
     const int64_t len = std::min(kBuf, hi - i0);
     P.load(xg + i0, bx, len);
@@ -365,8 +362,8 @@ void bwd_dx_range(const simd::Prims<T>& P, const T* xg, const T* dyg, T* dxg, in
     });
     return;
   }
-  A* bx = scratch<A>(2 * kBuf).data();
-  A* bg = bx + kBuf;
+  alignas(64) A bx[kBuf];
+  alignas(64) A bg[kBuf];
   for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
     const int64_t len = std::min(kBuf, hi - i0);
     P.load(xg + i0, bx, len);
@@ -400,7 +397,7 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam) {
   const A* drstd_o = static_cast<const A*>(a.drstd);
   const A inv_m = A(1) / static_cast<A>(M);
   const Plan pl = make_plan(NG, M);
-  const bool nt = stream_output(NG * M, sizeof(T));
+  const bool nt = stream_output(NG * M, sizeof(T), kStreamBytesBwd);
 
   auto coeffs = [&](int64_t ng, const A* s1, const A* s2, const A* gg, A* c2, A* c3) {
     A sum_a = 0, sum_b = 0;
@@ -501,9 +498,15 @@ void bwd_params(const GroupNormBwdArgs& a) {
         const A* ds = dsc + n * C;
         const A* dbn = db + n * C;
         const A* rn = rstd + n * G;
-        for (int64_t c = c0; c < c1; ++c) {
-          sg[c - c0] += ds[c] * rn[c / D];
-          sb[c - c0] += dbn[c];
+        for (int64_t c = c0; c < c1;) {
+          const int64_t g = c / D, ce = std::min(c1, (g + 1) * D);
+          const A r = rn[g];
+#pragma omp simd
+          for (int64_t k = c; k < ce; ++k) {
+            sg[k - c0] += ds[k] * r;
+            sb[k - c0] += dbn[k];
+          }
+          c = ce;
         }
       }
       for (int64_t c = c0; c < c1; ++c) {
