@@ -4,8 +4,12 @@ torch implementation (eigh + autograd) when torch is importable.
     OMP_NUM_THREADS=2 python benchmarks/bench_dbn.py            # issue shapes, fp32
     python benchmarks/bench_dbn.py --threads 1 --repeat 20
 
---threads sets OMP_NUM_THREADS before MXNet is imported (MXNet's CPU ops, our kernels and the
-wheel's OpenMP OpenBLAS all follow it) and torch.set_num_threads. Reported: median ms per call.
+--threads sets OMP_NUM_THREADS before MXNet is imported and torch.set_num_threads. NB: MXNet's
+threaded engine runs library ops on worker threads whose OpenMP team is 1 thread whatever
+OMP_NUM_THREADS says (measured: process CPU time == wall time), so gn_dbn/gn_group_norm use one
+thread per op there; --naive (MXNET_ENGINE_TYPE=NaiveEngine) runs ops on the calling thread, where
+OMP_NUM_THREADS applies. The "thr" column is process CPU time / wall time of gn_dbn fwd+bwd, i.e.
+the threads actually used. Reported: median wall-clock ms per call.
 """
 import argparse
 import os
@@ -27,18 +31,27 @@ def parse():
     p.add_argument("--repeat", type=int, default=10)
     p.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
     p.add_argument("--no-torch", action="store_true")
+    p.add_argument("--naive", action="store_true",
+                   help="MXNET_ENGINE_TYPE=NaiveEngine: ops run on the calling thread")
     return p.parse_args()
 
 
-def median_ms(fn, repeat, sync):
+def median_ms(fn, repeat, sync, cpu_ratio=None):
     fn()
     sync()
     times = []
+    wall = cpu = 0.0
     for _ in range(repeat):
+        c0 = time.process_time()
         t0 = time.perf_counter()
         fn()
         sync()
-        times.append((time.perf_counter() - t0) * 1e3)
+        dt = time.perf_counter() - t0
+        times.append(dt * 1e3)
+        wall += dt
+        cpu += time.process_time() - c0
+    if cpu_ratio is not None:
+        cpu_ratio.append(cpu / wall)
     times.sort()
     return times[len(times) // 2]
 
@@ -79,9 +92,12 @@ def mx_timings(shape, G, dtype, repeat):
             y = mx.nd.gn_group_norm(x, gamma, beta, num_groups=G)[0]
         y.backward(dy)
 
-    return {k: median_ms(f, repeat, sync) for k, f in [
+    ratio = []
+    r = {k: median_ms(f, repeat, sync, ratio if k == "dbn_fwd_bwd" else None) for k, f in [
         ("dbn_fwd", dbn_fwd), ("dbn_fwd_bwd", dbn_fwd_bwd), ("dbn_inference", dbn_inf),
         ("gn_fwd", gn_fwd), ("gn_fwd_bwd", gn_fwd_bwd)]}
+    r["thr"] = ratio[0]
+    return r
 
 
 def torch_timings(shape, G, dtype, repeat):
@@ -121,6 +137,8 @@ def main():
     args = parse()
     if args.threads > 0:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    if args.naive:
+        os.environ["MXNET_ENGINE_TYPE"] = "NaiveEngine"
     sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
     import mxnet as mx  # noqa: F401  (after OMP_NUM_THREADS is set)
     have_torch = False
@@ -133,11 +151,13 @@ def main():
         except ImportError:
             pass
     threads = os.environ.get("OMP_NUM_THREADS", "MXNet default")
-    print(f"# gn_dbn benchmark, dtype {args.dtype}, OMP_NUM_THREADS={threads}, "
-          f"{os.cpu_count()} cores, median of {args.repeat}; ms per call"
+    engine = os.environ.get("MXNET_ENGINE_TYPE", "ThreadedEnginePerDevice")
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    print(f"# gn_dbn benchmark, dtype {args.dtype}, OMP_NUM_THREADS={threads}, engine {engine}, "
+          f"{os.cpu_count()} cores (load avg {load:.1f}), median of {args.repeat}; ms per call"
           + (f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
              if have_torch else "; torch not available"))
-    cols = ["dbn_fwd", "dbn_fwd_bwd", "dbn_inference", "gn_fwd", "gn_fwd_bwd"]
+    cols = ["dbn_fwd", "dbn_fwd_bwd", "thr", "dbn_inference", "gn_fwd", "gn_fwd_bwd"]
     if have_torch:
         cols += ["torch_fwd", "torch_fwd_bwd"]
     print("| shape | G | D | " + " | ".join(cols) + " |")
@@ -147,7 +167,8 @@ def main():
         if have_torch:
             r.update(torch_timings(shape, G, args.dtype, args.repeat))
         print(f"| {shape} | {G} | {shape[1] // G} | "
-              + " | ".join(f"{r[c]:.2f}" for c in cols) + " |", flush=True)
+              + " | ".join(f"{r[c]:.1f}" if c == "thr" else f"{r[c]:.2f}" for c in cols) + " |",
+              flush=True)
 
 
 if __name__ == "__main__":
