@@ -550,6 +550,32 @@ def test_multi_precision_float32_params_float16_data(tmp_path):
     assert "amp_multicast" not in ops and "Cast" in ops
 
 
+def test_grad_req_add_accumulates_block_params():
+    blk = gn_mx.DecorrelatedBatchNorm(num_groups=2)
+    blk.initialize(ctx=CPU)
+    x = mx.nd.array(_data((6, 4, 5), np.float32))
+    blk(x)
+    grads = []
+    for req in ("write", "add"):
+        for p in (blk.gamma, blk.beta):
+            p.grad_req = req
+            p.zero_grad()
+        for _ in range(2):
+            with autograd.record():
+                loss = (blk(x) ** 2).sum()
+            loss.backward()
+        grads.append(blk.gamma.grad().asnumpy().copy())
+    np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-4, atol=1e-4)
+
+
+def test_example_dbn_cnn_runs(tmp_path):
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "dbn_cnn.py"),
+                        "--steps", "8", "--out", str(tmp_path / "dbn_cnn")],
+                       capture_output=True, text=True, timeout=300, cwd=ROOT,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert p.returncode == 0 and p.stdout.strip().endswith("OK"), p.stdout[-2000:] + p.stderr[-2000:]
+
+
 def test_block_constructor_errors():
     with pytest.raises(ValueError, match="num_groups"):
         gn_mx.DecorrelatedBatchNorm(num_groups=0)
