@@ -41,6 +41,10 @@ CASES = {
                              "data must be float16, float32 or float64; got uint8"),
     "one_dim_data": ("mx.nd.gn_group_norm(mx.nd.ones((6,)), g, b, num_groups=2)",
                      "data must have at least 2 dims (N, C, *spatial); got shape (6,)"),
+    "affine_wrong_gamma_shape": ("mx.nd.gn_channel_affine(x, mx.nd.ones((5,)), b)",
+                                 "gn_channel_affine: gamma must have shape (6,)"),
+    "affine_integer_data": ("mx.nd.gn_channel_affine(x.astype('int64'), g, b)",
+                            "gn_channel_affine: data must be float16, float32 or float64; got int64"),
     "symbolic_bad_groups": (
         "mx.sym.gn_group_norm(mx.sym.var('d'), mx.sym.var('g'), mx.sym.var('b'), num_groups=4)"
         ".infer_shape(d=(2, 6, 4))",

@@ -75,6 +75,14 @@ const char* dbn_inference_gpu(DbnInferenceArgs a, bool backward, const OpResourc
   return zero_gpu(zero2, res);
 }
 
+const char* affine_fwd_gpu(const AffineArgs& a, const OpResource& res) {
+  return affine_fwd_cuda(a, res.get_cuda_stream());
+}
+
+const char* affine_bwd_gpu(const AffineBwdArgs& a, const OpResource& res) {
+  return affine_bwd_cuda(a, res.get_cuda_stream());
+}
+
 #else
 
 namespace {
@@ -85,6 +93,8 @@ const char* moments_gpu(const MomentsArgs&, const OpResource&) { return kNoCuda;
 const char* moments_bwd_gpu(const MomentsBwdArgs&, const OpResource&) { return kNoCuda; }
 const char* group_norm_fwd_gpu(const GroupNormFwdArgs&, const OpResource&) { return kNoCuda; }
 const char* group_norm_bwd_gpu(GroupNormBwdArgs, const OpResource&) { return kNoCuda; }
+const char* affine_fwd_gpu(const AffineArgs&, const OpResource&) { return kNoCuda; }
+const char* affine_bwd_gpu(const AffineBwdArgs&, const OpResource&) { return kNoCuda; }
 const char* dbn_fwd_gpu(DbnFwdArgs, const OpResource&) { return kNoCuda; }
 const char* dbn_bwd_gpu(DbnBwdArgs, const OpResource&, MXTensor*, MXTensor*) { return kNoCuda; }
 const char* dbn_inference_gpu(DbnInferenceArgs, bool, const OpResource&, MXTensor*, MXTensor*) {

@@ -7,6 +7,7 @@
  */
 #pragma once
 #include "tensor_view.h"
+#include "../kernels/affine.h"
 #include "../kernels/dbn.h"
 #include "../kernels/group_norm.h"
 
@@ -25,6 +26,9 @@ const char* moments_gpu(const MomentsArgs& a, const OpResource& res);
 const char* moments_bwd_gpu(const MomentsBwdArgs& a, const OpResource& res);
 const char* group_norm_fwd_gpu(const GroupNormFwdArgs& a, const OpResource& res);
 const char* group_norm_bwd_gpu(GroupNormBwdArgs a, const OpResource& res);
+
+const char* affine_fwd_gpu(const AffineArgs& a, const OpResource& res);
+const char* affine_bwd_gpu(const AffineBwdArgs& a, const OpResource& res);
 
 // DBN. The backward ones also zero the aux-state gradients `zero1`, `zero2` (may be null).
 const char* dbn_fwd_gpu(DbnFwdArgs a, const OpResource& res);

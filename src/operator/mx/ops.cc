@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "tensor_view.h"
+#include "../kernels/affine.h"
 #include "../kernels/group_norm.h"
 #include "gpu_ops.h"
 
@@ -166,27 +167,50 @@ MXReturnValue gn_parse(const AttrMap& attrs, int* num_in, int* num_out) {
   });
 }
 
+// Shared by ops with (data, gamma (C,), beta (C,)) inputs at positions 0, 1, 2: checks the
+// dtypes, defaults unknown parameter dtypes to the data dtype (what Gluon's deferred init expects)
+// and returns the data dtype (-1 while unknown).
+int infer_affine_param_types(const char* op, std::vector<int>* in) {
+  const int t = (*in)[kData];
+  check_float_data(op, t);
+  for (int i : {kGamma, kBeta}) {
+    const int pt = (*in)[i];
+    if (pt == -1) continue;
+    if (!is_float_dtype(pt))
+      fail(op, ": ", kParamNames[i], " must be a float type; got ", mx_dtype_name(pt));
+    if (t != -1 && pt != t && !(t == 2 && pt == 0))
+      fail(op, ": ", kParamNames[i], " dtype must equal the data dtype (or be float32 "
+           "with float16 data); got ", kParamNames[i], " ", mx_dtype_name(pt), " with data ",
+           mx_dtype_name(t));
+  }
+  if (t == -1) return t;
+  if ((*in)[kGamma] == -1) (*in)[kGamma] = t;
+  if ((*in)[kBeta] == -1) (*in)[kBeta] = t;
+  if ((*in)[kGamma] != (*in)[kBeta])
+    fail(op, ": gamma and beta must have the same dtype; got ", mx_dtype_name((*in)[kGamma]),
+         " and ", mx_dtype_name((*in)[kBeta]));
+  return t;
+}
+
+// Fills unknown gamma/beta shapes with (C,) from data (deferred init) and checks known ones.
+void infer_affine_param_shapes(const char* op, std::vector<std::vector<unsigned>>* in,
+                               const GroupShape& gs) {
+  const std::vector<unsigned> cshape = {static_cast<unsigned>(gs.C)};
+  for (int i : {kGamma, kBeta}) {
+    auto& s = (*in)[i];
+    if (shape_unknown(s)) {
+      s = cshape;
+    } else if (s != cshape) {
+      fail(op, ": ", kParamNames[i], " must have shape (", gs.C, ",) for data shape ",
+           shape_str(to_i64((*in)[kData])), "; got ", shape_str(to_i64(s)));
+    }
+  }
+}
+
 MXReturnValue gn_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
   return guarded(kGroupNorm, [&] {
-    const int t = (*in)[kData];
-    check_float_data(kGroupNorm, t);
-    for (int i : {kGamma, kBeta}) {
-      const int pt = (*in)[i];
-      if (pt == -1) continue;
-      if (!is_float_dtype(pt))
-        fail(kGroupNorm, ": ", kParamNames[i], " must be a float type; got ", mx_dtype_name(pt));
-      if (t != -1 && pt != t && !(t == 2 && pt == 0))
-        fail(kGroupNorm, ": ", kParamNames[i], " dtype must equal the data dtype (or be float32 "
-             "with float16 data); got ", kParamNames[i], " ", mx_dtype_name(pt), " with data ",
-             mx_dtype_name(t));
-    }
+    const int t = infer_affine_param_types(kGroupNorm, in);
     if (t == -1) return MX_SUCCESS;
-    // Unknown parameter dtypes default to the data dtype (what Gluon's deferred init expects).
-    if ((*in)[kGamma] == -1) (*in)[kGamma] = t;
-    if ((*in)[kBeta] == -1) (*in)[kBeta] = t;
-    if ((*in)[kGamma] != (*in)[kBeta])
-      fail(kGroupNorm, ": gamma and beta must have the same dtype; got ", mx_dtype_name((*in)[kGamma]),
-           " and ", mx_dtype_name((*in)[kBeta]));
     const int acc = static_cast<int>(acc_dtype(to_dtype(t)));
     (*out)[kOut] = t;
     (*out)[kMean] = acc;
@@ -202,16 +226,7 @@ MXReturnValue gn_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>*
     const auto& ds = (*in)[kData];
     if (shape_unknown(ds)) return MX_SUCCESS;
     const GroupShape gs = check_data_shape(kGroupNorm, to_i64(ds), p.num_groups);
-    const std::vector<unsigned> cshape = {static_cast<unsigned>(gs.C)};
-    for (int i : {kGamma, kBeta}) {
-      auto& s = (*in)[i];
-      if (shape_unknown(s)) {
-        s = cshape;  // deferred init: gamma/beta shapes come from data
-      } else if (s != cshape) {
-        fail(kGroupNorm, ": ", kParamNames[i], " must have shape (", gs.C, ",) for data shape ",
-             shape_str(to_i64(ds)), "; got ", shape_str(to_i64(s)));
-      }
-    }
+    infer_affine_param_shapes(kGroupNorm, in, gs);
     const std::vector<unsigned> stat = {static_cast<unsigned>(gs.N), static_cast<unsigned>(gs.G)};
     (*out)[kOut] = ds;
     (*out)[kMean] = stat;
@@ -224,9 +239,9 @@ void fill_gn_dims(const GroupShape& gs, int64_t* N, int64_t* C, int64_t* G, int6
   *N = gs.N; *C = gs.C; *G = gs.G; *S = gs.S;
 }
 
-void check_param_tensor(const MXTensor& t, const GroupShape& gs, int idx) {
+void check_param_tensor(const MXTensor& t, const GroupShape& gs, int idx, const char* op = kGroupNorm) {
   if (t.shape.size() != 1 || t.shape[0] != gs.C)
-    fail(kGroupNorm, ": ", kParamNames[idx], " must have shape (", gs.C, ",); got ", shape_str(t.shape));
+    fail(op, ": ", kParamNames[idx], " must have shape (", gs.C, ",); got ", shape_str(t.shape));
 }
 
 MXReturnValue gn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
@@ -286,6 +301,93 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// gn_channel_affine: data, gamma (C,), beta (C,) -> out = data * gamma[c] + beta[c]
+// The per-channel affine that DecorrelatedBatchNorm applies after whitening, fused into one pass
+// (multi-precision like gn_group_norm: float32 gamma/beta with float16 data).
+
+enum AffOut { kAffOut = 0, kAffNumOut };
+// backward inputs: [dout, data, gamma, beta, out]
+enum AffBwdIn { kAffBdOut = 0, kAffBData, kAffBGamma, kAffBBeta, kAffBOut };
+
+const char* kAffine = "gn_channel_affine";
+
+GroupShape affine_shape(const std::vector<int64_t>& shape) {
+  return check_data_shape(kAffine, shape, 1);
+}
+
+MXReturnValue aff_parse(const AttrMap& attrs, int* num_in, int* num_out) {
+  return guarded(kAffine, [&] {
+    Attrs a(kAffine, attrs, {});
+    *num_in = kGnNumIn;
+    *num_out = kAffNumOut;
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue aff_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return guarded(kAffine, [&] {
+    const int t = infer_affine_param_types(kAffine, in);
+    if (t != -1) (*out)[kAffOut] = t;
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue aff_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
+                        std::vector<std::vector<unsigned>>* out) {
+  return guarded(kAffine, [&] {
+    const auto& ds = (*in)[kData];
+    if (shape_unknown(ds)) return MX_SUCCESS;
+    infer_affine_param_shapes(kAffine, in, affine_shape(to_i64(ds)));
+    (*out)[kAffOut] = ds;
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue aff_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                      const OpResource& res) {
+  return guarded(kAffine, [&] {
+    const MXTensor& x = (*in)[kData];
+    const GroupShape gs = affine_shape(x.shape);
+    check_param_tensor((*in)[kGamma], gs, kGamma, kAffine);
+    check_param_tensor((*in)[kBeta], gs, kBeta, kAffine);
+    AffineArgs a;
+    a.dtype = to_dtype(x.dtype);
+    a.param_dtype = to_dtype((*in)[kGamma].dtype);
+    a.x = x.data_ptr;
+    a.gamma = (*in)[kGamma].data_ptr;
+    a.beta = (*in)[kBeta].data_ptr;
+    a.y = (*out)[kAffOut].data_ptr;
+    a.N = gs.N; a.C = gs.C; a.S = gs.S;
+    if (on_gpu(x)) return gpu_result(kAffine, affine_fwd_gpu(a, res));
+    const char* err = affine_fwd_cpu(a);
+    if (err) fail(kAffine, ": ", err);
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue aff_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                      const OpResource& res) {
+  return guarded(kAffine, [&] {
+    const MXTensor& x = (*in)[kAffBData];
+    const GroupShape gs = affine_shape(x.shape);
+    AffineBwdArgs a;
+    a.dtype = to_dtype(x.dtype);
+    a.param_dtype = to_dtype((*in)[kAffBGamma].dtype);
+    a.dy = (*in)[kAffBdOut].data_ptr;
+    a.x = x.data_ptr;
+    a.gamma = (*in)[kAffBGamma].data_ptr;
+    a.dx = (*out)[kData].data_ptr;
+    a.dgamma = (*out)[kGamma].data_ptr;
+    a.dbeta = (*out)[kBeta].data_ptr;
+    a.N = gs.N; a.C = gs.C; a.S = gs.S;
+    if (on_gpu(x)) return gpu_result(kAffine, affine_bwd_gpu(a, res));
+    const char* err = affine_bwd_cpu(a);
+    if (err) fail(kAffine, ": ", err);
+    return MX_SUCCESS;
+  });
+}
+
 }  // namespace
 }  // namespace mxa
 }  // namespace gn_mx
@@ -311,6 +413,18 @@ REGISTER_OP(gn_group_norm)
 #if defined(GNMX_WITH_CUDA)
     .setForward(gn_mx::mxa::gn_fwd, "gpu")
     .setBackward(gn_mx::mxa::gn_bwd, "gpu")
+#endif
+    ;
+
+REGISTER_OP(gn_channel_affine)
+    .setParseAttrs(gn_mx::mxa::aff_parse)
+    .setInferType(gn_mx::mxa::aff_type)
+    .setInferShape(gn_mx::mxa::aff_shape)
+    .setForward(gn_mx::mxa::aff_fwd, "cpu")
+    .setBackward(gn_mx::mxa::aff_bwd, "cpu")
+#if defined(GNMX_WITH_CUDA)
+    .setForward(gn_mx::mxa::aff_fwd, "gpu")
+    .setBackward(gn_mx::mxa::aff_bwd, "gpu")
 #endif
     ;
 

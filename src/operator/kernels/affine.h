@@ -1,0 +1,48 @@
+/*
+ * affine.h: framework-free per-channel affine, y[n,c,s] = x[n,c,s] * gamma[c] + beta[c].
+ *
+ * DecorrelatedBatchNorm applies its learnable gamma/beta after the whitening ops with this kernel:
+ * one read of x and one write of y, AccT arithmetic, and gamma/beta either in the data dtype or fp32
+ * with fp16 data (multi-precision), so no broadcast ops and no dtype casts appear in the graph.
+ *
+ * Backward: dx = dy * gamma[c], dgamma[c] = sum_{n,s} dy * x, dbeta[c] = sum_{n,s} dy
+ * (dgamma/dbeta in param dtype, accumulated in AccT; either may be nullptr).
+ */
+#pragma once
+#include <cstdint>
+
+#include "../common/acc_type.h"
+
+namespace gn_mx {
+
+struct AffineArgs {
+  DType dtype = DType::kFloat32;        // x / y dtype
+  DType param_dtype = DType::kFloat32;  // gamma / beta dtype
+  const void* x = nullptr;              // (N, C, S)
+  const void* gamma = nullptr;          // (C,)
+  const void* beta = nullptr;           // (C,)
+  void* y = nullptr;                    // (N, C, S)
+  int64_t N = 0, C = 0, S = 1;
+};
+
+struct AffineBwdArgs {
+  DType dtype = DType::kFloat32;
+  DType param_dtype = DType::kFloat32;
+  const void* dy = nullptr;             // (N, C, S)
+  const void* x = nullptr;              // (N, C, S)
+  const void* gamma = nullptr;          // (C,)
+  void* dx = nullptr;                   // (N, C, S)
+  void* dgamma = nullptr;               // (C,) or nullptr
+  void* dbeta = nullptr;                // (C,) or nullptr
+  int64_t N = 0, C = 0, S = 1;
+};
+
+const char* affine_fwd_cpu(const AffineArgs& a);
+const char* affine_bwd_cpu(const AffineBwdArgs& a);
+
+#if defined(GNMX_WITH_CUDA)
+const char* affine_fwd_cuda(const AffineArgs& a, void* stream);
+const char* affine_bwd_cuda(const AffineBwdArgs& a, void* stream);
+#endif
+
+}  // namespace gn_mx
