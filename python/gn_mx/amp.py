@@ -32,7 +32,9 @@ MXNet 1.9.1 on CPU (found by experiment; see docs/amp_and_small_batch.md):
 - AMP's imperative (non-hybridized) casts skip float16 -> float32 on CPU, so an fp16 activation
   reaches an fp32-only op uncast: hybridize the net before the first forward;
 - ``amp_multicast`` fails on CPU with float16 inputs, so widest-type ops (``broadcast_*``, ``+``)
-  that see an fp16 input break there; gn_mx fuses the affine step into the op for that reason.
+  that see an fp16 input break there. ``GroupNorm`` fuses its affine into the op for that reason;
+  ``DecorrelatedBatchNorm`` applies its affine with broadcast ops, which breaks on CPU AMP when its
+  input is float16 (e.g. right after an fp16 GroupNorm): see docs/amp_and_small_batch.md.
 """
 import threading
 import types
