@@ -183,32 +183,42 @@ def test_inference_op_and_backward(dtype):
     np.testing.assert_allclose(xs.grad.asnumpy(), rdx, *tol(dtype, GRAD_TOL))
 
 
-def test_blas_path_matches_reference():
+@pytest.mark.parametrize("env", [{"GNMX_CPU_ISA": "generic"},
+                                 {"MXNET_ENGINE_TYPE": "NaiveEngine", "OMP_NUM_THREADS": "2"}],
+                         ids=["blas_path", "two_threads"])
+def test_kernel_paths_match_reference(env):
     """float32 panels use AVX2 kernels when the CPU has them; GNMX_CPU_ISA=generic forces the
-    BLAS path (as on other CPUs). Checked in a fresh process, since the choice is made once."""
+    BLAS path (as on other CPUs). MXNet's threaded engine gives library ops one OpenMP thread;
+    NaiveEngine runs them on the caller, so OMP_NUM_THREADS=2 covers the per-thread statistics
+    merge. Shapes include several column chunks per group. Fresh processes: both choices are
+    made once per process."""
     code = f"""
         import sys; sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
         import numpy as np, mxnet as mx, gn_mx
         from mxnet import autograd
         from reference import dbn_ref, dbn_bwd_ref
-        for shape, G in [((6, 8, 11), 2), ((40, 64, 3), 1), ((4, 12, 5, 5), 12)]:
-            x = np.random.randn(*shape).astype(np.float32)
-            dy = np.random.randn(*shape).astype(np.float32)
-            C = shape[1]; D = C // G
-            rm, rp = mx.nd.zeros((C,)), mx.nd.array(np.tile(np.eye(D), (G, 1, 1)))
-            xs = mx.nd.array(x); xs.attach_grad()
-            with autograd.record():
-                y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G)[0]
-            y.backward(mx.nd.array(dy))
-            np.testing.assert_allclose(y.asnumpy(), dbn_ref(x, G, 1e-5)[0], rtol=1e-4, atol=1e-4)
-            np.testing.assert_allclose(xs.grad.asnumpy(), dbn_bwd_ref(x, dy, G, 1e-5),
-                                       rtol=1e-3, atol=1e-4)
-        print("GENERIC_OK")
+        for shape, G, off in [((6, 8, 11), 2, 0.5), ((40, 64, 3), 1, 0.0), ((4, 12, 5, 5), 12, 0.0),
+                              ((20, 6, 40, 40), 3, 50.0), ((5, 32, 30, 30), 2, -3.0)]:
+            for dtype in (np.float32, np.float64):
+                x = (np.random.randn(*shape) + off).astype(dtype)
+                dy = np.random.randn(*shape).astype(dtype)
+                C = shape[1]; D = C // G
+                rm = mx.nd.zeros((C,), dtype=dtype)
+                rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
+                xs = mx.nd.array(x, dtype=dtype); xs.attach_grad()
+                with autograd.record():
+                    y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G)[0]
+                y.backward(mx.nd.array(dy, dtype=dtype))
+                tol = 1e-4 if dtype == np.float32 else 1e-9
+                np.testing.assert_allclose(y.asnumpy(), dbn_ref(x, G, 1e-5)[0], rtol=tol,
+                                           atol=tol * (1 + abs(off)))
+                np.testing.assert_allclose(xs.grad.asnumpy(), dbn_bwd_ref(x, dy, G, 1e-5),
+                                           rtol=10 * tol, atol=tol * (1 + abs(off)))
+        print("PATH_OK")
     """
-    env = dict(os.environ, GNMX_CPU_ISA="generic", OMP_NUM_THREADS="2")
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
-                       text=True, timeout=300, cwd=ROOT, env=env)
-    assert p.returncode == 0 and "GENERIC_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+                       text=True, timeout=300, cwd=ROOT, env=dict(os.environ, **env))
+    assert p.returncode == 0 and "PATH_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
 
 
 # ---------------------------------------------------------------------------------------------

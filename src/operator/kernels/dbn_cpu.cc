@@ -1,18 +1,22 @@
 /*
  * dbn_cpu.cc: CPU Decorrelated BN kernels (math in dbn.h / dbn_math.h).
  *
- * Every O(D^2 m) stage is a BLAS call on a column panel: for group g, columns j0..j0+K of the
- * D x m matrix X are gathered (widened to AccT, centred) into a row-major D x K panel straight
- * from NCHW, then
- *   covariance  += syrk(panel)            (per-chunk AccT result folded into fp64 accumulators)
- *   whitening     Q = W panel  -> scattered (narrowed) into y
- *   backward      G_W += dY panel^T,  then dX = [W | B] [dY - mean(dY); Xc]  (one gemm)
- * Panels are per thread; (group, chunk) items are spread over an OpenMP team, so OpenBLAS (built
- * with OpenMP) runs single-threaded inside. D x D math (eigh, W, backward matrices) is fp64.
- *
- * BLAS/LAPACK come from the OpenBLAS shipped in the mxnet wheel, looked up at run time (see
- * blas() below); without it a naive gemm/syrk and the Jacobi eigensolver keep results correct.
- * NB: BLAS sees row-major D x K panels as column-major K x D matrices (leading dimension K), so
+ * Every O(D^2 m) stage is a product on a column panel: for group g, columns j0..j0+K of the
+ * D x m matrix X are gathered (widened to AccT) into a row-major D x K panel straight from NCHW
+ * (row stride ld = K + padding), then, two passes over the data each way:
+ *   forward 1   centre the panel on its own mean (in cache), C_chunk = panel panel^T, merged
+ *               into fp64 (count, mean, M2) per thread and group with Chan's update: exact
+ *               two-pass statistics in one read of x
+ *   forward 2   Q = W (x - mu) -> scattered (narrowed) into y
+ *   backward 1  G_W += dY Xc^T, sum(dY)
+ *   backward 2  dX = [W | B] [dY - mean(dY); Xc]  (one product with a D x 2D matrix)
+ * Panels are per thread; (group, chunk) items are spread over an OpenMP team. D x D math (eigh,
+ * W, backward matrices) is fp64. float panels use AVX2+FMA kernels when the CPU has them
+ * (runtime dispatch; GNMX_CPU_ISA=generic disables them), otherwise and for double the BLAS
+ * sgemm/dgemm/syrk of the OpenBLAS shipped in the mxnet wheel (built with OpenMP, so it runs
+ * single-threaded inside our team), looked up at run time (see blas() below); without it a
+ * naive gemm/syrk and the Jacobi eigensolver keep results correct.
+ * NB: BLAS sees row-major D x K panels as column-major K x D matrices (leading dimension ld), so
  * a row-major product C = A B is issued as the column-major C^T = B^T A^T.
  */
 #include <dlfcn.h>
@@ -414,7 +418,11 @@ void store_any(DType t, void* p, int64_t i, double v) {
 // ---- Training forward -------------------------------------------------------------------------
 template <typename A>
 struct FwdLayout {
-  double* acc;   // T x G x D x D, fp64 covariance sums (upper triangle, column-major)
+  double* acc;   // T x G x D x D, fp64 centred sums M2 (upper triangle, column-major)
+  double* tmean; // T x G x D, fp64 running mean of the chunks a thread merged
+  double* tcnt;  // T x G, their column count
+  double* delta; // T x D
+  A* csum;       // T x D, a chunk's row sums
   A* W;          // G x D x D, Sigma^{-1/2} in AccT for the whitening gemm
   A* panel;      // T x D x K
   A* out;        // T x D x K
@@ -433,6 +441,10 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
   FwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
+  L.tmean = c->take<double>(T * q.G * q.D);
+  L.tcnt = c->take<double>(T * q.G);
+  L.delta = c->take<double>(T * q.D);
+  L.csum = c->take<A>(T * q.D);
   L.W = c->take<A>(q.G * DD);
   L.panel = c->take<A>(T * q.D * q.ld);
   L.out = c->take<A>(T * q.D * q.ld);
@@ -462,37 +474,63 @@ const char* fwd_impl(const DbnFwdArgs& a) {
   const int64_t D = q.D, DD = D * D, K = q.K;
   const int Di = static_cast<int>(D);
   const int64_t items = q.G * q.nchunk;
-  // Zeroed up front: a team smaller than nt must still leave every partial sum defined.
+  // Zeroed up front: a team smaller than nt must still leave every partial state defined.
   std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
+  std::fill(L.tmean, L.tmean + nt * q.G * D, 0.0);
+  std::fill(L.tcnt, L.tcnt + nt * q.G, 0.0);
 
 #pragma omp parallel num_threads(nt)
   {
     const int t = omp_get_thread_num();
-    // Pass 1: per-channel mean (row sums in AccT, accumulated over samples in fp64).
-#pragma omp for schedule(static)
-    for (int64_t c = 0; c < q.C; ++c) {
-      double sum = 0.0;
-      for (int64_t n = 0; n < q.N; ++n) {
-        const T* row = x + (n * q.C + c) * q.S;
-        A rs = 0;
-        for (int64_t s = 0; s < q.S; ++s) rs += to_acc(row[s]);
-        sum += static_cast<double>(rs);
-      }
-      mean[c] = static_cast<A>(sum / static_cast<double>(q.m));
-    }
+    // Pass 1: mean and covariance in one read of x. Each chunk is centred on its own mean while
+    // it sits in cache (exact two-pass statistics of the chunk), then merged into the thread's
+    // fp64 state with Chan's update, the matrix form of welford.h's merge:
+    //   delta = mean_b - mean_a, n = n_a + n_b,
+    //   mean += delta n_b / n,   M2 = M2_a + M2_b + delta delta^T n_a n_b / n.
+    // No E[xx^T] - mu mu^T cancellation anywhere, whatever the offset of the data.
     double* acc_t = L.acc + t * q.G * DD;
     A* panel = L.panel + t * D * q.ld;
     A* cb = L.cb + t * DD;
-    // Pass 2: covariance of the centred panels.
+    A* csum = L.csum + t * D;
+    double* delta = L.delta + t * D;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
+      gather(x, q, g, j0, kc, static_cast<const A*>(nullptr), panel, q.ld);
+      for (int64_t d = 0; d < D; ++d) {
+        A* row = panel + d * q.ld;
+        A s = 0;
+#pragma omp simd reduction(+ : s)
+        for (int64_t k = 0; k < kc; ++k) s += row[k];
+        const A c = s / static_cast<A>(kc);
+        A r = 0;  // residual sum after centring (rounding of c), folded in exactly below
+#pragma omp simd reduction(+ : r)
+        for (int64_t k = 0; k < kc; ++k) {
+          row[k] -= c;
+          r += row[k];
+        }
+        csum[d] = c;  // chunk mean = c + r / kc
+        delta[d] = static_cast<double>(r);
+      }
       panel_gram(panel, panel, q.ld, Di, static_cast<int>(kc), cb, true);
       double* accg = acc_t + g * DD;
-      for (int64_t j = 0; j < D; ++j)
-        for (int64_t i = 0; i <= j; ++i) accg[i + j * D] += static_cast<double>(cb[i + j * D]);
+      double* tmean = L.tmean + (t * q.G + g) * D;
+      double& na = L.tcnt[t * q.G + g];
+      const double nb = static_cast<double>(kc), n = na + nb, w = na * nb / n;
+      for (int64_t d = 0; d < D; ++d) {
+        const double r = delta[d];
+        delta[d] = static_cast<double>(csum[d]) + r / nb - tmean[d];  // mean_b - mean_a
+        csum[d] = static_cast<A>(r);
+      }
+      for (int64_t j = 0; j < D; ++j) {
+        const double rj = static_cast<double>(csum[j]);
+        for (int64_t i = 0; i <= j; ++i)
+          accg[i + j * D] += static_cast<double>(cb[i + j * D]) -
+                             static_cast<double>(csum[i]) * rj / nb + delta[i] * delta[j] * w;
+      }
+      for (int64_t d = 0; d < D; ++d) tmean[d] += delta[d] * nb / n;
+      na = n;
     }
     // Per group: Sigma, eigh, W, running statistics.
     const EigScratch es{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
@@ -503,12 +541,27 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     double* Wd = L.Wd + t * DD;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < q.G; ++g) {
+      // Merge the threads' (count, mean, M2) states (Chan), into l (mean) and Wd (M2).
+      double n = 0.0;
+      std::fill(l, l + D, 0.0);
+      std::fill(Wd, Wd + DD, 0.0);
+      for (int u = 0; u < nt; ++u) {
+        const double nb = L.tcnt[u * q.G + g];
+        if (nb == 0) continue;
+        const double* mb = L.tmean + (u * q.G + g) * D;
+        const double* m2b = L.acc + (u * q.G + g) * DD;
+        const double nn = n + nb, w = n * nb / nn;
+        for (int64_t j = 0; j < D; ++j)
+          for (int64_t i = 0; i <= j; ++i)
+            Wd[i + j * D] += m2b[i + j * D] + (mb[i] - l[i]) * (mb[j] - l[j]) * w;
+        for (int64_t d = 0; d < D; ++d) l[d] += (mb[d] - l[d]) * nb / nn;
+        n = nn;
+      }
+      for (int64_t d = 0; d < D; ++d) mean[g * D + d] = static_cast<A>(l[d]);
       bool finite = true;
       for (int64_t j = 0; j < D; ++j)
         for (int64_t i = 0; i <= j; ++i) {
-          double s = 0.0;
-          for (int u = 0; u < nt; ++u) s += L.acc[(u * q.G + g) * DD + i + j * D];
-          s /= static_cast<double>(q.m);
+          double s = Wd[i + j * D] / static_cast<double>(q.m);
           if (i == j) s += a.eps;
           sig[i * D + j] = sig[j * D + i] = s;
           finite = finite && std::isfinite(s);
