@@ -31,6 +31,9 @@ def test_ops_are_in_amp_lists():
         assert op in bf16.FP32_FUNCS  # MXNet 1.9's lib_api has no bfloat16 tensors
     for op in gn_mx.amp.registered_ops()[1]:
         assert op in fp16.FP32_FUNCS and op not in fp16.FP16_FUNCS and op in bf16.FP32_FUNCS
+    # DBN's fused affine runs in the precision that reaches it: no casts, not in the fp16/fp32 lists
+    assert "gn_channel_affine" in fp16.FP16_FP32_FUNCS and "gn_channel_affine" in bf16.FP32_FUNCS
+    assert "gn_channel_affine" not in fp16.FP16_FUNCS + fp16.FP32_FUNCS
     gn_mx.amp.register()  # idempotent
     assert fp16.FP16_FUNCS.count("gn_group_norm") == 1
 
@@ -254,12 +257,6 @@ def test_amp_convert_hybrid_block(order):
 
 
 @pytest.mark.skipif(not HAS_DBN, reason="DecorrelatedBatchNorm not built")
-@pytest.mark.xfail(not ON_GPU, strict=False,
-                   reason="DecorrelatedBatchNorm casts gamma/beta to the dtype of its *input* (fp16 "
-                          "after an fp16 GroupNorm) while AMP runs gn_dbn in fp32, so its broadcast "
-                          "affine gets mixed dtypes and AMP's amp_multicast, which has no fp16 CPU "
-                          "kernel in MXNet 1.9.1 ('unknown type for MKLDNN :2'); fix: fuse the "
-                          "affine into gn_dbn or cast to the op output's dtype")
 def test_amp_groupnorm_feeding_dbn_directly():
     code = """
     import mxnet as mx

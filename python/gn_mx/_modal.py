@@ -28,38 +28,9 @@ _CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", 
 _MODES = "_gnmx_modes"
 
 
-def note_modal_trace(blk=None, data=None):
-    """Called by a block's hybrid_forward when it is traced with F=mx.sym and is mode-dependent.
-
-    `blk`/`data` (the block and its input Symbol) ask for the dtype of `data` to be inferred
-    after the trace and stored in `blk._traced_data_dtype` (see _resolve_dtypes).
-    """
+def note_modal_trace():
+    """Called by a block's hybrid_forward when it is traced with F=mx.sym and is mode-dependent."""
     _tls.count = getattr(_tls, "count", 0) + 1
-    if blk is not None:
-        traced = getattr(_tls, "traced", None)
-        if traced is not None:
-            traced.append((blk, data))
-
-
-def _resolve_dtypes(inputs, args, traced):
-    """Infer the dtype of each traced block's input Symbol from the graph inputs' dtypes.
-    Returns True when some block's recorded dtype changed (the graph must be traced again)."""
-    from mxnet.ndarray import NDArray
-    flat_args = [a for a in _block._flatten(list(args), "input")[0] if a is not None]
-    known = {s.name: a.dtype for s, a in zip(inputs, flat_args) if isinstance(a, NDArray)}
-    changed = False
-    for blk, sym in traced:
-        try:
-            names = set(sym.list_arguments())
-            _, out_types, _ = sym.infer_type_partial(**{k: v for k, v in known.items()
-                                                         if k in names})
-            dtype = out_types[0] if out_types else None
-        except Exception:  # noqa: BLE001  (leave the dtype unknown; the graph still works)
-            dtype = None
-        if dtype is not None and blk._traced_data_dtype != dtype:
-            blk._traced_data_dtype = dtype
-            changed = True
-    return changed
 
 
 def _park(blk):
@@ -102,20 +73,13 @@ def _install():
         if self._cached_graph:
             return orig_get_graph(self, *args)
         outer = getattr(_tls, "count", 0)
-        outer_traced = getattr(_tls, "traced", None)
         training = autograd.is_training()
+        _tls.count = 0
         try:
-            for _ in range(2):  # a second trace only if an inferred data dtype changed
-                _tls.count = 0
-                _tls.traced = []
-                res = orig_get_graph(self, *args)
-                traced = _tls.count
-                if not _tls.traced or not _resolve_dtypes(res[0], args, _tls.traced):
-                    break
-                object.__setattr__(self, "_cached_graph", ())
+            res = orig_get_graph(self, *args)
+            traced = _tls.count
         finally:
             _tls.count = outer + getattr(_tls, "count", 0)
-            _tls.traced = outer_traced
         if traced:
             modes = self.__dict__.get(_MODES)
             if modes is None:
@@ -138,6 +102,11 @@ def _install():
     def export(self, path, epoch=0, remove_amp_cast=True):
         modes = self.__dict__.get(_MODES)
         if modes is not None:
+            # NB: with static_alloc, a running-statistics update of the training CachedOp can
+            # still be in flight when export copies the parameters (seen as stale aux values in
+            # the .params file); wait for it.
+            from mxnet import ndarray as nd
+            nd.waitall()
             _switch(self, False)
             if self._cached_op is None:
                 # Only training ran so far: trace and build the inference graph now. The graph

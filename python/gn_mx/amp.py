@@ -11,6 +11,7 @@
    ``gn_group_norm``, ``gn_moments``     ``FP16_FUNCS``: fp16 data,   ``FP32_FUNCS`` (MXNet 1.9's
                                          fp32 accumulation and stats  ``lib_api`` has no bf16)
    ``gn_dbn``, ``gn_dbn_inference``      ``FP32_FUNCS``               ``FP32_FUNCS``
+   ``gn_channel_affine`` (DBN's affine)  ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
    ===================================== ============================ ==========================
 
    NB: DBN whitens with ``Sigma^{-1/2}`` from an eigendecomposition. Its conditioning is the
@@ -49,13 +50,16 @@ from mxnet import base as _base  # noqa: E402
 from mxnet.contrib.amp import amp as _amp  # noqa: E402
 from mxnet.contrib.amp import lists as _lists  # noqa: E402
 
-__all__ = ["LP16_OPS", "FP32_OPS", "CPU_FP32_GEMM_OPS", "install", "register", "registered_ops",
+__all__ = ["LP16_OPS", "FP32_OPS", "EITHER_OPS", "CPU_FP32_GEMM_OPS", "install", "register", "registered_ops",
            "cpu_op_lists", "cpu_init_kwargs", "cpu_convert_kwargs"]
 
 #: Ops that run in float16 under float16 AMP (fp32 accumulation and statistics inside the op).
 LP16_OPS = ("gn_group_norm", "gn_moments")
 #: Ops that AMP always runs in float32 (eigendecomposition, in-place running statistics).
 FP32_OPS = ("gn_dbn", "gn_dbn_inference")
+#: Ops that run in whatever precision reaches them (AMP inserts no casts): DecorrelatedBatchNorm's
+#: fused affine takes float16 or float32 data, with float32 (master) gamma/beta for either.
+EITHER_OPS = ("gn_channel_affine",)
 #: MXNet 1.9.1 has no CPU float16 gemm: AMP on CPU must run these in float32. (``dot`` and
 #: ``batch_dot`` are widest-type ops, which the converters refuse in any other list: they stay
 #: float32 as long as no float16 tensor reaches them.)
@@ -93,9 +97,11 @@ def register():
     with _lock:
         _add(fp16_lists.FP16_FUNCS, lp16)
         _add(fp16_lists.FP32_FUNCS, fp32)
+        either = tuple(n for n in EITHER_OPS if _available(n))
+        _add(fp16_lists.FP16_FP32_FUNCS, either)
         bf16_lists = getattr(_lists, "symbol_bf16", None)
         if bf16_lists is not None:
-            _add(bf16_lists.FP32_FUNCS, lp16 + fp32)
+            _add(bf16_lists.FP32_FUNCS, lp16 + fp32 + either)
     return lp16, fp32
 
 

@@ -84,7 +84,6 @@ class GroupNorm(HybridBlock):
 # ---------------------------------------------------------------------------------------------
 # Decorrelated Batch Normalization
 
-import numpy as _np  # noqa: E402
 from mxnet import autograd as _autograd  # noqa: E402
 from mxnet import initializer as _initializer  # noqa: E402
 
@@ -147,7 +146,6 @@ class DecorrelatedBatchNorm(HybridBlock):
         self._num_groups = int(num_groups)
         self._epsilon = float(epsilon)
         self._momentum = float(momentum)
-        self._traced_data_dtype = None
         self._center = bool(center)
         self._scale = bool(scale)
         D = in_channels // num_groups
@@ -166,38 +164,18 @@ class DecorrelatedBatchNorm(HybridBlock):
                 init=GroupIdentity(), allow_deferred_init=True, differentiable=False)
 
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):
-        if isinstance(x, _nd_type()):
-            data_dtype = x.dtype
-        else:
-            _modal.note_modal_trace(self, x)
-            data_dtype = self._traced_data_dtype  # set by the _modal trace hook, else None
+        if not isinstance(x, _nd_type()):
+            _modal.note_modal_trace()
         if _autograd.is_training():
             xhat = F.gn_dbn(x, running_mean, running_projection, num_groups=self._num_groups,
                             eps=self._epsilon, momentum=self._momentum)[0]
         else:
             xhat = F.gn_dbn_inference(x, running_mean, running_projection,
                                       num_groups=self._num_groups)
-        # Per-channel affine for any number of spatial dims: view as (N, C, S), broadcast, restore.
-        # The elementwise tie to running_mean (whose (C,) shape gn_dbn infers from data) lets
-        # graph-level shape inference size gamma/beta for deferred init; broadcasts cannot.
-        zero_c = F.zeros_like(running_mean)
-        gamma = F.elemwise_add(gamma, zero_c)
-        beta = F.elemwise_add(beta, zero_c)
-        # Multi-precision (float32 gamma/beta with float16 data): cast the parameters to the
-        # data's dtype. Symbolically that dtype is known only after type inference: the _modal
-        # hook traces once with amp_multicast (type inference only; its CPU MKLDNN kernel has no
-        # float16), infers the data dtype of every DBN layer and traces again with plain casts.
-        if data_dtype is None:
-            proxy = F.BlockGrad(F.slice_axis(F.reshape(xhat, shape=(-1,)), axis=0, begin=0,
-                                             end=1))
-            gamma, beta, _ = F.amp_multicast(gamma, beta, proxy, num_outputs=3, cast_narrow=True)
-        elif _np.dtype(data_dtype) != _np.dtype(self.gamma.dtype):
-            gamma = F.cast(gamma, dtype=_np.dtype(data_dtype).name)
-            beta = F.cast(beta, dtype=_np.dtype(data_dtype).name)
-        flat = F.reshape(xhat, shape=(0, 0, -1))
-        out = F.broadcast_add(F.broadcast_mul(flat, F.reshape(gamma, shape=(1, -1, 1))),
-                              F.reshape(beta, shape=(1, -1, 1)))
-        return F.reshape_like(out, xhat)
+        # The learnable affine is one native op: per-channel, any spatial rank, float32
+        # gamma/beta with float16 data, and it sizes gamma/beta from xhat for deferred init.
+        gamma, beta = accumulating_params(F, gamma, beta)
+        return F.gn_channel_affine(xhat, gamma, beta)
 
     def __repr__(self):
         c = self.gamma.shape[0] if self.gamma.shape else 0
