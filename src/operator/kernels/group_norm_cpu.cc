@@ -119,6 +119,11 @@ template <typename T>
 Welford<AccT<T>> range_moments(const simd::Prims<T>& P, const T* x, int64_t n) {
   using A = AccT<T>;
   Welford<A> w;
+  if (n > 0 && n <= kChunk) {  // one chunk: its exact moments are the result
+    A cm, m2;
+    P.moments(x, n, &cm, &m2);
+    return make_welford<A>(static_cast<A>(n), cm, m2);
+  }
   for (int64_t off = 0; off < n; off += kChunk) {
     const int64_t len = std::min(kChunk, n - off);
     A cm, m2;
