@@ -282,6 +282,28 @@ def test_amp_groupnorm_feeding_dbn_directly():
     assert proc.returncode == 0 and "OK (4, 4)" in proc.stdout, proc.stderr[-2000:]
 
 
+def test_bfloat16_amp_init_before_import_wraps_ops_fp32():
+    """bf16 AMP, amp.init() first: the wrappers are rebuilt and every gn_mx op is cast to fp32."""
+    code = """
+    import numpy as np
+    import mxnet as mx
+    from mxnet.contrib import amp
+    amp.init(target_dtype="bfloat16")
+    import gn_mx
+    def cast_dtype(fn):
+        assert fn.__globals__ is amp.amp.__dict__, fn
+        cells = dict(zip(fn.__code__.co_freevars, fn.__closure__))
+        return cells["target_dtype"].cell_contents
+    ops = [o for o in ("gn_group_norm", "gn_moments", "gn_dbn", "gn_dbn_inference",
+                       "gn_channel_affine") if hasattr(mx.nd, o)]
+    print("FP32", all(np.dtype(cast_dtype(getattr(m, o))) == np.float32
+                      for o in ops for m in (mx.nd, mx.sym)))
+    print("BF16", cast_dtype(mx.nd.Convolution) == amp.amp.bfloat16)
+    """
+    proc = run_python(code, timeout=120)
+    assert "FP32 True" in proc.stdout and "BF16 True" in proc.stdout, proc.stdout + proc.stderr
+
+
 def test_unregistered_op_is_rejected_by_converter():
     """Documents the MXNet behaviour gn_mx.amp works around (runs without amp.init)."""
     code = """

@@ -33,9 +33,8 @@ MXNet 1.9.1 on CPU (found by experiment; see docs/amp_and_small_batch.md):
 - AMP's imperative (non-hybridized) casts skip float16 -> float32 on CPU, so an fp16 activation
   reaches an fp32-only op uncast: hybridize the net before the first forward;
 - ``amp_multicast`` fails on CPU with float16 inputs, so widest-type ops (``broadcast_*``, ``+``)
-  that see an fp16 input break there. ``GroupNorm`` fuses its affine into the op for that reason;
-  ``DecorrelatedBatchNorm`` applies its affine with broadcast ops, which breaks on CPU AMP when its
-  input is float16 (e.g. right after an fp16 GroupNorm): see docs/amp_and_small_batch.md.
+  that see an fp16 input break there. gn_mx therefore applies every affine natively:
+  ``GroupNorm`` inside ``gn_group_norm``, ``DecorrelatedBatchNorm`` with ``gn_channel_affine``.
 """
 import threading
 import types
@@ -186,8 +185,9 @@ def _wrap_our_ops(target_dtype):
     """Wrap the gn_mx ops as amp.init(target_dtype) would (their names were not in its lists)."""
     is_bf16 = target_dtype == _amp.bfloat16
     lp16, fp32 = registered_ops()
-    if is_bf16:
-        lp16, fp32 = (), lp16 + fp32
+    if is_bf16:  # bf16 AMP: every gn_mx op is in FP32_FUNCS (see register)
+        either = tuple(n for n in EITHER_OPS if _available(n))
+        lp16, fp32 = (), lp16 + fp32 + either
     lp16 = [n for n in lp16 if not _is_amp_wrapper(getattr(mx.nd, n))]
     fp32 = [n for n in fp32 if not _is_amp_wrapper(getattr(mx.nd, n))]
     if not lp16 and not fp32:
