@@ -3,15 +3,22 @@
 No MXNet: the framework-free CUDA kernels run on raw device pointers on torch's current stream.
 `load()` builds the library with tests/gpu/build.sh when it is missing (or GNMX_HARNESS_REBUILD=1).
 Shared by tests/gpu/test_gpu_kernels.py and benchmarks/gpu/bench_gpu.py.
+
+GNMX_HARNESS_EMU=1 instead loads the same kernels built for the CPU emulator (tests/gpu/emu/, logic
+checks without a GPU) into build/gpu-emu/ and runs them on CPU tensors.
 """
 import ctypes
 import os
 import subprocess
+import sys
 
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-LIB = os.path.join(os.environ.get("GNMX_HARNESS_OUT", os.path.join(ROOT, "build", "gpu")),
+EMU = os.environ.get("GNMX_HARNESS_EMU") == "1"
+DEVICE = "cpu" if EMU else "cuda"
+LIB = os.path.join(os.environ.get("GNMX_HARNESS_OUT",
+                                  os.path.join(ROOT, "build", "gpu-emu" if EMU else "gpu")),
                    "libgn_harness.so")
 
 DTYPE_CODE = {torch.float32: 0, torch.float64: 1, torch.float16: 2}
@@ -43,8 +50,22 @@ _SIGS = {
 }
 
 
+def available():
+    """True where the harness can run: a CUDA device, or the CPU emulator."""
+    return EMU or torch.cuda.is_available()
+
+
+def sync():
+    if not EMU:
+        torch.cuda.synchronize()
+
+
 def build():
-    subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "build.sh")], check=True)
+    if EMU:
+        subprocess.run([sys.executable, os.path.join(ROOT, "tests", "gpu", "emu", "build_emu.py"),
+                        os.path.dirname(LIB)], check=True)
+    else:
+        subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "build.sh")], check=True)
 
 
 def load():
@@ -73,7 +94,7 @@ def _p(t):
 
 
 def _stream():
-    return ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
+    return None if EMU else ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)
 
 
 def _check(err, what):

@@ -7,12 +7,13 @@ is autograd through it. Eigenvectors are compared through W = U diag(l^-1/2) U^T
 import pytest
 
 torch = pytest.importorskip("torch")
-if not torch.cuda.is_available():
-    pytest.skip("no CUDA device for the GPU harness", allow_module_level=True)
+import gnh  # noqa: E402  (tests/gpu is on sys.path: pytest's rootdir-relative import)
 
-import gnh  # noqa: E402
+if not gnh.available():
+    pytest.skip("no CUDA device for the GPU harness (GNMX_HARNESS_EMU=1: CPU emulator)",
+                allow_module_level=True)
 
-DEV = "cuda"
+DEV = gnh.DEVICE
 DTYPES = [torch.float16, torch.float32, torch.float64]
 TOL = {torch.float16: 3e-2, torch.float32: 2e-3, torch.float64: 1e-8}
 
@@ -83,7 +84,7 @@ def test_dbn_forward(shape, G, dtype):
     rp = torch.randn(G, D, D, dtype=acc, device=DEV)
     rm0, rp0 = rm.clone(), rp.clone()
     y, mean, U, l = gnh.dbn_fwd(x, G, rm, rp, eps, mom)
-    torch.cuda.synchronize()
+    gnh.sync()
     ry, rmu, rl, rW = ref_dbn(x.double(), G, eps)
     tol = TOL[dtype]
     assert y.dtype == dtype
@@ -111,7 +112,7 @@ def test_dbn_backward(shape, G, dtype):
     dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
     y, mean, U, l = gnh.dbn_fwd(x, G, eps=eps)
     dx = gnh.dbn_bwd(dy, x, mean, U, l, G)
-    torch.cuda.synchronize()
+    gnh.sync()
     xd = x.double().requires_grad_(True)
     ry, _, _, _ = ref_dbn(xd, G, eps)
     (ry * dy.double()).sum().backward()
@@ -133,7 +134,7 @@ def test_dbn_inference(shape, G, dtype, stat_acc):
     g = torch.Generator(device="cpu").manual_seed(5)
     dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
     dx = gnh.dbn_inference(dy, rm, rp, G, backward=True)
-    torch.cuda.synchronize()
+    gnh.sync()
     P = rp.double()
     X = to_groups(x.double(), G) - rm.double().reshape(G, D, 1)
     assert rel_err(y, from_groups(P @ X, shape)) < TOL[dtype]
@@ -144,5 +145,5 @@ def test_dbn_nonfinite_input_gives_nan_not_crash():
     x = make((8, 8, 4), torch.float32)
     x[0, 0, 0] = float("nan")
     y, mean, U, l = gnh.dbn_fwd(x, 2)
-    torch.cuda.synchronize()
+    gnh.sync()
     assert torch.isnan(y[:, :4]).all() and torch.isfinite(y[:, 4:]).all()

@@ -1,0 +1,238 @@
+/*
+ * cuda_emu.h: a tiny CPU emulator of the CUDA subset the gn_mx kernels use, for checking kernel
+ * *logic* (indexing, launch plans, reductions, the Jacobi schedule) on machines without a GPU.
+ * NOT a performance or memory-model check: blocks run one at a time; each CUDA thread is a ucontext
+ * fiber on the calling OS thread, switched round-robin at __syncthreads (a barrier over the block) and
+ * at warp shuffles (per-warp slots and a 32-lane barrier); __shared__ variables are function
+ * statics (one block at a time makes that exact). Kernel launches `k<<<g, b, smem, s>>>(args)` are rewritten by build_emu.py into
+ * `emu::launch(k, g, b, smem, s)(args)`. Used by tests/gpu/emu/build_emu.sh only.
+ */
+#pragma once
+#include <immintrin.h>
+#include <math.h>
+
+#include <setjmp.h>
+#include <ucontext.h>
+
+#include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <functional>
+#include <memory>
+#include <tuple>
+#include <vector>
+
+#define __host__
+#define __device__
+#define __global__
+#define __forceinline__ inline
+#define __launch_bounds__(...)
+#define __shared__ static
+
+struct dim3 {
+  unsigned x = 1, y = 1, z = 1;
+  dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
+};
+typedef void* cudaStream_t;
+enum cudaError_t { cudaSuccess = 0 };
+enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+
+namespace emu {
+// Cooperative fibers, one per CUDA thread, on the calling OS thread: entered once through
+// makecontext, then switched with _setjmp/_longjmp (no signal-mask syscalls).
+struct Fiber {
+  ucontext_t ctx;
+  jmp_buf jb;
+  std::vector<char> stack;
+  dim3 tid;
+  bool started = false, done = false;
+};
+inline dim3 t_thread, t_block;  // of the running fiber (blocks run in lockstep)
+inline dim3 g_grid, g_bdim;
+inline unsigned char* g_dyn_smem = nullptr;
+inline jmp_buf g_sched_jb;
+inline std::vector<Fiber>* g_fibers = nullptr;
+inline unsigned g_cur = 0;
+inline unsigned g_bar_count = 0, g_bar_gen = 0;          // __syncthreads
+inline unsigned g_end_count = 0, g_end_gen = 0;          // end of a block
+inline unsigned g_wcount[32] = {0}, g_wgen[32] = {0};  // warp shuffles
+inline uint64_t g_slots[32][32];
+inline int g_and = 1;
+
+inline void yield() {
+  Fiber& f = (*g_fibers)[g_cur];
+  f.tid = t_thread;
+  if (!_setjmp(f.jb)) _longjmp(g_sched_jb, 1);
+  t_thread = (*g_fibers)[g_cur].tid;
+}
+
+// Barrier over `expected` arrivals: the last one releases, the others yield until released.
+inline void barrier(unsigned* count, unsigned* gen, unsigned expected) {
+  const unsigned my_gen = *gen;
+  if (++*count == expected) {
+    *count = 0;
+    ++*gen;
+    return;
+  }
+  while (*gen == my_gen) yield();
+}
+}  // namespace emu
+
+#define threadIdx (emu::t_thread)
+#define blockIdx (emu::t_block)
+#define blockDim (emu::g_bdim)
+#define gridDim (emu::g_grid)
+
+inline cudaError_t cudaGetLastError() { return cudaSuccess; }
+inline const char* cudaGetErrorString(cudaError_t) { return "cuda_emu error"; }
+inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
+  const char* e = std::getenv("GNMX_EMU_SMS");
+  *v = e ? std::atoi(e) : 4;
+  return cudaSuccess;
+}
+inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  std::memset(p, v, n);
+  return cudaSuccess;
+}
+
+struct __half {
+  uint16_t bits;
+};
+inline float __half2float(__half h) { return _cvtsh_ss(h.bits); }
+inline __half __float2half_rn(float f) { return __half{_cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT)}; }
+inline double __longlong_as_double(long long v) {
+  double d;
+  std::memcpy(&d, &v, sizeof(d));
+  return d;
+}
+using std::isfinite;
+
+inline void __syncthreads() {
+  emu::barrier(&emu::g_bar_count, &emu::g_bar_gen, emu::g_bdim.x * emu::g_bdim.y * emu::g_bdim.z);
+}
+inline int __syncthreads_and(int pred) {
+  __syncthreads();
+  if (!pred) emu::g_and = 0;
+  __syncthreads();
+  const int r = emu::g_and;
+  __syncthreads();
+  if (threadIdx.x == 0) emu::g_and = 1;
+  __syncthreads();
+  return r;
+}
+
+template <typename T>
+inline T __shfl_xor_sync(unsigned, T v, int off) {
+  static_assert(sizeof(T) <= 8, "shuffle of > 8 bytes");
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  emu::g_slots[warp][lane] = bits;
+  emu::barrier(&emu::g_wcount[warp], &emu::g_wgen[warp], 32);
+  bits = emu::g_slots[warp][lane ^ unsigned(off)];
+  emu::barrier(&emu::g_wcount[warp], &emu::g_wgen[warp], 32);
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+template <typename T>
+inline T __shfl_down_sync(unsigned, T v, unsigned off) {
+  const unsigned lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  uint64_t bits = 0;
+  std::memcpy(&bits, &v, sizeof(T));
+  emu::g_slots[warp][lane] = bits;
+  emu::barrier(&emu::g_wcount[warp], &emu::g_wgen[warp], 32);
+  if (lane + off < 32) bits = emu::g_slots[warp][lane + off];
+  emu::barrier(&emu::g_wcount[warp], &emu::g_wgen[warp], 32);
+  T r;
+  std::memcpy(&r, &bits, sizeof(T));
+  return r;
+}
+
+namespace emu {
+inline unsigned char* dyn_smem() { return g_dyn_smem; }
+
+inline const std::function<void()>* g_body = nullptr;
+
+inline void fiber_main() {
+  const unsigned me = g_cur;
+  const unsigned nt = g_bdim.x * g_bdim.y * g_bdim.z;
+  t_thread = dim3(me, 0, 0);
+  for (unsigned by = 0; by < g_grid.y; ++by)
+    for (unsigned bx = 0; bx < g_grid.x; ++bx) {
+      t_block = dim3(bx, by, 0);
+      (*g_body)();
+      barrier(&g_end_count, &g_end_gen, nt);  // kernels never __syncthreads after a return
+    }
+  (*g_fibers)[me].done = true;
+  _longjmp(g_sched_jb, 1);
+}
+
+// Round-robin over the fibers until every one has run every block.
+inline void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<void()>& body) {
+  const unsigned nt = block.x * block.y * block.z;
+  g_grid = grid;
+  g_bdim = block;
+  g_body = &body;
+  std::vector<unsigned char> dyn(smem + 16);
+  g_dyn_smem = reinterpret_cast<unsigned char*>(
+      (reinterpret_cast<uintptr_t>(dyn.data()) + 15) & ~uintptr_t(15));
+  static std::vector<Fiber> fibers;  // stacks reused across launches
+  if (fibers.size() < nt) fibers.resize(nt);
+  g_fibers = &fibers;
+  g_bar_count = g_end_count = 0;
+  for (unsigned w = 0; w < 32; ++w) g_wcount[w] = 0;
+  for (unsigned t = 0; t < nt; ++t) {
+    Fiber& f = fibers[t];
+    if (f.stack.empty()) f.stack.resize(128 * 1024);
+    f.started = f.done = false;
+    f.tid = dim3(t, 0, 0);
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = f.stack.data();
+    f.ctx.uc_stack.ss_size = f.stack.size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, fiber_main, 0);
+  }
+  unsigned alive = nt;
+  while (alive > 0) {
+    alive = 0;
+    for (unsigned t = 0; t < nt; ++t) {
+      Fiber& f = fibers[t];
+      if (f.done) continue;
+      g_cur = t;
+      t_thread = f.tid;
+      if (!_setjmp(g_sched_jb)) {
+        if (!f.started) {
+          f.started = true;
+          ucontext_t here;
+          swapcontext(&here, &f.ctx);
+        } else {
+          _longjmp(f.jb, 1);
+        }
+      }
+      if (!f.done) ++alive;
+    }
+  }
+  g_fibers = nullptr;
+}
+
+template <typename... P>
+struct Launcher {
+  void (*k)(P...);
+  dim3 g, b;
+  size_t smem;
+  template <typename... A>
+  void operator()(A&&... a) const {
+    std::tuple<P...> params(std::forward<A>(a)...);
+    auto kk = k;
+    run_grid(g, b, smem, [&] { std::apply(kk, params); });
+  }
+};
+
+template <typename... P>
+Launcher<P...> launch(void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t) {
+  return Launcher<P...>{k, g, b, smem};
+}
+}  // namespace emu
