@@ -491,6 +491,24 @@ def test_export_static_alloc_after_training_steps(tmp_path):
     np.testing.assert_allclose(reloaded(x).asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-5)
 
 
+def test_static_alloc_running_stats_visible_and_saved(tmp_path):
+    """static_alloc CachedOps push library ops with their inputs as read-only dependencies, so
+    gn_dbn's in-place update would be invisible to later readers; the block orders them after
+    it. Each read and save_parameters right after a training call sees the update."""
+    imp, hyb, x = _twin_nets(tmp_path)
+    hyb.hybridize(static_alloc=True, static_shape=True)
+    for _ in range(2):
+        for net in (imp, hyb):
+            with autograd.record():
+                loss = net(x).sum()
+        np.testing.assert_allclose(_stats_of(hyb)[0], _stats_of(imp)[0], rtol=1e-6, atol=1e-6)
+    f = str(tmp_path / "after_train.params")
+    hyb.save_parameters(f)
+    saved = {k: v for k, v in mx.nd.load(f).items() if "running_projection" in k}
+    np.testing.assert_allclose(list(saved.values())[0].asnumpy(), _stats_of(imp)[1],
+                               rtol=1e-6, atol=1e-6)
+
+
 def test_export_after_eval_then_training_continues(tmp_path):
     net = _net()
     net.initialize(mx.init.Xavier(), ctx=CPU)

@@ -60,6 +60,35 @@ def _switch(blk, training):
     modes["current"] = training
 
 
+def _fence_aux(blk, out):
+    """static_alloc workaround. A static CachedOp pushes each library op with its inputs as read
+    dependencies only, so the in-place running-statistics update of gn_dbn is invisible to the
+    engine: a later read (save_parameters, export, .asnumpy()) could copy the value from before
+    the update (observed; non-static CachedOps and imperative calls are fine). Re-writing each aux
+    state with an op that depends on the block's output (which exists only after gn_dbn ran)
+    orders every later reader after the update. Costs two tiny ops per aux state and call."""
+    from mxnet import ndarray as nd
+    leaf = out
+    while isinstance(leaf, (list, tuple)):
+        leaf = leaf[0]
+    if not isinstance(leaf, nd.NDArray):
+        return
+    key = id(blk._cached_op)
+    cached = blk.__dict__.get("_gnmx_aux")
+    if cached is None or cached[0] != key:
+        names = set(blk._cached_graph[1].list_auxiliary_states())
+        params = [p for is_arg, p in blk._cached_op_args if not is_arg and p.name in names]
+        cached = (key, params)
+        blk.__dict__["_gnmx_aux"] = cached
+    if not cached[1]:
+        return
+    with autograd.pause():  # not part of the graph; in-place writes are fine outside record
+        dep = nd.zeros_like(nd.slice_axis(leaf.reshape((-1,)), axis=0, begin=0, end=1))
+        for p in cached[1]:
+            d = p.data(leaf.context)
+            nd.broadcast_add(d, dep.astype(d.dtype, copy=False).reshape((1,) * d.ndim), out=d)
+
+
 def _install():
     HB = _block.HybridBlock
     if getattr(HB, "_gnmx_modal_installed", False):
@@ -91,9 +120,14 @@ def _install():
         return res
 
     def _call_cached_op(self, *args):
-        if _MODES in self.__dict__:
-            _switch(self, autograd.is_training())
-        return orig_call_cached_op(self, *args)
+        if _MODES not in self.__dict__:
+            return orig_call_cached_op(self, *args)
+        training = autograd.is_training()
+        _switch(self, training)
+        out = orig_call_cached_op(self, *args)
+        if training and any(k == "static_alloc" and v for k, v in self._flags):
+            _fence_aux(self, out)
+        return out
 
     def _clear_cached_op(self):
         self.__dict__.pop(_MODES, None)
