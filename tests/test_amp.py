@@ -332,20 +332,21 @@ class _CastTo(gluon.HybridBlock):
         return F.cast(x, dtype=self._dtype)
 
 
-def _fp16_net():
-    """Small CNN whose normalization part runs in the net's dtype.
+def _fp16_net(fp16):
+    """Small CNN; with fp16=True its normalization part gets float16 data.
 
-    MXNet 1.9.1 has no float16 gemm on CPU, so there the Conv2D/Dense blocks are cast back to
-    float32 and explicit casts surround the float16 part; on a GPU the whole net is float16.
+    MXNet 1.9.1 has no float16 gemm on CPU, so there the Conv2D/Dense blocks stay float32 and
+    explicit casts surround the float16 part; on a GPU the whole net is float16. With fp16=False
+    the casts are no-ops (the float32 reference).
     """
-    cpu = not ON_GPU
+    part = "float16" if fp16 else "float32"
+    tail = "float16" if fp16 and ON_GPU else "float32"
     net = gluon.nn.HybridSequential()
-    net.add(gluon.nn.Conv2D(8, 3, padding=1),
-            _CastTo("float16" if cpu else "float32"),
+    net.add(gluon.nn.Conv2D(8, 3, padding=1), _CastTo(part),
             gn_mx.GroupNorm(num_groups=4), gluon.nn.Activation("relu"))
     if HAS_DBN:
         net.add(gn_mx.DecorrelatedBatchNorm(num_groups=2), gluon.nn.Activation("relu"))
-    net.add(_CastTo("float32"), gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(4))
+    net.add(_CastTo(tail), gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(4))
     return net
 
 
@@ -375,12 +376,12 @@ def fp16_setup(tmp_path_factory):
     w = rng.randn(3 * 36, 4)
     y = (x.reshape(16, -1) @ w).argmax(1).astype(np.float32)
     mx.random.seed(3)
-    net = _fp16_net()
+    net = _fp16_net(False)
     net.initialize(mx.init.Xavier())
     net(mx.nd.array(x))
     path = str(tmp_path_factory.mktemp("fp16") / "init.params")
     net.save_parameters(path)
-    ref = _fp16_net()
+    ref = _fp16_net(False)
     ref.load_parameters(path)
     ref.hybridize()
     ref_losses = _train(ref, mx.nd.array(x), mx.nd.array(y), 25)
@@ -392,7 +393,7 @@ def fp16_setup(tmp_path_factory):
 def test_cast_float16_training_tracks_fp32(fp16_setup, variant):
     path, x, y, ref_losses = fp16_setup
     assert ref_losses[-1] < 0.7 * ref_losses[0], ref_losses  # the fp32 run learns
-    net = _fp16_net()
+    net = _fp16_net(True)
     net.load_parameters(path)
     net.cast("float16")
     if not ON_GPU:
@@ -412,6 +413,7 @@ def test_cast_float16_training_tracks_fp32(fp16_setup, variant):
     for p in net.collect_params().values():
         assert np.isfinite(p.data().asnumpy().astype(np.float32)).all(), p.name
     assert gn.gamma.data().dtype == want  # the optimizer kept the parameter dtype
+    assert np.any(losses != ref_losses)  # float16 really ran: the rounding shows
     # tracks the fp32 run: same trajectory up to fp16 rounding
     assert np.abs(losses - ref_losses).max() < 0.05 + 0.05 * ref_losses.max(), (losses, ref_losses)
     assert losses[-1] < 0.7 * losses[0]
