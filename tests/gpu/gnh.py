@@ -90,7 +90,11 @@ def has(name):
 
 
 def _p(t):
-    return None if t is None else ctypes.c_void_p(t.data_ptr())
+    if t is None:
+        return None
+    if not t.is_contiguous():
+        raise ValueError("gnh: the kernels take contiguous tensors")
+    return ctypes.c_void_p(t.data_ptr())
 
 
 def _stream():

@@ -105,7 +105,7 @@ def test_moments_backward(shape, G, dtype):
     dmean = torch.randn_like(mean)
     dvar = torch.randn_like(mean)
     dx = gnh.moments_bwd(dmean, dvar, x, mean, G)
-    xd = x.double().requires_grad_(True)
+    xd = x.detach().to(torch.float64, copy=True).requires_grad_(True)
     xr = xd.reshape(shape[0], G, -1)
     m = xr.mean(-1)
     v = ((xr - m[..., None]) ** 2).mean(-1)
@@ -196,9 +196,9 @@ def check_backward(shape, G, dtype, pdtype, stat_grads=False, param_grads=True, 
     dx, dgamma, dbeta = gnh.group_norm_bwd(dy, x, mean, rstd, gamma, G, dmean, drstd, param_grads)
     gnh.sync()
 
-    xd = x.double().requires_grad_(True)
-    gd = gamma.double().requires_grad_(True)
-    bd = beta.double().requires_grad_(True)
+    xd = x.detach().to(torch.float64, copy=True).requires_grad_(True)
+    gd = gamma.detach().to(torch.float64, copy=True).requires_grad_(True)
+    bd = beta.detach().to(torch.float64, copy=True).requires_grad_(True)
     ry, rm, rr = ref_gn(xd, gd, bd, G, eps)
     loss = (ry * dy.double()).sum()
     if stat_grads:
@@ -213,9 +213,9 @@ def check_backward(shape, G, dtype, pdtype, stat_grads=False, param_grads=True, 
         assert rel_err(dgamma, gd.grad) < tol, f"dgamma error {rel_err(dgamma, gd.grad)}"
         assert rel_err(dbeta, bd.grad) < tol, f"dbeta error {rel_err(dbeta, bd.grad)}"
     if pdtype == dtype and not stat_grads:
-        xt = x.clone().requires_grad_(True)
-        gt = gamma.clone().requires_grad_(True)
-        bt = beta.clone().requires_grad_(True)
+        xt = x.detach().clone().requires_grad_(True)
+        gt = gamma.detach().clone().requires_grad_(True)
+        bt = beta.detach().clone().requires_grad_(True)
         torch.nn.functional.group_norm(xt, G, gt, bt, eps).backward(dy)
         e_t = rel_err(xt.grad, xd.grad)
         assert e_dx <= max(tol, 2 * e_t), f"ours {e_dx} vs torch {e_t}"
