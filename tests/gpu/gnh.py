@@ -47,6 +47,9 @@ _SIGS = {
     "gnh_dbn_inference_workspace": (c_size, [c_int, c_int] + [c_i64] * 4),
     "gnh_dbn_inference": (ctypes.c_char_p, [c_int, c_int, c_int] + [c_vp] * 5 + [c_i64] * 4
                           + [c_vp]),
+    # per-channel affine (src/operator/kernels/affine_cuda.cu)
+    "gnh_affine_fwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 4 + [c_i64] * 3 + [c_vp]),
+    "gnh_affine_bwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 6 + [c_i64] * 3 + [c_vp]),
 }
 
 
@@ -246,3 +249,29 @@ def dbn_inference(x, running_mean, running_proj, G, backward=False):
                                  _p(running_mean), _p(running_proj), _p(y), _p(ws), N, C, G, S,
                                  _stream()), "gnh_dbn_inference")
     return y
+
+
+# -------------------------------------------------------------------------------------------------
+# Per-channel affine
+
+
+def _ncs(x):
+    N, C, _, S = _dims(x, 1)
+    return N, C, S
+
+
+def affine_fwd(x, gamma, beta):
+    y = torch.empty_like(x)
+    _check(load().gnh_affine_fwd(DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype], _p(x), _p(gamma),
+                                 _p(beta), _p(y), *_ncs(x), _stream()), "gnh_affine_fwd")
+    return y
+
+
+def affine_bwd(dy, x, gamma, param_grads=True):
+    dx = torch.empty_like(x)
+    dgamma = torch.empty_like(gamma) if param_grads else None
+    dbeta = torch.empty_like(gamma) if param_grads else None
+    _check(load().gnh_affine_bwd(DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype], _p(dy), _p(x),
+                                 _p(gamma), _p(dx), _p(dgamma), _p(dbeta), *_ncs(x), _stream()),
+           "gnh_affine_bwd")
+    return dx, dgamma, dbeta

@@ -9,6 +9,7 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "kernels/affine.h"
 #include "kernels/dbn.h"
 #include "kernels/group_norm.h"
 #include "kernels/group_norm_cuda.h"
@@ -164,4 +165,28 @@ GNH_API const char* gnh_dbn_inference(int dtype, int stat_dtype, int backward, c
   a.workspace = workspace;
   a.N = N; a.C = C; a.G = G; a.S = S;
   return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
+}
+
+// ---- Per-channel affine (gn_channel_affine) ------------------------------------------------------
+
+GNH_API const char* gnh_affine_fwd(int dtype, int param_dtype, const void* x, const void* gamma,
+                                   const void* beta, void* y, int64_t N, int64_t C, int64_t S,
+                                   void* stream) {
+  AffineArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.x = x; a.gamma = gamma; a.beta = beta; a.y = y;
+  a.N = N; a.C = C; a.S = S;
+  return affine_fwd_cuda(a, stream);
+}
+
+GNH_API const char* gnh_affine_bwd(int dtype, int param_dtype, const void* dy, const void* x,
+                                   const void* gamma, void* dx, void* dgamma, void* dbeta,
+                                   int64_t N, int64_t C, int64_t S, void* stream) {
+  AffineBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.dy = dy; a.x = x; a.gamma = gamma; a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta;
+  a.N = N; a.C = C; a.S = S;
+  return affine_bwd_cuda(a, stream);
 }
