@@ -20,9 +20,11 @@ and peak extra memory of one forward+backward (--memory; fresh process per conte
 Each thread count runs in its own process with OMP_NUM_THREADS=t (MXNet sets its OpenMP team size
 process-wide from it). Times are medians of repeated samples; each sample times a loop long enough
 to be well above the timer resolution. The children run with glibc's malloc told to keep freed memory
-(MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_): otherwise every framework's fresh output tensors are
-page-faulted in from the kernel at each call, which costs more than the normalization itself on large
-shapes and is the same for every contender (pass --system-malloc to measure that regime instead).
+(MALLOC_ARENA_MAX=1, MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_): otherwise every framework's fresh
+output tensors are page-faulted in from the kernel at each call (MXNet allocates them on its engine
+threads, in per-thread arenas capped at 64 MB), which costs more than the normalization itself on
+large shapes (e.g. 8x128x128x128 fp32: any MXNet op 90-110 ms instead of 15-25 ms) and hits every
+contender; pass --system-malloc to measure that regime instead.
 
 Outputs: a table on stdout, benchmarks/results/group_norm_cpu.{json,md,png}.
 """
@@ -117,6 +119,7 @@ class Timer:
                 samples[name].append((time.perf_counter() - t0) / k)
             if r >= 2 and time.perf_counter() - t_start > self.max_time_s:
                 break
+        self.last_min = {n: min(s) for n, s in samples.items() if isinstance(s, list)}
         return {n: (_median(s) if isinstance(s, list) else s) for n, s in samples.items()}
 
 
@@ -235,7 +238,7 @@ def child_main(args):
     timer = Timer(args.min_sample_ms / 1e3, args.rounds, args.max_cell_s)
     out = {"threads": threads, "torch": torch.__version__ if torch is not None else None,
            "mxnet": mx.__version__, "results": [], "floor": {}, "bandwidth": {},
-           "loadavg_start": os.getloadavg()}
+           "loadavg_start": os.getloadavg(), "gn_mx_library": gn_mx.library_path()}
 
     # Bandwidth of this machine at this thread count: 256 MB copy and read reduction.
     cp, rd = bound_cases((64 * 1024 * 1024,), "float32")
@@ -277,8 +280,12 @@ def child_main(args):
                 r = timer.run(fns)
                 tc, tr = r.pop("_copy"), r.pop("_read")
                 r["bound"] = tc if mode == "fwd" else 2 * tc + tr
+                mn = dict(timer.last_min)
+                mc, mr = mn.pop("_copy", None), mn.pop("_read", None)
+                if mc is not None and mr is not None:
+                    mn["bound"] = mc if mode == "fwd" else 2 * mc + mr
                 out["results"].append({"shape": list(shape), "G": G, "dtype": dtype, "mode": mode,
-                                       "bytes": nbytes(shape, dtype), "times_s": r})
+                                       "bytes": nbytes(shape, dtype), "times_s": r, "min_times_s": mn})
                 print(".", end="", file=sys.stderr, flush=True)
     print("", file=sys.stderr)
     out["loadavg_end"] = os.getloadavg()
@@ -398,6 +405,10 @@ def child_env(threads, system_malloc):
     env["OMP_NUM_THREADS"] = str(threads)
     env.setdefault("MXNET_ENGINE_TYPE", "ThreadedEnginePerDevice")
     if not system_malloc:
+        # One heap for all threads (MXNet allocates outputs on its engine threads, whose arenas are
+        # capped at 64 MB and give pages back), no mmap for big blocks, no trimming: freed tensors
+        # are reused warm, as with a caching allocator.
+        env["MALLOC_ARENA_MAX"] = "1"
         env["MALLOC_MMAP_MAX_"] = "0"
         env["MALLOC_TRIM_THRESHOLD_"] = str(1 << 40)
     return env
@@ -652,7 +663,7 @@ def main():
     text += "\n" + "\n".join(tlines)
     memory = [] if args.no_memory else run_memory(args)
     doc = {"machine": machine_info(), "allocator": "system" if args.system_malloc else
-           "glibc, MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2^40 (freed memory reused)",
+           "glibc, MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2^40 (freed memory reused)",
            "eps": EPS, "runs": all_runs, "memory_fwdbwd": memory, "table": text,
            "targets": [{"target": n, "met": ok, "detail": d} for n, ok, d in tg],
            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}
