@@ -120,12 +120,14 @@ def _install():
         return res
 
     def _call_cached_op(self, *args):
-        if _MODES not in self.__dict__:
-            return orig_call_cached_op(self, *args)
         training = autograd.is_training()
-        _switch(self, training)
+        if _MODES in self.__dict__:
+            _switch(self, training)
         out = orig_call_cached_op(self, *args)
-        if training and any(k == "static_alloc" and v for k, v in self._flags):
+        # Checked after the call too: the first call traces the graph and only then knows
+        # whether it is mode-dependent.
+        if (training and _MODES in self.__dict__
+                and any(k == "static_alloc" and v for k, v in self._flags)):
             _fence_aux(self, out)
         return out
 
