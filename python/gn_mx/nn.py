@@ -20,6 +20,17 @@ def _check_groups(cls, num_groups, epsilon, in_channels):
                          f"({num_groups})")
 
 
+def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_initializer):
+    """The per-channel (C,) gamma/beta of a norm block; fixed (grad_req null) when switched off."""
+    gamma = block.params.get("gamma", grad_req="write" if scale else "null",
+                             shape=(in_channels,), init=gamma_initializer,
+                             allow_deferred_init=True, differentiable=scale)
+    beta = block.params.get("beta", grad_req="write" if center else "null",
+                            shape=(in_channels,), init=beta_initializer,
+                            allow_deferred_init=True, differentiable=center)
+    return gamma, beta
+
+
 def accumulating_params(F, *params):
     """Route parameters through `identity` so that grad_req='add' accumulates.
 
@@ -64,12 +75,8 @@ class GroupNorm(HybridBlock):
         self._scale = bool(scale)
         self._in_channels = int(in_channels)
         with self.name_scope():
-            self.gamma = self.params.get("gamma", grad_req="write" if scale else "null",
-                                         shape=(in_channels,), init=gamma_initializer,
-                                         allow_deferred_init=True, differentiable=scale)
-            self.beta = self.params.get("beta", grad_req="write" if center else "null",
-                                        shape=(in_channels,), init=beta_initializer,
-                                        allow_deferred_init=True, differentiable=center)
+            self.gamma, self.beta = _affine_params(self, in_channels, center, scale,
+                                                   beta_initializer, gamma_initializer)
 
     def hybrid_forward(self, F, x, gamma, beta):
         gamma, beta = accumulating_params(F, gamma, beta)
@@ -150,12 +157,8 @@ class DecorrelatedBatchNorm(HybridBlock):
         self._scale = bool(scale)
         D = in_channels // num_groups
         with self.name_scope():
-            self.gamma = self.params.get("gamma", grad_req="write" if scale else "null",
-                                         shape=(in_channels,), init=gamma_initializer,
-                                         allow_deferred_init=True, differentiable=scale)
-            self.beta = self.params.get("beta", grad_req="write" if center else "null",
-                                        shape=(in_channels,), init=beta_initializer,
-                                        allow_deferred_init=True, differentiable=center)
+            self.gamma, self.beta = _affine_params(self, in_channels, center, scale,
+                                                   beta_initializer, gamma_initializer)
             self.running_mean = self.params.get("running_mean", grad_req="null",
                                                 shape=(in_channels,), init="zeros",
                                                 allow_deferred_init=True, differentiable=False)
