@@ -45,6 +45,12 @@ CASES = {
                                  "gn_channel_affine: gamma must have shape (6,)"),
     "affine_integer_data": ("mx.nd.gn_channel_affine(x.astype('int64'), g, b)",
                             "gn_channel_affine: data must be float16, float32 or float64; got int64"),
+    "head_grad_wrong_dtype": (
+        "x64 = x.astype('float64'); x64.attach_grad()\n"
+        "    with mx.autograd.record():\n"
+        "        o = mx.nd.gn_group_norm(x64, g.astype('float64'), b.astype('float64'), num_groups=2)[0]\n"
+        "    o.backward(mx.nd.ones((2, 6, 4), dtype='float32')); r = x64.grad",
+        "the gradient of output 'out' must be float64; got float32"),
     "symbolic_bad_groups": (
         "mx.sym.gn_group_norm(mx.sym.var('d'), mx.sym.var('g'), mx.sym.var('b'), num_groups=4)"
         ".infer_shape(d=(2, 6, 4))",

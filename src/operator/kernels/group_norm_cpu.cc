@@ -36,6 +36,7 @@
 #endif
 
 #include "group_norm.h"
+#include "dispatch_cpu.h"
 #include "group_norm_math.h"
 #include "simd_cpu.h"
 #include "../common/welford.h"
@@ -549,33 +550,6 @@ const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
   return nullptr;
 }
 
-// Calls f.template operator()<T>() for the data dtype.
-template <typename F>
-const char* dispatch_data(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(float{}); return nullptr;
-    case DType::kFloat64: f(double{}); return nullptr;
-    case DType::kFloat16: f(Half{}); return nullptr;
-  }
-  return "gn_mx: unsupported data dtype";
-}
-
-// Supported (data, param) pairs: (T, T) and (float16, float32).
-template <template <typename, typename> class Impl, typename Args>
-const char* dispatch_data_param(const Args& a) {
-  if (a.param_dtype == a.dtype) {
-    return dispatch_data(a.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      Impl<T, T>::run(a);
-    });
-  }
-  if (a.dtype == DType::kFloat16 && a.param_dtype == DType::kFloat32) {
-    Impl<Half, float>::run(a);
-    return nullptr;
-  }
-  return "gn_mx: gamma/beta dtype must equal the data dtype (or be float32 with float16 data)";
-}
-
 template <typename T, typename P> struct FwdRun { static void run(const GroupNormFwdArgs& a) { fwd_impl<T, P>(a); } };
 template <typename T, typename P> struct BwdRun { static void run(const GroupNormBwdArgs& a) { bwd_impl<T, P>(a); } };
 
@@ -588,23 +562,23 @@ size_t group_norm_bwd_workspace_cpu(const GroupNormBwdArgs& a) {
 
 const char* moments_cpu(const MomentsArgs& a) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  return dispatch_data(a.dtype, [&](auto tag) { moments_typed<decltype(tag)>(a); });
+  return cpu::dispatch_data(a.dtype, [&](auto tag) { moments_typed<decltype(tag)>(a); });
 }
 
 const char* moments_bwd_cpu(const MomentsBwdArgs& a) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  return dispatch_data(a.dtype, [&](auto tag) { moments_bwd_typed<decltype(tag)>(a); });
+  return cpu::dispatch_data(a.dtype, [&](auto tag) { moments_bwd_typed<decltype(tag)>(a); });
 }
 
 const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  return dispatch_data_param<FwdRun>(a);
+  return cpu::dispatch_data_param<FwdRun>(a);
 }
 
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
   if (a.workspace == nullptr) return "gn_mx: group_norm backward needs a workspace";
-  return dispatch_data_param<BwdRun>(a);
+  return cpu::dispatch_data_param<BwdRun>(a);
 }
 
 }  // namespace gn_mx

@@ -233,6 +233,7 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     require_cpu(kDbn, x);
     const GroupShape gs =
         tensor_groups(kDbn, x, (*in)[kBRunMean], (*in)[kBRunProj], p.num_groups);
+    check_grad_dtype(kDbn, (*in)[kBdOut], x.dtype, "out");
     DbnBwdArgs a;
     a.dtype = to_dtype(x.dtype);
     a.dy = (*in)[kBdOut].data_ptr;
@@ -320,6 +321,7 @@ MXReturnValue inf_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     require_cpu(kDbnInf, x);
     const GroupShape gs =
         tensor_groups(kDbnInf, x, (*in)[kIBRunMean], (*in)[kIBRunProj], p.num_groups);
+    check_grad_dtype(kDbnInf, (*in)[kIBdOut], x.dtype, "out");
     DbnInferenceArgs a = inference_args(x, (*in)[kIBRunMean], (*in)[kIBRunProj], gs);
     a.x = (*in)[kIBdOut].data_ptr;
     a.y = (*out)[kData].data_ptr;

@@ -132,6 +132,9 @@ MXReturnValue moments_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
     const GnParams p = parse_gn(kMoments, attrs, false);
     const MXTensor& x = (*in)[kMBData];
     const GroupShape gs = tensor_groups(kMoments, x, p.num_groups);
+    const int acc = static_cast<int>(acc_dtype(to_dtype(x.dtype)));
+    check_grad_dtype(kMoments, (*in)[kMBdMean], acc, "mean");
+    check_grad_dtype(kMoments, (*in)[kMBdVar], acc, "var");
     MomentsBwdArgs a;
     a.dtype = to_dtype(x.dtype);
     a.dmean = (*in)[kMBdMean].data_ptr;
@@ -276,6 +279,10 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const GnParams p = parse_gn(kGroupNorm, attrs, true);
     const MXTensor& x = (*in)[kBData];
     const GroupShape gs = tensor_groups(kGroupNorm, x, p.num_groups);
+    const int acc = static_cast<int>(acc_dtype(to_dtype(x.dtype)));
+    check_grad_dtype(kGroupNorm, (*in)[kBdOut], x.dtype, "out");
+    check_grad_dtype(kGroupNorm, (*in)[kBdMean], acc, "mean");
+    check_grad_dtype(kGroupNorm, (*in)[kBdRstd], acc, "rstd");
     GroupNormBwdArgs a;
     a.dtype = to_dtype(x.dtype);
     a.param_dtype = to_dtype((*in)[kBGamma].dtype);
@@ -371,6 +378,7 @@ MXReturnValue aff_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   return guarded(kAffine, [&] {
     const MXTensor& x = (*in)[kAffBData];
     const GroupShape gs = affine_shape(x.shape);
+    check_grad_dtype(kAffine, (*in)[kAffBdOut], x.dtype, "out");
     AffineBwdArgs a;
     a.dtype = to_dtype(x.dtype);
     a.param_dtype = to_dtype((*in)[kAffBGamma].dtype);

@@ -181,5 +181,13 @@ class Workspace {
 
 inline const char* ctx_of(const MXTensor& t) { return t.ctx.dev_type.c_str(); }
 
+// Head gradients reach a backward unchecked by MXNet: a float32 gradient for a float64 output
+// would be read with the wrong element size. `what` names the output.
+inline void check_grad_dtype(const char* op, const MXTensor& grad, int expected, const char* what) {
+  if (static_cast<int>(grad.dtype) != expected)
+    fail(op, ": the gradient of output '", what, "' must be ", mx_dtype_name(expected), "; got ",
+         mx_dtype_name(static_cast<int>(grad.dtype)));
+}
+
 }  // namespace mxa
 }  // namespace gn_mx
