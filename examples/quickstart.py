@@ -23,10 +23,7 @@ def build_net():
         net.add(gn_mx.GroupNorm(num_groups=8))            # per-channel gamma/beta, C inferred
         net.add(gluon.nn.Activation("relu"))
         net.add(gluon.nn.Conv2D(32, 3, padding=1, strides=2))
-        if hasattr(gn_mx, "DecorrelatedBatchNorm"):
-            net.add(gn_mx.DecorrelatedBatchNorm(num_groups=4))  # ZCA whitening, groups of 8
-        else:
-            net.add(gn_mx.GroupNorm(num_groups=8))
+        net.add(gn_mx.DecorrelatedBatchNorm(num_groups=4))  # ZCA whitening, groups of 8 channels
         net.add(gluon.nn.Activation("relu"))
         net.add(gluon.nn.GlobalAvgPool2D())
         net.add(gluon.nn.Dense(10))
@@ -60,6 +57,7 @@ def main():
     print(f"exported {prefix}-symbol.json / {prefix}-0000.params")
 
     code = textwrap.dedent(f"""
+        import warnings; warnings.filterwarnings("ignore", "Cannot decide type")
         import numpy as np, mxnet as mx
         import gn_mx  # registers the ops; nothing else is needed to reload
         from mxnet import gluon
