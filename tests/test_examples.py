@@ -46,3 +46,12 @@ def test_train_small_batch_quick(tmp_path):
         return
     png = tmp_path / "small_batch_quick.png"
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_quickstart_demo():
+    """The README's demo command runs this: train a step, export, reload in a fresh process."""
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "quickstart.py")],
+                          capture_output=True, text=True, timeout=300, cwd=ROOT,
+                          env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    assert "-> OK" in proc.stdout and "training step 2" in proc.stdout
