@@ -34,6 +34,7 @@
 #include <limits>
 
 #include "dbn.h"
+#include "../common/carver.h"
 #include "dbn_math.h"
 
 // Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
@@ -90,18 +91,7 @@ const Blas& blas() {
   return b;
 }
 
-// Carves one workspace; with base == nullptr it only measures.
-struct Carver {
-  char* base = nullptr;
-  size_t off = 0;
-  template <typename U>
-  U* take(size_t n) {
-    off = (off + kAlign - 1) / kAlign * kAlign;
-    U* p = base ? reinterpret_cast<U*>(base + off) : nullptr;
-    off += n * sizeof(U);
-    return p;
-  }
-};
+using Carver = WorkspaceCarver<kAlign>;
 
 int resolve_threads(int t) { return t > 0 ? t : std::max(1, omp_get_max_threads()); }
 

@@ -32,6 +32,8 @@
 
 #include "dbn.h"
 #include "dbn_math.h"
+#include "../common/carver.h"
+#include "cuda_common.cuh"
 
 namespace gn_mx {
 namespace {
@@ -63,24 +65,6 @@ struct Geo {
 };
 
 int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
-const char* sm_count(int* out) {
-  static int cache[64] = {0};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  if (dev >= 0 && dev < 64 && cache[dev] > 0) {
-    *out = cache[dev];
-    return nullptr;
-  }
-  int n = 0;
-  e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  if (n <= 0) n = 1;
-  if (dev >= 0 && dev < 64) cache[dev] = n;
-  *out = n;
-  return nullptr;
-}
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
@@ -118,17 +102,7 @@ Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_
   return q;
 }
 
-struct Carver {
-  char* base = nullptr;
-  size_t off = 0;
-  template <typename U>
-  U* take(size_t n) {
-    off = (off + kAlign - 1) / kAlign * kAlign;
-    U* p = base ? reinterpret_cast<U*>(base + off) : nullptr;
-    off += n * sizeof(U);
-    return p;
-  }
-};
+using Carver = WorkspaceCarver<kAlign>;
 
 template <typename A>
 struct FwdWs {

@@ -36,6 +36,7 @@
 #include "group_norm.h"
 #include "group_norm_cuda.h"
 #include "group_norm_math.h"
+#include "cuda_common.cuh"
 #include "../common/welford.h"
 
 namespace gn_mx {
@@ -532,24 +533,6 @@ template <DType> struct DevType;
 template <> struct DevType<DType::kFloat32> { using type = float; };
 template <> struct DevType<DType::kFloat64> { using type = double; };
 template <> struct DevType<DType::kFloat16> { using type = __half; };
-
-const char* sm_count(int* out) {
-  static int cache[64] = {0};
-  int dev = 0;
-  cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  if (dev >= 0 && dev < 64 && cache[dev] > 0) {
-    *out = cache[dev];
-    return nullptr;
-  }
-  int n = 0;
-  e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
-  if (n <= 0) n = 1;
-  if (dev >= 0 && dev < 64) cache[dev] = n;
-  *out = n;
-  return nullptr;
-}
 
 // Blocks that fill the GPU once (kBlock threads, 2048 resident threads per SM on sm_80+/sm_90).
 int64_t wave_blocks(int sms) { return int64_t(sms) * (2048 / kBlock); }
