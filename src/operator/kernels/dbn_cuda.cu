@@ -344,18 +344,7 @@ __device__ void block_jacobi(double* A, double* U, int D) {
         double c = 1.0, s = 0.0;
         if (q < D) {
           const double apq = A[p * D + q];
-          if (apq != 0.0) {
-            const double theta = (A[q * D + q] - A[p * D + p]) / (2.0 * apq);
-            double t;
-            if (fabs(theta) > 1e150) {
-              t = 0.5 / theta;
-            } else {
-              t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
-              if (theta < 0) t = -t;
-            }
-            c = 1.0 / sqrt(t * t + 1.0);
-            s = t * c;
-          }
+          if (apq != 0.0) dbn_jacobi_rotation(A[p * D + p], A[q * D + q], apq, &c, &s);
         }
         s_c[k] = c;
         s_s[k] = s;

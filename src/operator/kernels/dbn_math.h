@@ -11,6 +11,23 @@
 
 namespace gn_mx {
 
+// The Jacobi rotation (c, s) that zeroes A_pq of a symmetric matrix: t = tan(angle) is the smaller
+// root of t^2 + 2 theta t - 1 = 0 with theta = (A_qq - A_pp) / (2 A_pq); for huge theta, t ~ 1/(2 theta)
+// avoids overflowing theta^2. Requires apq != 0.
+GN_HOST_DEVICE inline void dbn_jacobi_rotation(double app, double aqq, double apq, double* c,
+                                               double* s) {
+  const double theta = (aqq - app) / (2.0 * apq);
+  double t;
+  if (fabs(theta) > 1e150) {
+    t = 0.5 / theta;
+  } else {
+    t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
+    if (theta < 0) t = -t;
+  }
+  *c = 1.0 / sqrt(t * t + 1.0);
+  *s = t * *c;
+}
+
 // Cyclic Jacobi eigensolver for a symmetric matrix: a fallback for dsyevd_ (missing LAPACK or
 // info != 0) and usable per thread on a device. `A` is destroyed; on return `l` holds the
 // eigenvalues in ascending order and U the matching orthonormal eigenvectors (columns).
@@ -30,16 +47,8 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
       for (int q = p + 1; q < D; ++q) {
         const double apq = A[p * D + q];
         if (apq == 0.0) continue;
-        const double theta = (A[q * D + q] - A[p * D + p]) / (2.0 * apq);
-        double t;
-        if (fabs(theta) > 1e150) {
-          t = 0.5 / theta;
-        } else {
-          t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
-          if (theta < 0) t = -t;
-        }
-        const double c = 1.0 / sqrt(t * t + 1.0);
-        const double s = t * c;
+        double c, s;
+        dbn_jacobi_rotation(A[p * D + p], A[q * D + q], apq, &c, &s);
         for (int k = 0; k < D; ++k) {  // A <- A J
           const double akp = A[k * D + p], akq = A[k * D + q];
           A[k * D + p] = c * akp - s * akq;
