@@ -12,6 +12,7 @@ MXNet is a CUDA build; 1: force on; 0: CPU only), GNMX_CUDA_ARCH (e.g. "80;90"; 
 from the nvcc version).
 """
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -24,33 +25,13 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 LIB_NAME = "libgn_mx.so"
 
 
-def mxnet_root():
-    code = "import os, mxnet; print(os.path.dirname(mxnet.__file__)); print(mxnet.__version__)"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                             text=True).stdout.split()
-    except subprocess.CalledProcessError as e:
-        raise RuntimeError(
-            "gn_mx builds against the installed MXNet, but `import mxnet` failed in "
-            f"{sys.executable}:\n{e.stderr[-2000:]}\n"
-            "Install it first: pip install 'mxnet==1.9.1' 'numpy<1.24' (or mxnet-cu112==1.9.1), "
-            "then build with: pip install --no-build-isolation .") from None
-    root, version = out[-2], out[-1]
-    if not version.startswith("1.9"):
-        raise RuntimeError(f"gn_mx needs MXNet 1.9 (found {version} at {root}); "
-                           "install mxnet==1.9.1 or mxnet-cu112==1.9.1 with 'numpy<1.24'")
-    return root
-
-
-def mxnet_has_cuda():
-    """True when the installed MXNet was built with CUDA (mxnet-cu112 and friends)."""
-    code = "import mxnet; print(int(mxnet.runtime.Features().is_enabled('CUDA')))"
-    try:
-        out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
-                             text=True).stdout.split()
-        return bool(out) and out[-1] == "1"
-    except (subprocess.CalledProcessError, OSError):
-        return False
+def package_version():
+    """The version is defined once, as ``__version__`` in python/gn_mx/__init__.py."""
+    with open(os.path.join(HERE, "python", "gn_mx", "__init__.py")) as f:
+        m = re.search(r'^__version__ = "([^"]+)"$', f.read(), re.M)
+    if not m:
+        raise RuntimeError("python/gn_mx/__init__.py defines no __version__")
+    return m.group(1)
 
 
 class CMakeExtension(Extension):
@@ -63,15 +44,20 @@ class CMakeBuild(build_ext):
         return os.path.join(*ext_name.split(".")[:-1], LIB_NAME)
 
     def build_extension(self, ext):
-        root = mxnet_root()
         build_dir = os.path.join(HERE, "build", "cmake")
         os.makedirs(build_dir, exist_ok=True)
         cfg = os.environ.get("GNMX_BUILD_TYPE", "Release")
-        args = [f"-DMXNET_ROOT={root}", f"-DCMAKE_BUILD_TYPE={cfg}",
-                f"-DPython3_EXECUTABLE={sys.executable}"]
+        # CMake finds the mxnet wheel (lib_api.h/.cc, version, CUDA build) through this interpreter.
+        args = [f"-DCMAKE_BUILD_TYPE={cfg}", f"-DPython3_EXECUTABLE={sys.executable}"]
         args += self.extra_cmake_args()
         args += shlex.split(os.environ.get("GNMX_CMAKE_ARGS", ""))
-        subprocess.run(["cmake", "-S", HERE, "-B", build_dir] + args, check=True)
+        try:
+            subprocess.run(["cmake", "-S", HERE, "-B", build_dir] + args, check=True)
+        except subprocess.CalledProcessError:
+            raise RuntimeError("gn_mx: CMake configuration failed (see its message above: usually "
+                               "mxnet==1.9.1 / mxnet-cu112==1.9.1 is not installed in "
+                               f"{sys.executable}; build with pip install --no-build-isolation .)"
+                               ) from None
         jobs = os.environ.get("GNMX_JOBS", str(os.cpu_count() or 1))
         subprocess.run(["cmake", "--build", build_dir, "--target", "gn_mx", "-j", jobs],
                        check=True)
@@ -86,7 +72,7 @@ class CMakeBuild(build_ext):
         elif force in ("0", "off", "false", "no"):
             args = ["-DGNMX_CUDA=OFF"]
         else:
-            args = ["-DGNMX_CUDA=AUTO", f"-DGNMX_MXNET_CUDA={int(mxnet_has_cuda())}"]
+            args = ["-DGNMX_CUDA=AUTO"]
         arch = os.environ.get("GNMX_CUDA_ARCH", "").strip()
         if arch:
             args.append(f"-DCMAKE_CUDA_ARCHITECTURES={arch}")
@@ -95,7 +81,7 @@ class CMakeBuild(build_ext):
 
 setup(
     name="gn_mx",
-    version="0.1.0",
+    version=package_version(),
     description="Native GroupNorm and Decorrelated BatchNorm ops for MXNet 1.9 (CPU/CUDA)",
     long_description=open(os.path.join(HERE, "README.md")).read(),
     long_description_content_type="text/markdown",

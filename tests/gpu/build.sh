@@ -2,7 +2,9 @@
 # Builds the framework-free GPU harness: every src/operator/kernels/*_cuda.cu plus tests/gpu/harness.cc
 # into build/gpu/libgn_harness.so (C ABI, loaded by tests/gpu/gnh.py with ctypes). No MXNet needed.
 #
-#   bash tests/gpu/build.sh            # arch: GNMX_CUDA_ARCH (e.g. 90), else the visible GPU's, else 80
+#   bash tests/gpu/build.sh            # arch: GNMX_CUDA_ARCH (e.g. 90), else the visible GPU's,
+#                                      # else "80;90"; PTX of the highest arch is always embedded,
+#                                      # so a newer GPU (or a missing nvidia-smi) still runs it
 #   NVCC=/path/to/nvcc GNMX_CUDA_ARCH="80;90" bash tests/gpu/build.sh
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/../.." && pwd)"
@@ -15,12 +17,17 @@ ARCH="${GNMX_CUDA_ARCH:-}"
 if [[ -z "$ARCH" ]] && command -v nvidia-smi >/dev/null 2>&1; then
   ARCH="$(nvidia-smi --query-gpu=compute_cap --format=csv,noheader 2>/dev/null | head -n1 | tr -d ' .')"
 fi
-ARCH="${ARCH:-80}"
+ARCH="${ARCH:-80;90}"
 GENCODE=()
 IFS=';, ' read -r -a ARCHS <<<"$ARCH"
+top=0
 for a in "${ARCHS[@]}"; do
-  [[ -n "$a" ]] && GENCODE+=(-gencode "arch=compute_${a},code=sm_${a}")
+  [[ "$a" =~ ^[0-9]+$ ]] || { echo "build.sh: bad architecture '$a' in '$ARCH'" >&2; exit 2; }
+  GENCODE+=(-gencode "arch=compute_${a},code=sm_${a}")
+  (( a > top )) && top=$a
 done
+(( top > 0 )) || { echo "build.sh: no architecture in '$ARCH'" >&2; exit 2; }
+GENCODE+=(-gencode "arch=compute_${top},code=compute_${top}")  # PTX: JIT-compiled on newer GPUs
 OUT="${GNMX_HARNESS_OUT:-$ROOT/build/gpu}"
 mkdir -p "$OUT"
 shopt -s nullglob

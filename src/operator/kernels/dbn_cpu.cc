@@ -20,7 +20,6 @@
  * a row-major product C = A B is issued as the column-major C^T = B^T A^T.
  */
 #include <dlfcn.h>
-#include <omp.h>
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -35,6 +34,7 @@
 
 #include "dbn.h"
 #include "../common/carver.h"
+#include "../common/threads.h"
 #include "dbn_math.h"
 
 // Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
@@ -93,7 +93,7 @@ const Blas& blas() {
 
 using Carver = WorkspaceCarver<kAlign>;
 
-int resolve_threads(int t) { return t > 0 ? t : std::max(1, omp_get_max_threads()); }
+int resolve_threads(int t) { return t > 0 ? t : std::max(1, threads::max_threads()); }
 
 struct Geo {
   int64_t N, C, G, D, S, m, K, nchunk;
@@ -471,7 +471,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
 
 #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num();
+    const int t = threads::thread_id();
     // Pass 1: mean and covariance in one read of x. Each chunk is centred on its own mean while
     // it sits in cache (exact two-pass statistics of the chunk), then merged into the thread's
     // fp64 state with Chan's update, the matrix form of welford.h's merge:
@@ -679,7 +679,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
 
 #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num();
+    const int t = threads::thread_id();
     double* acc_t = L.acc + t * q.G * DD;
     double* dys_t = L.dysum + t * q.G * D;
     A* pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
@@ -786,7 +786,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   const int64_t items = q.G * q.nchunk;
 #pragma omp parallel num_threads(nt)
   {
-    const int t = omp_get_thread_num();
+    const int t = threads::thread_id();
     A* panel = L.panel + t * D * q.ld;
     A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)

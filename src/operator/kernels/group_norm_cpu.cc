@@ -31,14 +31,11 @@
 #include <cstdint>
 #include <vector>
 
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
-
 #include "group_norm.h"
 #include "dispatch_cpu.h"
 #include "group_norm_math.h"
 #include "simd_cpu.h"
+#include "../common/threads.h"
 #include "../common/welford.h"
 
 namespace gn_mx {
@@ -62,32 +59,10 @@ bool stream_output(int64_t elems, size_t elem_size, int64_t threshold) {
   return elems * static_cast<int64_t>(elem_size) >= threshold;
 }
 
-int team_size() {
-#if defined(_OPENMP)
-  return omp_in_parallel() ? 1 : omp_get_max_threads();
-#else
-  return 1;
-#endif
-}
-int thread_id() {
-#if defined(_OPENMP)
-  return omp_get_thread_num();
-#else
-  return 0;
-#endif
-}
-int num_threads() {
-#if defined(_OPENMP)
-  return omp_get_num_threads();
-#else
-  return 1;
-#endif
-}
-inline void barrier() {
-#if defined(_OPENMP)
-#pragma omp barrier
-#endif
-}
+using threads::barrier;
+using threads::num_threads;
+using threads::team_size;
+using threads::thread_id;
 
 struct Plan {
   int nt = 1;         // threads to request
@@ -491,6 +466,7 @@ void bwd_params(const GroupNormBwdArgs& a) {
   const A* db = dsc + N * C;
   // Row order (n outer, c inner): contiguous reads of the (N, C) sums; threads own channel ranges.
   const int nt = N * C >= kMinParallel ? team_size() : 1;
+  (void)nt;  // read by the pragma only
 #pragma omp parallel num_threads(nt) if (nt > 1)
   {
     const int t = thread_id(), T_ = num_threads();

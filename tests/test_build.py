@@ -1,0 +1,69 @@
+"""Build options that must keep working: GNMX_OPENMP=OFF links and runs, single-threaded.
+
+The library is configured and built from scratch in a temporary directory (-O0, CPU only: ~10 s)
+and loaded in a fresh interpreter that never imports gn_mx (so its op names are free).
+"""
+import os
+import shutil
+import subprocess
+import sys
+
+import pytest
+
+from conftest import ROOT, run_python
+
+
+@pytest.fixture(scope="module")
+def no_openmp_lib(tmp_path_factory):
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not on PATH")
+    build = tmp_path_factory.mktemp("build_no_openmp")
+    cfg = ["cmake", "-S", ROOT, "-B", str(build), f"-DPython3_EXECUTABLE={sys.executable}",
+           "-DGNMX_OPENMP=OFF", "-DGNMX_CUDA=OFF", "-DCMAKE_BUILD_TYPE=Debug",
+           "-DCMAKE_CXX_FLAGS_DEBUG=-O0"]
+    r = subprocess.run(cfg, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "gn_mx: OpenMP OFF" in r.stdout
+    r = subprocess.run(["cmake", "--build", str(build), "--target", "gn_mx", "-j", "2"],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return os.path.join(str(build), "libgn_mx.so")
+
+
+def test_openmp_off_links_without_libgomp(no_openmp_lib):
+    if shutil.which("readelf") is None:
+        pytest.skip("readelf is not on PATH")
+    r = subprocess.run(["readelf", "-d", "-s", "--wide", no_openmp_lib], capture_output=True,
+                       text=True, check=True)
+    assert "libgomp" not in r.stdout and "libomp" not in r.stdout
+    assert "GOMP_" not in r.stdout and "omp_get_" not in r.stdout
+
+
+def test_openmp_off_ops_match_reference(no_openmp_lib):
+    r = run_python(f"""
+        import numpy as np, mxnet as mx
+        mx.library.load({no_openmp_lib!r}, verbose=False)
+        rng = np.random.RandomState(0)
+        # large enough that the OpenMP build would split the work across threads
+        x = rng.randn(4, 16, 32, 32) * 3 + 5
+        g, b = rng.rand(16) + 0.5, rng.randn(16)
+        y = mx.nd.gn_group_norm(mx.nd.array(x, dtype='float64'), mx.nd.array(g, dtype='float64'),
+                                mx.nd.array(b, dtype='float64'), num_groups=4)[0].asnumpy()
+        xg = x.reshape(4, 4, -1)
+        ref = (xg - xg.mean(-1, keepdims=True)) / np.sqrt(xg.var(-1, keepdims=True) + 1e-5)
+        ref = ref.reshape(x.shape) * g[:, None, None] + b[:, None, None]
+        err_gn = np.abs(y - ref).max()
+        # DBN: whitened groups have identity covariance (up to eps)
+        rm = mx.nd.zeros(16, dtype='float64')
+        rp = mx.nd.array(np.stack([np.eye(4)] * 4), dtype='float64')
+        o = mx.nd.gn_dbn(mx.nd.array(x, dtype='float64'), rm, rp, num_groups=4,
+                         eps=1e-12)[0].asnumpy()
+        og = o.transpose(1, 0, 2, 3).reshape(4, 4, -1)
+        cov = np.einsum('gdm,gem->gde', og, og) / og.shape[-1]
+        err_dbn = np.abs(cov - np.eye(4)).max()
+        print('ERR', err_gn, err_dbn)
+        assert err_gn < 1e-10, err_gn
+        assert err_dbn < 1e-8, err_dbn
+        print('OK')
+    """, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
