@@ -41,13 +41,8 @@ import types
 
 import numpy as np
 
-from ._library import _import_mxnet
-
-mx = _import_mxnet()  # the friendly "needs MXNet 1.9" error comes first
-
-from mxnet import base as _base  # noqa: E402
-from mxnet.contrib.amp import amp as _amp  # noqa: E402
-from mxnet.contrib.amp import lists as _lists  # noqa: E402
+from . import _compat  # the friendly "needs MXNet 1.9.1" errors come first
+from ._compat import amp_module as _amp, mx
 
 __all__ = ["LP16_OPS", "FP32_OPS", "EITHER_OPS", "CPU_FP32_GEMM_OPS", "install", "register", "registered_ops",
            "cpu_op_lists", "cpu_init_kwargs", "cpu_convert_kwargs"]
@@ -92,13 +87,13 @@ def register():
     ``amp.convert_model`` and ``amp.convert_hybrid_block``. Returns :func:`registered_ops`.
     """
     lp16, fp32 = registered_ops()
-    fp16_lists = _lists.symbol_fp16
+    fp16_lists = _compat.amp_fp16_lists()
     with _lock:
         _add(fp16_lists.FP16_FUNCS, lp16)
         _add(fp16_lists.FP32_FUNCS, fp32)
         either = tuple(n for n in EITHER_OPS if _available(n))
         _add(fp16_lists.FP16_FP32_FUNCS, either)
-        bf16_lists = getattr(_lists, "symbol_bf16", None)
+        bf16_lists = _compat.amp_bf16_lists()
         if bf16_lists is not None:
             _add(bf16_lists.FP32_FUNCS, lp16 + fp32 + either)
     return lp16, fp32
@@ -117,7 +112,7 @@ def _op_modules():
     mods = []
     for root in (mx.ndarray, mx.symbol):
         mods += [root, root.op, root._internal]
-        for prefix in _base._OP_NAME_PREFIX_LIST:
+        for prefix in _compat.OP_NAME_PREFIXES:
             sub = getattr(root, prefix[1:-1], None)
             if isinstance(sub, types.ModuleType):
                 mods.append(sub)

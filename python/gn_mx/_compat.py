@@ -1,0 +1,93 @@
+"""Every private MXNet name gn_mx relies on, in one place, checked once at import.
+
+gn_mx patches two MXNet internals that have no public hook:
+
+* ``_modal.py`` (mode-keyed CachedOps for DecorrelatedBatchNorm) wraps methods of
+  ``gluon.HybridBlock`` and reads its cache attributes;
+* ``amp.py`` (surviving ``mx.library.load`` after ``amp.init()``) reads AMP's state and rebuilds its
+  wrapper closures.
+
+Both were written against MXNet 1.9.1. :func:`check` verifies at ``import gn_mx`` that each name
+still exists with the expected kind, so a different MXNet fails at import with a message naming
+what is missing, never later with an AttributeError deep inside a training step. Modules that use
+the names import them from here.
+"""
+import types
+
+from ._library import _import_mxnet
+
+mx = _import_mxnet()
+
+from mxnet import base as _base  # noqa: E402
+from mxnet.contrib.amp import amp as amp_module  # noqa: E402
+from mxnet.contrib.amp import lists as amp_lists  # noqa: E402
+from mxnet.gluon import block as gluon_block  # noqa: E402
+
+#: The MXNet release these internals were read from (and tested with).
+TESTED_MXNET = "1.9.1"
+
+#: HybridBlock methods wrapped by _modal.py (called with the same signatures as in 1.9.1).
+HYBRID_METHODS = ("_get_graph", "_call_cached_op", "_clear_cached_op", "_build_cache", "export")
+#: HybridBlock instance attributes that hold its cache (set in __init__ / _clear_cached_op).
+HYBRID_CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format",
+                      "_out_format", "_flags")
+#: AMP module functions / state used by amp.py.
+AMP_NAMES = ("_amp_initialized", "_wrap_symbol_functions", "list_widest_type_cast",
+             "list_lp16_ops", "list_fp32_ops", "list_conditional_fp32_ops", "bfloat16")
+AMP_LIST_NAMES = ("FP16_FUNCS", "FP32_FUNCS", "FP16_FP32_FUNCS")
+
+#: The prefixes of op submodules (``mx.nd.contrib``...) that mx.library.load regenerates.
+OP_NAME_PREFIXES = _base._OP_NAME_PREFIX_LIST if hasattr(_base, "_OP_NAME_PREFIX_LIST") else None
+#: gluon's structure flattener (used to record input formats).
+flatten = getattr(gluon_block, "_flatten", None)
+
+
+class IncompatibleMXNet(ImportError):
+    pass
+
+
+def _missing():
+    missing = []
+    HB = gluon_block.HybridBlock
+    missing += [f"HybridBlock.{m}" for m in HYBRID_METHODS if not callable(getattr(HB, m, None))]
+    try:
+        probe = HB()
+        missing += [f"HybridBlock().{a}" for a in HYBRID_CACHE_ATTRS if not hasattr(probe, a)]
+    except Exception as e:  # a constructor that needs arguments is itself a change
+        missing.append(f"HybridBlock() ({e})")
+    missing += [f"mxnet.contrib.amp.amp.{n}" for n in AMP_NAMES if not hasattr(amp_module, n)]
+    fp16 = getattr(amp_lists, "symbol_fp16", None)
+    if fp16 is None:
+        missing.append("mxnet.contrib.amp.lists.symbol_fp16")
+    else:
+        missing += [f"mxnet.contrib.amp.lists.symbol_fp16.{n}" for n in AMP_LIST_NAMES
+                    if not isinstance(getattr(fp16, n, None), list)]
+    if not isinstance(OP_NAME_PREFIXES, (list, tuple)):
+        missing.append("mxnet.base._OP_NAME_PREFIX_LIST")
+    if not isinstance(flatten, types.FunctionType):
+        missing.append("mxnet.gluon.block._flatten")
+    return missing
+
+
+def check():
+    """Raise IncompatibleMXNet naming every missing internal; returns the MXNet version."""
+    version = getattr(mx, "__version__", "?")
+    missing = _missing()
+    if missing:
+        raise IncompatibleMXNet(
+            f"gn_mx relies on internals of MXNet {TESTED_MXNET}, and mxnet {version} lacks: "
+            + ", ".join(missing) + f". Install mxnet=={TESTED_MXNET} (or mxnet-cu112=={TESTED_MXNET}) "
+            "with 'numpy<1.24'.")
+    return version
+
+
+def amp_fp16_lists():
+    return amp_lists.symbol_fp16
+
+
+def amp_bf16_lists():
+    """AMP's bfloat16 op lists, or None (they are optional: MXNet 1.9 builds without bf16)."""
+    return getattr(amp_lists, "symbol_bf16", None)
+
+
+check()
