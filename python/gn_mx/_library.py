@@ -1,6 +1,10 @@
 """Locate libgn_mx.so and load it into MXNet once per process (nothing is stored on `mxnet`)."""
+import importlib
+import importlib.util
 import os
+import sys
 import threading
+import warnings
 
 _LIB_NAME = "libgn_mx.so"
 _lock = threading.Lock()
@@ -60,3 +64,21 @@ def load():
         if not ops_registered(mx):
             mx.library.load(path, verbose=False)
     return path
+
+
+def register_onnx_converters():
+    """Register gn_mx's ONNX converters (``gn_mx.onnx``) with MXNet's exporter if onnx is there.
+
+    Called by ``import gn_mx``. Cheap: ``import mxnet`` has already imported onnx when it is
+    installed. Returns whether the converters are registered; never raises (ONNX export is
+    optional: a broken onnx install gives a warning, not a failed ``import gn_mx``).
+    """
+    mod = sys.modules.get("onnx", False)
+    if mod is None or (mod is False and importlib.util.find_spec("onnx") is None):
+        return False  # onnx not installed (or deliberately hidden)
+    try:
+        importlib.import_module(__package__ + ".onnx")
+    except Exception as e:  # noqa: BLE001 - optional feature, keep `import gn_mx` working
+        warnings.warn(f"gn_mx: ONNX export converters not registered ({type(e).__name__}: {e})")
+        return False
+    return True
