@@ -150,6 +150,7 @@ import ctypes
 ctypes.CDLL({LIBMXNET!r}, ctypes.RTLD_GLOBAL)
 import mxnet
 import gn_mx
+assert "gn_mx.onnx" not in sys.modules  # without onnx, import gn_mx works and skips ONNX
 """)
 
 
