@@ -82,8 +82,8 @@ def main():
     np.savetxt(os.path.join(args.outdir, "python_output.txt"), r["output"], fmt="%.9g")
     shape = " ".join(str(d) for d in r["input"].shape)
     print(f"exported {r['symbol']} and {r['params']}; input batch {r['input'].shape}")
-    print("run:")
-    print(f"  ./predict {gn_mx.library_path()} {r['symbol']} {r['params']} "
+    print("run (PREDICT = the program examples/deploy_c/build.sh built):")
+    print(f"  PREDICT {gn_mx.library_path()} {r['symbol']} {r['params']} "
           f"{os.path.join(args.outdir, 'input.f32')} {shape}")
 
 
