@@ -4,7 +4,6 @@ Needs onnx + onnxruntime (pinned in requirements-dev.txt; `pip install 'gn_mx[on
 model is exported with a dynamic batch (and spatial) size and run for two batch sizes; outputs
 must match MXNet within 1e-5 (fp32), and onnx.checker must accept the model.
 """
-import os
 
 import numpy as np
 import mxnet as mx

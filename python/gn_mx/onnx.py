@@ -21,8 +21,10 @@ gn_group_norm        the exact two-pass composition Reshape (N, G, -1) -> Reduce
                      gn_mx) on an (N, C, -1) view. (GroupNormalization-18 scales per *group*: never
                      used.) The optional
                      ``act_type`` attribute ('none', 'relu', 'silu') adds Relu or x*Sigmoid(x).
-                     ``mean`` / ``rstd`` are emitted when a later node reads them (or the node
-                     may be a graph output).
+                     ``mean`` / ``rstd`` are emitted when a later node reads them, or when no
+                     node reads any output of the op (then it is a graph output). (A graph
+                     output ``mean`` next to an ``out`` that a node reads is not detected: the
+                     converter does not see the graph's heads.)
 gn_moments           Reshape (N, G, -1) -> ReduceMean -> mean; ReduceMean of squared deviations
                      -> var (population variance), both (N, G).
 gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x as (N, G, D, -1))
