@@ -95,6 +95,8 @@ setup(
         "cpu": ["mxnet==1.9.1", "numpy<1.24"],
         "cu112": ["mxnet-cu112==1.9.1", "numpy<1.24"],
         "test": ["pytest"],
+        # ONNX export (mx.onnx.export_model with gn_mx ops) and running the result
+        "onnx": ["onnx>=1.15,<1.18", "onnxruntime>=1.17", "protobuf<8", "numpy<1.24"],
     },
     zip_safe=False,
 )

@@ -11,6 +11,9 @@ amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers
 
 from . import ops  # noqa: E402
 from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
+from ._library import register_onnx_converters as _onnx  # noqa: E402
+
+_onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is installed
 
 __version__ = "0.1.0"
 __all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "ops", "__version__"]

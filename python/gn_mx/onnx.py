@@ -1,0 +1,253 @@
+"""ONNX export of the gn_mx ops through MXNet's own exporter (``mx.onnx.export_model``).
+
+``import gn_mx`` registers the converters below with MXNet's mx2onnx registry when ``onnx`` is
+importable (MXNet imports it anyway at ``import mxnet``); nothing else is needed::
+
+    import mxnet as mx, numpy as np, gn_mx
+    net.export('model')                        # a hybridized Gluon net with gn_mx blocks
+    mx.onnx.export_model('model-symbol.json', 'model-0000.params', in_shapes=[(1, 3, 32, 32)],
+                         in_types=[np.float32], onnx_file_path='model.onnx', dynamic=True,
+                         dynamic_input_shapes=[(None, 3, None, None)])
+
+Mapping (``opset`` = the opset MXNet exports, i.e. the installed onnx's newest):
+
+==================== ============================================================================
+op                   ONNX
+==================== ============================================================================
+gn_group_norm        the exact two-pass composition Reshape (N, G, -1) -> ReduceMean -> Sub ->
+                     ReduceMean of squares -> Add eps, Sqrt, Reciprocal, Mul -> Reshape ->
+                     per-channel Mul / Add (default); or, with :data:`USE_GROUP_NORMALIZATION`
+                     and opset >= 21, ``GroupNormalization-21`` (per-channel scale/bias, as
+                     gn_mx) on an (N, C, -1) view. (GroupNormalization-18 scales per *group*: never
+                     used.) The optional
+                     ``act_type`` attribute ('none', 'relu', 'silu') adds Relu or x*Sigmoid(x).
+                     ``mean`` / ``rstd`` are emitted when a later node reads them, or when no
+                     node reads any output of the op (then it is a graph output). (A graph
+                     output ``mean`` next to an ``out`` that a node reads is not detected: the
+                     converter does not see the graph's heads.)
+gn_moments           Reshape (N, G, -1) -> ReduceMean -> mean; ReduceMean of squared deviations
+                     -> var (population variance), both (N, G).
+gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x as (N, G, D, -1))
+                     -> Reshape back.
+gn_channel_affine    per-channel Mul / Add on an (N, C, -1) view.
+gn_dbn               not exported: it is the training op (``HybridBlock.export`` always writes the
+                     inference graph with ``gn_dbn_inference``); a clear error says so.
+==================== ============================================================================
+
+Every shape is taken at run time (Reshape with 0 / -1, Shape): batch and spatial sizes stay
+dynamic, and any number of spatial dims (0-3+) works. float16 data with float32 statistics
+(multi-precision) is computed in float32 and cast back, float64 stays float64.
+"""
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ._library import _import_mxnet
+
+mx = _import_mxnet()
+
+try:  # MXNet's exporter registry (mxnet/onnx/mx2onnx/_export_onnx.py, MXNet 1.9)
+    from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph as _MXNetGraph
+except ImportError as e:  # pragma: no cover - depends on the MXNet build
+    raise ImportError(f"gn_mx.onnx: this MXNet has no mx2onnx exporter registry ({e})") from None
+if not callable(getattr(_MXNetGraph, "register", None)):  # pragma: no cover
+    raise ImportError("gn_mx.onnx: MXNet's mx2onnx exporter has no MXNetGraph.register")
+
+#: Export gn_group_norm as ONNX GroupNormalization-21 when the export opset is >= 21 (one node,
+#: which runtimes such as TensorRT fuse). Off by default: onnxruntime 1.32's GroupNormalization
+#: kernel computes the variance in one pass (E[x^2] - E[x]^2), which loses the digits for data far
+#: from zero (measured, fp32: max error 6e-5 for x = 10 + N(0, 1), 8e-3 for 100 + N(0, 1), 0.8 for
+#: 1000 + N(0, 1), against 3e-6 / 2e-5 / 2e-4 for the default two-pass composition and 2e-6 /
+#: 2e-5 / 1e-4 for gn_mx itself).
+USE_GROUP_NORMALIZATION = False
+
+CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn")
+ACT_TYPES = ("none", "relu", "silu")
+
+
+class _Builder:
+    """Collects the ONNX nodes of one MXNet node; intermediate names are prefixed with its name."""
+
+    def __init__(self, node, kwargs):
+        self.name = node["name"]
+        self.attrs = node.get("attrs", {}) or {}
+        self.kwargs = kwargs
+        self.opset = int(kwargs.get("opset_version") or onnx.defs.onnx_opset_version())
+        lookup = kwargs["outputs_lookup"]
+        self.inputs = [lookup[i][j].name for i, j, *_ in node["inputs"]]
+        self.in_dtypes = [np.dtype(lookup[i][j].dtype) for i, j, *_ in node["inputs"]]
+        self.nodes = []
+        self._count = 0
+
+    def tmp(self, what):
+        self._count += 1
+        return f"{self.name}__gn{self._count}_{what}"
+
+    def const(self, what, value):
+        name = self.tmp(what)
+        self.kwargs["initializer"].append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    def op(self, op_type, inputs, out=None, **attrs):
+        out = out or self.tmp(op_type.lower())
+        self.nodes.append(helper.make_node(op_type, list(inputs), [out], name=out, **attrs))
+        return out
+
+    def reduce_mean(self, x, axis, out=None):
+        if self.opset >= 18:  # axes became an input in ReduceMean-18
+            return self.op("ReduceMean", [x, self.const("axes", np.array([axis], np.int64))], out,
+                           keepdims=1)
+        return self.op("ReduceMean", [x], out, axes=[axis], keepdims=1)
+
+    def cast(self, x, from_dtype, to_dtype, out=None):
+        if np.dtype(from_dtype) == np.dtype(to_dtype):
+            return self.op("Identity", [x], out) if out else x
+        to = helper.np_dtype_to_tensor_dtype(np.dtype(to_dtype))
+        return self.op("Cast", [x], out, to=to)
+
+    def reshape(self, x, shape, out=None):
+        if not isinstance(shape, str):
+            shape = self.const("shape", np.array(shape, np.int64))
+        return self.op("Reshape", [x, shape], out)
+
+    def attr_int(self, key, default):
+        return int(str(self.attrs.get(key, default)).strip())
+
+    def attr_float(self, key, default):
+        return float(str(self.attrs.get(key, default)).strip())
+
+    def consumed(self, index):
+        """Whether output `index` of this node may be used: read by a later node, or the node's
+        outputs are read by nobody (then it is a graph output, with any of its outputs)."""
+        graph, idx = self.kwargs.get("mx_graph"), self.kwargs.get("idx")
+        if graph is None or idx is None:
+            return True
+        used = {j for n in graph[idx + 1:] for i, j, *_ in n.get("inputs", []) if i == idx}
+        return not used or index in used
+
+
+def _compute_dtype(dtype):
+    """Accumulation dtype of gn_mx: float64 for float64 data, float32 otherwise."""
+    return np.dtype(np.float64) if np.dtype(dtype) == np.float64 else np.dtype(np.float32)
+
+
+def _register(op_name):
+    def wrap(fn):
+        _MXNetGraph.register(op_name, opset_version=12)(fn)  # found for every opset >= 12
+        return fn
+    return wrap
+
+
+def _group_stats(b, x, G):
+    """(mean, centred x, var) of x viewed as (N, G, M); mean and var are (N, G, 1)."""
+    xg = b.reshape(x, [0, G, -1])
+    mean = b.reduce_mean(xg, 2)
+    d = b.op("Sub", [xg, mean])
+    var = b.reduce_mean(b.op("Mul", [d, d]), 2)
+    return mean, d, var
+
+
+def _rstd(b, var, eps, dtype):
+    return b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [var, b.const("eps",
+                                                                        np.array(eps, dtype))])])])
+
+
+def _activation(b, y, act):
+    """gn_group_norm's optional fused activation (attribute act_type, default 'none')."""
+    if act == "relu":
+        return b.op("Relu", [y])
+    if act == "silu":
+        return b.op("Mul", [y, b.op("Sigmoid", [y])])
+    return y
+
+
+@_register("gn_group_norm")
+def convert_group_norm(node, **kwargs):
+    b = _Builder(node, kwargs)
+    G = b.attr_int("num_groups", 1)
+    eps = b.attr_float("eps", 1e-5)
+    act = str(b.attrs.get("act_type", "none")).strip().strip("'\"").lower()
+    if act not in ACT_TYPES:
+        raise NotImplementedError(f"gn_mx.onnx: gn_group_norm act_type={act!r} has no ONNX "
+                                  f"mapping (known: {', '.join(ACT_TYPES)})")
+    x, gamma, beta = b.inputs
+    xdt, gdt, bdt = b.in_dtypes
+    cdt = _compute_dtype(xdt)
+    xc = b.cast(x, xdt, cdt)
+    x3 = b.reshape(xc, [0, 0, -1])  # (N, C, S): rank-agnostic, 0 spatial dims included
+    want_stats = b.consumed(1) or b.consumed(2)
+    if USE_GROUP_NORMALIZATION and b.opset >= 21:
+        # per-channel scale/bias (GroupNormalization-21), on the (N, C, S) view
+        y3 = b.op("GroupNormalization", [x3, b.cast(gamma, gdt, cdt), b.cast(beta, bdt, cdt)],
+                  num_groups=G, epsilon=eps)
+        if want_stats:
+            mean, _, var = _group_stats(b, x3, G)
+            rstd = _rstd(b, var, eps, cdt)
+    else:
+        mean, d, var = _group_stats(b, x3, G)
+        rstd = _rstd(b, var, eps, cdt)
+        xhat = b.reshape(b.op("Mul", [d, rstd]), b.op("Shape", [x3]))
+        g2 = b.reshape(b.cast(gamma, gdt, cdt), [-1, 1])
+        b2 = b.reshape(b.cast(beta, bdt, cdt), [-1, 1])
+        y3 = b.op("Add", [b.op("Mul", [xhat, g2]), b2])
+    y = _activation(b, b.reshape(y3, b.op("Shape", [x])), act)
+    b.cast(y, cdt, xdt, b.name + "0")
+    if not want_stats:
+        return b.nodes, (xdt,)
+    b.reshape(mean, [0, -1], b.name + "1")
+    b.reshape(rstd, [0, -1], b.name + "2")
+    return b.nodes, (xdt, cdt, cdt)
+
+
+@_register("gn_moments")
+def convert_moments(node, **kwargs):
+    b = _Builder(node, kwargs)
+    G = b.attr_int("num_groups", 1)
+    (x,), (xdt,) = b.inputs, b.in_dtypes
+    cdt = _compute_dtype(xdt)
+    mean, _, var = _group_stats(b, b.cast(x, xdt, cdt), G)
+    b.reshape(mean, [0, -1], b.name + "0")
+    b.reshape(var, [0, -1], b.name + "1")
+    return b.nodes, (cdt, cdt)
+
+
+@_register("gn_dbn_inference")
+def convert_dbn_inference(node, **kwargs):
+    b = _Builder(node, kwargs)
+    G = b.attr_int("num_groups", 1)
+    x, mean, proj = b.inputs
+    xdt, mdt, pdt = b.in_dtypes
+    cdt = _compute_dtype(xdt)
+    x3 = b.reshape(b.cast(x, xdt, cdt), [0, 0, -1])                       # (N, C, S)
+    xc = b.op("Sub", [x3, b.reshape(b.cast(mean, mdt, cdt), [-1, 1])])
+    p = b.cast(proj, pdt, cdt)                                            # (G, D, D)
+    d = b.op("Gather", [b.op("Shape", [p]), b.const("dim", np.array([2], np.int64))], axis=0)
+    view = b.op("Concat", [b.const("ng", np.array([0, G], np.int64)), d,
+                           b.const("s", np.array([-1], np.int64))], axis=0)
+    yg = b.op("MatMul", [p, b.reshape(xc, view)])                         # (N, G, D, S)
+    y = b.reshape(yg, b.op("Shape", [x]))
+    b.cast(y, cdt, xdt, b.name)
+    return b.nodes, (xdt,)
+
+
+@_register("gn_channel_affine")
+def convert_channel_affine(node, **kwargs):
+    b = _Builder(node, kwargs)
+    x, gamma, beta = b.inputs
+    xdt, gdt, bdt = b.in_dtypes
+    cdt = _compute_dtype(xdt) if gdt != xdt else xdt
+    x3 = b.reshape(b.cast(x, xdt, cdt), [0, 0, -1])
+    y3 = b.op("Add", [b.op("Mul", [x3, b.reshape(b.cast(gamma, gdt, cdt), [-1, 1])]),
+                      b.reshape(b.cast(beta, bdt, cdt), [-1, 1])])
+    y = b.reshape(y3, b.op("Shape", [x]))
+    b.cast(y, cdt, xdt, b.name)
+    return b.nodes, (xdt,)
+
+
+@_register("gn_dbn")
+def convert_dbn_training(node, **kwargs):
+    raise NotImplementedError(
+        f"gn_mx.onnx: {node['name']} is gn_dbn, DecorrelatedBatchNorm's training op (batch "
+        "statistics, in-place running-statistics update); ONNX export needs the inference graph "
+        "(gn_dbn_inference). HybridBlock.export() always writes that graph: export the symbol "
+        "and params it saves.")
