@@ -12,8 +12,9 @@ amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers
 from . import ops  # noqa: E402
 from . import sym  # noqa: E402
 from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
+from .parallel import sync_running_stats  # noqa: E402
 from .zoo import norm_layer  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "norm_layer", "ops", "sym",
-           "__version__"]
+           "sync_running_stats", "__version__"]
