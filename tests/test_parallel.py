@@ -117,3 +117,25 @@ def test_sync_running_stats_single_context_and_non_dist_kvstore():
     assert gn_mx.sync_running_stats(net, kvstore=kv) == 1
     np.testing.assert_array_equal(net[1].running_projection.data().asnumpy(), before)
     assert gn_mx.sync_running_stats(_gn_net()) == 0
+
+
+def test_sync_running_stats_under_set_np():
+    mx.npx.set_np()
+    try:
+        net = _dbn_net()
+        net.initialize(ctx=CTXS)
+        net.hybridize()
+        x = mx.np.random.normal(size=(8, 3, 6, 6))
+        with autograd.record():
+            for part in gluon.utils.split_and_load(x, CTXS):
+                net(part)
+        rm = net[1].running_mean
+        assert isinstance(rm.data(CTXS[1]), mx.np.ndarray)
+        per_ctx = [rm.data(c).asnumpy() for c in CTXS]
+        assert not np.allclose(per_ctx[0], per_ctx[1])
+        gn_mx.sync_running_stats(net)
+        for c in CTXS:
+            np.testing.assert_allclose(rm.data(c).asnumpy(), (per_ctx[0] + per_ctx[1]) / 2,
+                                       rtol=1e-6, atol=1e-7)
+    finally:
+        mx.npx.reset_np()
