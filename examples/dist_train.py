@@ -42,7 +42,7 @@ def worker(args):
 
     kv = mx.kv.create("dist_sync")
     rank, workers = kv.rank, kv.num_workers
-    mx.random.seed(rank)  # different initial weights: the Trainer broadcasts rank 0's
+    mx.random.seed(rank)  # different initial weights: rank 0's are broadcast
     net = build_net(gluon, gn_mx)
     net.initialize(mx.init.Xavier())
     net.hybridize()
@@ -50,6 +50,8 @@ def worker(args):
     # every worker applies the same update to the same weights.
     trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1, "momentum": 0.9},
                             kvstore=kv, update_on_kvstore=False)
+    # Broadcast rank 0's weights before the first step (MXNet 1.9.1 race, see init_kvstore).
+    gn_mx.parallel.init_kvstore(trainer)
     loss_fn = gluon.loss.SoftmaxCrossEntropyLoss()
     rng = np.random.RandomState(100 + rank)  # each worker its own data
     for step in range(args.steps):

@@ -221,7 +221,7 @@ class DecorrelatedBatchNorm(HybridBlock):
         C = max(self.running_mean.shape[0], 0) if self.running_mean.shape else 0
         if not C and isinstance(x, _nd_type()):
             C = x.shape[1] if x.ndim >= 2 else 0
-        if not C:
+        if not C and not isinstance(x, _nd_type()):
             C = _modal.traced_channels(x)
         if not C:
             raise ValueError(f"{self.name}: cannot infer the number of channels for "

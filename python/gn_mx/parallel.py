@@ -14,8 +14,9 @@ import numpy as _onp
 from . import _np
 from .nn import DecorrelatedBatchNorm
 
-# Keys of the statistics in a kvstore: ints, like the Trainer's (0..num_params-1), far above them.
-_KEY_BASE = 1 << 29
+# Keys of the statistics in a kvstore: ints, like the Trainer's (0..num_params-1), far above them
+# but small enough for ps-lite's server assignment (key * 9973 must fit an int32).
+_KEY_BASE = 150_000
 
 
 def dbn_layers(block):
@@ -43,12 +44,33 @@ def _kvstore_of(kvstore):
             trainer._init_kvstore()
         if trainer._kvstore is None:
             return None
+        if len(trainer._params) >= _KEY_BASE:
+            raise ValueError(f"sync_running_stats: more than {_KEY_BASE} parameters in the Trainer")
         if trainer._update_on_kvstore and "dist" in trainer._kvstore.type:
             raise ValueError("sync_running_stats: the Trainer updates on the kvstore (the servers "
                              "would apply the optimizer to the statistics); create it with "
                              "update_on_kvstore=False")
         return trainer._kvstore
     return kvstore
+
+
+def init_kvstore(trainer):
+    """Create ``trainer``'s kvstore and broadcast rank 0's parameters now, and wait for it.
+
+    Workaround for MXNet 1.9.1's dist kvstore with ``update_on_kvstore=False``: the Trainer
+    broadcasts the initial weights lazily in its first ``step`` and, without waiting, pushes that
+    step's gradients; the broadcast's pull of a key can reach the servers after the gradient push of
+    the same key, and a worker then receives the summed gradient as its weights (seen in 2-4 of 10
+    loopback runs of examples/dist_train.py, with plain Conv/Dense nets too). Call this once after
+    ``net.initialize()`` (parameters must not be deferred: give in_channels/in_units, or run one
+    forward first) and before the first step. Harmless for other kvstores."""
+    import mxnet as mx
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if trainer._params_to_init:
+        trainer._init_params()
+    mx.nd.waitall()
+    return trainer._kvstore
 
 
 def sync_running_stats(block, kvstore=None):
