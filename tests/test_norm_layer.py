@@ -76,6 +76,7 @@ def _train(net, steps=2):
     return x, net(x)
 
 
+@pytest.mark.filterwarnings("ignore:gn_mx.norm_layer")
 @pytest.mark.parametrize("style", ["kwargs", "in_channels", "bn_keywords"])
 def test_group_norm_factory_in_each_calling_convention(style):
     factory = gn_mx.norm_layer(num_groups=4)
