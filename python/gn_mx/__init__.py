@@ -9,12 +9,11 @@ from . import amp
 
 amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers our ops with AMP
 
-from . import ops  # noqa: E402
-from . import sym  # noqa: E402
+from . import ops, parallel, sym  # noqa: E402
 from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
 from .parallel import sync_running_stats  # noqa: E402
 from .zoo import norm_layer  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "norm_layer", "ops", "sym",
-           "sync_running_stats", "__version__"]
+__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "norm_layer", "ops", "parallel",
+           "sym", "sync_running_stats", "__version__"]
