@@ -23,6 +23,8 @@ import threading
 from mxnet import autograd
 from mxnet.gluon import block as _block
 
+from . import _np
+
 _tls = threading.local()
 _CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", "_out_format")
 _MODES = "_gnmx_modes"
@@ -31,6 +33,32 @@ _MODES = "_gnmx_modes"
 def note_modal_trace():
     """Called by a block's hybrid_forward when it is traced with F=mx.sym and is mode-dependent."""
     _tls.count = getattr(_tls, "count", 0) + 1
+
+
+def traced_channels(sym):
+    """Dimension 1 of symbol `sym` traced inside the current outermost `_get_graph`, inferred from
+    the shapes of the concrete arrays that call was given (0 when unknown). Lets a block whose op
+    attributes depend on C (DecorrelatedBatchNorm(group_size=...)) be traced before deferred
+    initialization knows C."""
+    shapes = getattr(_tls, "input_shapes", None)
+    if not shapes:
+        return 0
+    known = {k: v for k, v in shapes.items() if k in set(sym.list_arguments())}
+    try:
+        _, out_shapes, _ = sym.infer_shape_partial(**known)
+    except Exception:  # noqa: BLE001  (an upstream op that cannot infer yet: unknown)
+        return 0
+    if not out_shapes or not out_shapes[0] or len(out_shapes[0]) < 2:
+        return 0
+    return max(int(out_shapes[0][1]), 0)
+
+
+def _input_shapes(args):
+    """{input variable name: shape} as HybridBlock._get_graph names the inputs of a trace."""
+    from mxnet import ndarray as nd
+    flat = [a for a in _block._flatten(list(args), "input")[0] if a is not None]
+    names = ["data"] if len(flat) == 1 else [f"data{i}" for i in range(len(flat))]
+    return {n: a.shape for n, a in zip(names, flat) if isinstance(a, nd.NDArray)}
 
 
 def _park(blk):
@@ -71,6 +99,7 @@ def _fence_aux(blk, out):
     leaf = out
     while isinstance(leaf, (list, tuple)):
         leaf = leaf[0]
+    leaf = _np.to_legacy(leaf)  # NumPy-interface outputs: a zero-copy legacy view
     if not isinstance(leaf, nd.NDArray):
         return
     key = id(blk._cached_op)
@@ -85,7 +114,7 @@ def _fence_aux(blk, out):
     with autograd.pause():  # not part of the graph; in-place writes are fine outside record
         dep = nd.zeros_like(nd.slice_axis(leaf.reshape((-1,)), axis=0, begin=0, end=1))
         for p in cached[1]:
-            d = p.data(leaf.context)
+            d = _np.to_legacy(p.data(leaf.context))
             nd.broadcast_add(d, dep.astype(d.dtype, copy=False).reshape((1,) * d.ndim), out=d)
 
 
@@ -102,21 +131,26 @@ def _install():
         if self._cached_graph:
             return orig_get_graph(self, *args)
         outer = getattr(_tls, "count", 0)
+        outer_shapes = getattr(_tls, "input_shapes", None)
         training = autograd.is_training()
         _tls.count = 0
+        if outer_shapes is None:  # the outermost trace: its inputs are the graph's variables
+            _tls.input_shapes = _input_shapes(args)
         try:
             res = orig_get_graph(self, *args)
             traced = _tls.count
         finally:
             _tls.count = outer + getattr(_tls, "count", 0)
+            _tls.input_shapes = outer_shapes
         if traced:
             modes = self.__dict__.get(_MODES)
             if modes is None:
                 object.__setattr__(self, _MODES, {"current": training})
             else:
                 modes["current"] = training
-            self.__dict__[_MODES]["dtypes"] = [getattr(a, "dtype", None) for a in
-                                               _block._flatten(list(args), "input")[0]]
+            flat = _block._flatten(list(args), "input")[0]
+            self.__dict__[_MODES]["dtypes"] = [getattr(a, "dtype", None) for a in flat]
+            self.__dict__[_MODES]["np"] = any(_np.is_np(a) for a in flat)
         return res
 
     def _call_cached_op(self, *args):
@@ -147,7 +181,8 @@ def _install():
             if self._cached_op is None:
                 # Only training ran so far: trace and build the inference graph now. The graph
                 # needs just the input structure, so placeholders stand in for the inputs.
-                placeholders = _placeholders(modes[True][3], iter(modes.get("dtypes", [])))
+                placeholders = _placeholders(modes[True][3], iter(modes.get("dtypes", [])),
+                                             modes.get("np", False))
                 with autograd.predict_mode():
                     self._build_cache(*placeholders)
                 modes["current"] = False
@@ -160,14 +195,15 @@ def _install():
     HB._gnmx_modal_installed = True
 
 
-def _placeholders(fmt, dtypes):
+def _placeholders(fmt, dtypes, np_kind=False):
     """Inputs with the structure `fmt` (from gluon's _flatten): 0 = an array, -1 = None; arrays
-    get the recorded input dtypes (they matter for the dtype inference of the trace)."""
+    get the recorded input dtypes (they matter for the dtype inference of the trace) and the
+    recorded array kind (NumPy-interface arrays trace np symbols)."""
     from mxnet import ndarray as nd
     if isinstance(fmt, int):
         dtype = next(dtypes, None)
-        return None if fmt == -1 else nd.zeros((1,), dtype=dtype or "float32")
-    return [_placeholders(f, dtypes) for f in fmt]
+        return None if fmt == -1 else _np.like(nd.zeros((1,), dtype=dtype or "float32"), np_kind)
+    return [_placeholders(f, dtypes, np_kind) for f in fmt]
 
 
 _install()

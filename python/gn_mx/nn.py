@@ -1,9 +1,11 @@
 """Gluon blocks. They hold parameters and choose ops; all math is in the native ops."""
+import functools
 import numbers
 
 from mxnet.gluon import HybridBlock
 
 from . import _library
+from . import _np
 
 _library.load()
 
@@ -29,6 +31,22 @@ def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_in
                             shape=(in_channels,), init=beta_initializer,
                             allow_deferred_init=True, differentiable=center)
     return gamma, beta
+
+
+def numpy_interface(hybrid_forward):
+    """Decorator: a hybrid_forward written against the legacy ops also takes and returns the NumPy
+    interface's arrays (``npx.set_np()``): imperative ``mx.np.ndarray`` and traced np symbols are
+    viewed as legacy NDArrays/Symbols without copying (``as_nd_ndarray``), and the outputs are given
+    back as the kind of the input ``x`` (``as_np_ndarray``). Legacy inputs pass through untouched."""
+    @functools.wraps(hybrid_forward)
+    def wrapper(self, F, x, *args, **params):
+        np_kind = _np.is_np(x)
+        if np_kind or any(_np.is_np(v) for v in params.values()):
+            x = _np.to_legacy(x)
+            args = tuple(_np.to_legacy(a) for a in args)
+            params = {k: _np.to_legacy(v) for k, v in params.items()}
+        return _np.like(hybrid_forward(self, F, x, *args, **params), np_kind)
+    return wrapper
 
 
 def accumulating_params(F, *params):
@@ -78,6 +96,7 @@ class GroupNorm(HybridBlock):
             self.gamma, self.beta = _affine_params(self, in_channels, center, scale,
                                                    beta_initializer, gamma_initializer)
 
+    @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta):
         gamma, beta = accumulating_params(F, gamma, beta)
         return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon)[0]
@@ -129,7 +148,8 @@ class DecorrelatedBatchNorm(HybridBlock):
 
     Parameters
     ----------
-    num_groups : int, default 16
+    num_groups : int, default 16 (when neither num_groups nor group_size is given)
+        Number of channel groups; C must be divisible by it.
     epsilon : float, default 1e-5
         Added to the covariance diagonal (> 0; keeps near-singular batches finite).
     momentum : float, default 0.9
@@ -139,23 +159,34 @@ class DecorrelatedBatchNorm(HybridBlock):
     beta_initializer, gamma_initializer : str or Initializer
     in_channels : int, default 0
         Number of channels; 0 infers it from the first input (deferred initialization).
+    group_size : int, optional
+        Channels per group (D) instead of ``num_groups`` (give one of them, not both); the number of
+        groups is then C/group_size, known once C is (deferred ``in_channels`` works). The DBN paper
+        recommends fixing the group size (16) rather than the number of groups.
+    use_global_stats : bool, default False
+        If True, the running statistics are used in training as well (``gn_dbn_inference``,
+        gradients ``dx = P^T dy``) and are never updated, as with BatchNorm's switch of that name
+        (fine-tuning with frozen normalization statistics).
     """
 
-    def __init__(self, num_groups=16, epsilon=1e-5, momentum=0.9, center=True, scale=True,
-                 beta_initializer="zeros", gamma_initializer="ones", in_channels=0, **kwargs):
+    def __init__(self, num_groups=None, epsilon=1e-5, momentum=0.9, center=True, scale=True,
+                 beta_initializer="zeros", gamma_initializer="ones", in_channels=0,
+                 group_size=None, use_global_stats=False, **kwargs):
         super().__init__(**kwargs)
-        _check_groups("DecorrelatedBatchNorm", num_groups, epsilon, in_channels)
+        num_groups, group_size = _dbn_grouping(num_groups, group_size, epsilon, in_channels)
+        self._group_size = group_size
+        self._use_global_stats = bool(use_global_stats)
         if not epsilon > 0:
             raise ValueError(f"DecorrelatedBatchNorm: epsilon must be > 0, got {epsilon!r}")
         if (isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
                 or not 0 <= momentum <= 1):
             raise ValueError(f"DecorrelatedBatchNorm: momentum must be in [0, 1], got {momentum!r}")
-        self._num_groups = int(num_groups)
+        self._num_groups = num_groups  # None with group_size and deferred in_channels
         self._epsilon = float(epsilon)
         self._momentum = float(momentum)
         self._center = bool(center)
         self._scale = bool(scale)
-        D = in_channels // num_groups
+        D = group_size or in_channels // num_groups
         with self.name_scope():
             self.gamma, self.beta = _affine_params(self, in_channels, center, scale,
                                                    beta_initializer, gamma_initializer)
@@ -163,28 +194,70 @@ class DecorrelatedBatchNorm(HybridBlock):
                                                 shape=(in_channels,), init="zeros",
                                                 allow_deferred_init=True, differentiable=False)
             self.running_projection = self.params.get(
-                "running_projection", grad_req="null", shape=(num_groups, D, D),
+                "running_projection", grad_req="null", shape=(num_groups or 0, D, D),
                 init=GroupIdentity(), allow_deferred_init=True, differentiable=False)
 
+    @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):
-        if not isinstance(x, _nd_type()):
+        if not isinstance(x, _nd_type()) and not self._use_global_stats:
             _modal.note_modal_trace()
-        if _autograd.is_training():
-            xhat = F.gn_dbn(x, running_mean, running_projection, num_groups=self._num_groups,
+        num_groups = self._groups_of(x)
+        if _autograd.is_training() and not self._use_global_stats:
+            xhat = F.gn_dbn(x, running_mean, running_projection, num_groups=num_groups,
                             eps=self._epsilon, momentum=self._momentum)[0]
         else:
             xhat = F.gn_dbn_inference(x, running_mean, running_projection,
-                                      num_groups=self._num_groups)
+                                      num_groups=num_groups)
         # The learnable affine is one native op: per-channel, any spatial rank, float32
         # gamma/beta with float16 data, and it sizes gamma/beta from xhat for deferred init.
         gamma, beta = accumulating_params(F, gamma, beta)
         return F.gn_channel_affine(xhat, gamma, beta)
 
+    def _groups_of(self, x):
+        """The number of groups for input x (with group_size: C/group_size, C from the parameters,
+        the array, or a shape inference of the traced input)."""
+        if self._group_size is None or self._num_groups:
+            return self._num_groups
+        C = max(self.running_mean.shape[0], 0) if self.running_mean.shape else 0
+        if not C and isinstance(x, _nd_type()):
+            C = x.shape[1] if x.ndim >= 2 else 0
+        if not C and not isinstance(x, _nd_type()):
+            C = _modal.traced_channels(x)
+        if not C:
+            raise ValueError(f"{self.name}: cannot infer the number of channels for "
+                             f"group_size={self._group_size}; give in_channels")
+        if C % self._group_size:
+            raise ValueError(f"{self.name}: in_channels ({C}) must be divisible by group_size "
+                             f"({self._group_size})")
+        return C // self._group_size
+
     def __repr__(self):
         c = self.gamma.shape[0] if self.gamma.shape else 0
-        return (f"{self.__class__.__name__}(num_groups={self._num_groups}, eps={self._epsilon}, "
+        c = max(c, 0)
+        groups = (f"group_size={self._group_size}" if self._group_size
+                  else f"num_groups={self._num_groups}")
+        return (f"{self.__class__.__name__}({groups}, eps={self._epsilon}, "
                 f"momentum={self._momentum}, center={self._center}, scale={self._scale}, "
-                f"in_channels={c or None})")
+                f"use_global_stats={self._use_global_stats}, in_channels={c or None})")
+
+
+def _dbn_grouping(num_groups, group_size, epsilon, in_channels):
+    """Validates DecorrelatedBatchNorm's grouping; returns (num_groups or None, group_size or None)."""
+    cls = "DecorrelatedBatchNorm"
+    if num_groups is not None and group_size is not None:
+        raise ValueError(f"{cls}: give num_groups or group_size, not both "
+                         f"(got num_groups={num_groups!r}, group_size={group_size!r})")
+    if group_size is None:
+        num_groups = 16 if num_groups is None else num_groups
+        _check_groups(cls, num_groups, epsilon, in_channels)
+        return int(num_groups), None
+    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size <= 0:
+        raise ValueError(f"{cls}: group_size must be a positive integer, got {group_size!r}")
+    _check_groups(cls, 1, epsilon, in_channels)
+    if in_channels and in_channels % group_size:
+        raise ValueError(f"{cls}: in_channels ({in_channels}) must be divisible by group_size "
+                         f"({group_size})")
+    return (in_channels // group_size if in_channels else None), int(group_size)
 
 
 def _nd_type():

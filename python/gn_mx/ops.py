@@ -1,10 +1,16 @@
-"""Functional wrappers over the gn_mx ops. Each works on NDArrays and on Symbols.
+"""Functional wrappers over the gn_mx ops. Each works on NDArrays and on Symbols, legacy or of the
+NumPy interface (``mx.np.ndarray``, np symbols), and returns the kind of ``data``: NumPy-interface
+inputs are viewed as legacy arrays without copying and the outputs converted back the same way.
 
-The raw ops are also available as ``mx.nd.gn_*`` / ``mx.sym.gn_*`` once ``gn_mx`` is imported.
+The raw ops are also available as ``mx.nd.gn_*`` / ``mx.sym.gn_*`` once ``gn_mx`` is imported
+(legacy arrays only, like all of MXNet 1.9's legacy operators).
 """
+import functools
+
 import mxnet as mx
 
 from . import _library
+from . import _np
 
 _library.load()
 
@@ -13,6 +19,18 @@ def _F(x):
     return mx.sym if isinstance(x, mx.sym.Symbol) else mx.nd
 
 
+def _both_kinds(fn):
+    """Runs `fn` on legacy views of its array arguments; returns the kind of the first one."""
+    @functools.wraps(fn)
+    def wrapper(data, *args, **kwargs):
+        np_kind = _np.is_np(data)
+        out = fn(_np.to_legacy(data), *(_np.to_legacy(a) for a in args),
+                 **{k: _np.to_legacy(v) for k, v in kwargs.items()})
+        return _np.like(out, np_kind)
+    return wrapper
+
+
+@_both_kinds
 def moments(data, num_groups=1):
     """Group-wise mean and population variance.
 
@@ -23,6 +41,7 @@ def moments(data, num_groups=1):
     return out[0], out[1]
 
 
+@_both_kinds
 def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False):
     """Group normalization with per-channel affine (Wu & He, 2018).
 
@@ -33,6 +52,7 @@ def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False):
     return (out[0], out[1], out[2]) if return_stats else out[0]
 
 
+@_both_kinds
 def dbn(data, running_mean, running_projection, num_groups=1, eps=1e-5, momentum=0.9,
         return_stats=False):
     """Decorrelated BN, training mode (op ``gn_dbn``): per-group ZCA whitening with batch stats.
@@ -48,6 +68,7 @@ def dbn(data, running_mean, running_projection, num_groups=1, eps=1e-5, momentum
     return (out[0], out[1], out[2], out[3]) if return_stats else out[0]
 
 
+@_both_kinds
 def dbn_inference(data, running_mean, running_projection, num_groups=1):
     """Decorrelated BN, inference mode (op ``gn_dbn_inference``): out_g = P_g (x_g - m_g)."""
     return _F(data).gn_dbn_inference(data, running_mean, running_projection,

@@ -1,0 +1,148 @@
+"""Symbol-API helpers: build gn_mx layers in ``mx.sym`` graphs (``mx.mod.Module``, symbolic model code).
+
+The raw ops (``mx.sym.gn_group_norm`` ...) need their parameter inputs passed explicitly. These helpers
+create them as named variables, the way ``mx.sym.BatchNorm`` / ``mx.sym.GroupNorm`` do:
+
+* ``group_norm(data, num_groups, ...)`` -> variables ``{name}_gamma``, ``{name}_beta`` (arguments);
+* ``decorrelated_batch_norm(data, ...)`` -> ``{name}_gamma``, ``{name}_beta`` (arguments) and
+  ``{name}_running_mean``, ``{name}_running_projection`` (auxiliary states: ``gn_dbn`` and
+  ``gn_dbn_inference`` declare them mutable, so ``Module`` keeps them in ``aux_params`` and
+  initializes them through the variables' ``__init__`` attributes: zeros and identities).
+
+The names match gn_mx's Gluon blocks (``{prefix}gamma`` ... with ``name=prefix[:-1]``), so parameters
+saved from a Gluon net load into a symbol built with the same names and vice versa.
+
+Shapes: with ``in_channels`` the variables get explicit shapes, so ``Module.bind`` (which knows only
+the data shape) can infer everything. Without it the shapes come from the ops' shape inference.
+
+Train vs predict: library ops receive no ``is_train`` flag, and ``Module.forward(is_train=False)``
+cannot switch DBN to its running statistics. Build one symbol per mode, with the same names:
+``training=True`` (``gn_dbn``: batch statistics, running statistics updated in every forward,
+including ``Module.score`` / ``fit(eval_data=...)`` on that module) for ``Module.fit``, and
+``training=False`` (``gn_dbn_inference``) for prediction, binding the trained
+``arg_params``/``aux_params``; or convert a training symbol with :func:`inference_symbol`.
+"""
+import json
+
+import mxnet as mx
+
+from . import _library, _np
+from .nn import GroupIdentity, _check_groups, _dbn_grouping
+
+_library.load()
+
+
+def _auto_name(name, hint):
+    from mxnet.name import NameManager
+    if not hasattr(NameManager._current, "value"):
+        NameManager._current.value = NameManager()
+    return NameManager._current.value.get(name, hint)
+
+
+def _param(given, name, shape, init=None):
+    if given is not None:
+        return _np.to_legacy(given)
+    # stype: Module's simple_bind leaves the storage type of aux states undefined, which library
+    # ops reject ("input tensors are not dense for custom operator"); state it explicitly.
+    return mx.sym.var(name, shape=shape, init=init, stype="default")
+
+
+def _init(initializer):
+    if initializer is None:
+        return None
+    return mx.init.create(initializer) if isinstance(initializer, str) else initializer
+
+
+def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_channels=0,
+               gamma_initializer=None, beta_initializer=None):
+    """GroupNorm with per-channel affine: ``gn_group_norm(data, {name}_gamma, {name}_beta)[0]``.
+
+    data: (N, C, *spatial) symbol (legacy or NumPy-interface; the result has the same kind).
+    in_channels: C, to give gamma/beta the explicit shape (C,) (0: left to shape inference).
+    gamma, beta: existing symbols to use instead of creating the variables.
+    gamma_initializer / beta_initializer: stored on the variables (``Module.init_params`` honours
+    them); by default ``Module``'s initializer handles the ``_gamma`` (ones) / ``_beta`` (zeros)
+    suffixes, as for ``mx.sym.BatchNorm``.
+    """
+    _check_groups("gn_mx.sym.group_norm", num_groups, eps, in_channels)
+    np_kind = _np.is_np(data)
+    name = _auto_name(name, "groupnorm")
+    shape = (in_channels,) if in_channels else None
+    g = _param(gamma, f"{name}_gamma", shape, _init(gamma_initializer))
+    b = _param(beta, f"{name}_beta", shape, _init(beta_initializer))
+    out = mx.sym.gn_group_norm(_np.to_legacy(data), g, b, num_groups=int(num_groups),
+                               eps=float(eps), name=name)[0]
+    return _np.like(out, np_kind)
+
+
+def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, momentum=0.9,
+                            training=True, name=None, in_channels=0, gamma=None, beta=None,
+                            running_mean=None, running_projection=None, use_global_stats=False):
+    """Decorrelated BN: whitening (``gn_dbn`` if ``training`` else ``gn_dbn_inference``) followed by
+    the per-channel affine ``gn_channel_affine`` (the same graph as the Gluon block).
+
+    num_groups / group_size: give at most one (default num_groups=16); group_size needs
+    ``in_channels`` here (a symbol has no channel count to divide).
+    training: True for the symbol given to ``Module.fit`` (batch statistics; the aux states
+    ``{name}_running_mean`` (C,) / ``{name}_running_projection`` (G, D, D) are updated in place in
+    every forward), False for prediction (running statistics). Build both with the same ``name``
+    (or use :func:`inference_symbol`) so they share their arguments and aux states.
+    use_global_stats: running statistics in both modes (as BatchNorm's switch).
+    """
+    num_groups, group_size = _dbn_grouping(num_groups, group_size, eps, in_channels)
+    if not eps > 0:
+        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: eps must be > 0, got {eps!r}")
+    if num_groups is None:
+        raise ValueError("gn_mx.sym.decorrelated_batch_norm: group_size needs in_channels in the "
+                         "Symbol API")
+    if not 0 <= momentum <= 1:
+        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: momentum must be in [0, 1], got "
+                         f"{momentum!r}")
+    np_kind = _np.is_np(data)
+    name = _auto_name(name, "decorrelatedbatchnorm")
+    C = in_channels
+    D = C // num_groups if C else 0
+    g = _param(gamma, f"{name}_gamma", (C,) if C else None)
+    b = _param(beta, f"{name}_beta", (C,) if C else None)
+    rm = _param(running_mean, f"{name}_running_mean", (C,) if C else None, mx.init.Zero())
+    rp = _param(running_projection, f"{name}_running_projection",
+                (num_groups, D, D) if C else None, GroupIdentity())
+    x = _np.to_legacy(data)
+    if training and not use_global_stats:
+        xhat = mx.sym.gn_dbn(x, rm, rp, num_groups=num_groups, eps=float(eps),
+                             momentum=float(momentum), name=f"{name}_whiten")[0]
+    else:
+        xhat = mx.sym.gn_dbn_inference(x, rm, rp, num_groups=num_groups, name=f"{name}_whiten")
+    out = mx.sym.gn_channel_affine(xhat, g, b, name=name)
+    return _np.like(out, np_kind)
+
+
+def inference_symbol(symbol):
+    """The prediction graph of a training symbol: every ``gn_dbn`` becomes ``gn_dbn_inference``
+    with the same inputs (arguments and aux states keep their names), nothing else changes.
+
+    Also for symbols exported from Gluon (``mx.sym.load``) that are to be bound with
+    ``mx.mod.Module``: the DBN aux-state variables get an explicit dense storage type, without
+    which ``simple_bind`` rejects library ops ("input tensors are not dense")."""
+    np_kind = _np.is_np(symbol)
+    graph = json.loads(_np.to_legacy(symbol).tojson())
+    nodes = graph["nodes"]
+    changed = set()
+    for i, node in enumerate(nodes):
+        if node["op"] == "gn_dbn":
+            node["op"] = "gn_dbn_inference"
+            attrs = node.get("attrs", {})
+            node["attrs"] = {k: v for k, v in attrs.items() if k not in ("eps", "momentum")}
+            changed.add(i)
+        if node["op"] == "gn_dbn_inference":
+            for src, _, *_ in node["inputs"][1:3]:
+                if nodes[src]["op"] == "null":
+                    nodes[src].setdefault("attrs", {}).setdefault("__storage_type__", "0")
+    for node in graph["nodes"]:
+        for entry in node.get("inputs", []):
+            if entry[0] in changed and entry[1] != 0:
+                raise ValueError("inference_symbol: the graph uses a backward-only output of gn_dbn")
+    for entry in graph.get("heads", []):
+        if entry[0] in changed and entry[1] != 0:
+            raise ValueError("inference_symbol: the graph outputs a backward-only output of gn_dbn")
+    return _np.like(mx.sym.load_json(json.dumps(graph)), np_kind)
