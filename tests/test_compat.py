@@ -16,6 +16,8 @@ def test_missing_internal_fails_at_import_naming_it():
         del block.HybridBlock._build_cache      # as if MXNet had renamed it
         from mxnet.contrib.amp import amp
         del amp._wrap_symbol_functions
+        from mxnet.gluon import Trainer
+        del Trainer._init_params
         try:
             import gn_mx
         except ImportError as e:
@@ -26,4 +28,5 @@ def test_missing_internal_fails_at_import_naming_it():
     assert r.returncode == 0, r.stderr[-3000:]
     assert "ERR" in r.stdout, r.stdout
     assert "HybridBlock._build_cache" in r.stdout and "_wrap_symbol_functions" in r.stdout
+    assert "Trainer._init_params" in r.stdout
     assert "mxnet==1.9.1" in r.stdout

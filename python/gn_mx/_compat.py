@@ -5,7 +5,9 @@ gn_mx patches two MXNet internals that have no public hook:
 * ``_modal.py`` (mode-keyed CachedOps for DecorrelatedBatchNorm) wraps methods of
   ``gluon.HybridBlock`` and reads its cache attributes;
 * ``amp.py`` (surviving ``mx.library.load`` after ``amp.init()``) reads AMP's state and rebuilds its
-  wrapper closures.
+  wrapper closures;
+* ``parallel.py`` creates a Trainer's kvstore and its initial broadcast ahead of the first step,
+  ``sym.py`` names variables with the current NameManager.
 
 Both were written against MXNet 1.9.1. :func:`check` verifies at ``import gn_mx`` that each name
 still exists with the expected kind, so a different MXNet fails at import with a message naming
@@ -36,6 +38,11 @@ AMP_NAMES = ("_amp_initialized", "_wrap_symbol_functions", "list_widest_type_cas
              "list_lp16_ops", "list_fp32_ops", "list_conditional_fp32_ops", "bfloat16")
 AMP_LIST_NAMES = ("FP16_FUNCS", "FP32_FUNCS", "FP16_FP32_FUNCS")
 
+#: gluon.Trainer internals used by parallel.py (kvstore creation and the initial broadcast).
+TRAINER_METHODS = ("_init_kvstore", "_init_params")
+TRAINER_ATTRS = ("_kv_initialized", "_kvstore", "_params", "_update_on_kvstore",
+                 "_params_to_init")
+
 #: The prefixes of op submodules (``mx.nd.contrib``...) that mx.library.load regenerates.
 OP_NAME_PREFIXES = _base._OP_NAME_PREFIX_LIST if hasattr(_base, "_OP_NAME_PREFIX_LIST") else None
 #: gluon's structure flattener (used to record input formats).
@@ -62,6 +69,19 @@ def _missing():
     else:
         missing += [f"mxnet.contrib.amp.lists.symbol_fp16.{n}" for n in AMP_LIST_NAMES
                     if not isinstance(getattr(fp16, n, None), list)]
+    T = mx.gluon.Trainer
+    missing += [f"Trainer.{m}" for m in TRAINER_METHODS if not callable(getattr(T, m, None))]
+    # Instance attributes, read from the names Trainer's own methods use (no Trainer is built).
+    assigned = set()
+    for m in ("__init__",) + TRAINER_METHODS:
+        code = getattr(getattr(T, m, None), "__code__", None)
+        if code is not None:
+            assigned.update(code.co_names)
+    missing += [f"Trainer().{a}" for a in TRAINER_ATTRS if a not in assigned]
+    if not hasattr(mx.gluon.Block(), "_children"):
+        missing.append("Block()._children")
+    if not hasattr(getattr(mx.name, "NameManager", None), "_current"):
+        missing.append("mxnet.name.NameManager._current")
     if not isinstance(OP_NAME_PREFIXES, (list, tuple)):
         missing.append("mxnet.base._OP_NAME_PREFIX_LIST")
     if not isinstance(flatten, types.FunctionType):
@@ -79,6 +99,35 @@ def check():
             + ", ".join(missing) + f". Install mxnet=={TESTED_MXNET} (or mxnet-cu112=={TESTED_MXNET}) "
             "with 'numpy<1.24'.")
     return version
+
+
+def children(block):
+    """A Block's direct children (Block._children, an OrderedDict name -> Block)."""
+    return list(block._children.values())
+
+
+def trainer_kvstore(trainer, init_params=False):
+    """``trainer``'s kvstore (None for a single device), created now if the Trainer has not yet;
+    with ``init_params`` also the initial broadcast of parameter values the Trainer otherwise
+    does lazily in its first step."""
+    if not trainer._kv_initialized:
+        trainer._init_kvstore()
+    if init_params and trainer._params_to_init:
+        trainer._init_params()
+    return trainer._kvstore
+
+
+def trainer_info(trainer):
+    """(number of parameters, updates on the kvstore?) of a gluon Trainer."""
+    return len(trainer._params), bool(trainer._update_on_kvstore)
+
+
+def current_name_manager():
+    """The thread's current mx.name.NameManager (created like mx.sym.var does on first use)."""
+    NM = mx.name.NameManager
+    if not hasattr(NM._current, "value"):
+        NM._current.value = NM()
+    return NM._current.value
 
 
 def amp_fp16_lists():

@@ -18,15 +18,20 @@ This module fixes that for every HybridBlock, parents included, without user act
   * ``_clear_cached_op`` (hybridize(), new children) drops both caches.
 Blocks whose graphs contain no mode-dependent gn_mx op are untouched (one attribute lookup).
 """
+import collections
 import threading
 
 from mxnet import autograd
-from mxnet.gluon import block as _block
 
-from . import _np
+from . import _compat, _np
 
 _tls = threading.local()
-_CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format", "_out_format")
+# One mode's cache: the HybridBlock attributes (MXNet 1.9.1 private names, checked by _compat)
+# that together make up a traced graph and its CachedOp.
+_Cache = collections.namedtuple("_Cache", "graph op op_args in_format out_format")
+_CACHE_ATTRS = _Cache("_cached_graph", "_cached_op", "_cached_op_args", "_in_format",
+                      "_out_format")
+_EMPTY = _Cache(graph=(), op=None, op_args=[], in_format=None, out_format=None)
 _MODES = "_gnmx_modes"
 
 
@@ -56,13 +61,13 @@ def traced_channels(sym):
 def _input_shapes(args):
     """{input variable name: shape} as HybridBlock._get_graph names the inputs of a trace."""
     from mxnet import ndarray as nd
-    flat = [a for a in _block._flatten(list(args), "input")[0] if a is not None]
+    flat = [a for a in _compat.flatten(list(args), "input")[0] if a is not None]
     names = ["data"] if len(flat) == 1 else [f"data{i}" for i in range(len(flat))]
     return {n: a.shape for n, a in zip(names, flat) if isinstance(a, nd.NDArray)}
 
 
 def _park(blk):
-    return tuple(getattr(blk, a) for a in _CACHE_ATTRS)
+    return _Cache(*(getattr(blk, a) for a in _CACHE_ATTRS))
 
 
 def _restore(blk, saved):
@@ -71,7 +76,7 @@ def _restore(blk, saved):
 
 
 def _reset(blk):
-    _restore(blk, ((), None, [], None, None))
+    _restore(blk, _EMPTY)
 
 
 def _switch(blk, training):
@@ -81,7 +86,7 @@ def _switch(blk, training):
         return
     modes[modes["current"]] = _park(blk)
     saved = modes.pop(training, None)
-    if saved is not None and saved[1] is not None:
+    if saved is not None and saved.op is not None:
         _restore(blk, saved)
     else:
         _reset(blk)  # traced on the next call (or by export) under the new mode
@@ -119,7 +124,7 @@ def _fence_aux(blk, out):
 
 
 def _install():
-    HB = _block.HybridBlock
+    HB = _compat.gluon_block.HybridBlock
     if getattr(HB, "_gnmx_modal_installed", False):
         return
     orig_get_graph = HB._get_graph
@@ -148,7 +153,7 @@ def _install():
                 object.__setattr__(self, _MODES, {"current": training})
             else:
                 modes["current"] = training
-            flat = _block._flatten(list(args), "input")[0]
+            flat = _compat.flatten(list(args), "input")[0]
             self.__dict__[_MODES]["dtypes"] = [getattr(a, "dtype", None) for a in flat]
             self.__dict__[_MODES]["np"] = any(_np.is_np(a) for a in flat)
         return res
@@ -181,7 +186,7 @@ def _install():
             if self._cached_op is None:
                 # Only training ran so far: trace and build the inference graph now. The graph
                 # needs just the input structure, so placeholders stand in for the inputs.
-                placeholders = _placeholders(modes[True][3], iter(modes.get("dtypes", [])),
+                placeholders = _placeholders(modes[True].in_format, iter(modes.get("dtypes", [])),
                                              modes.get("np", False))
                 with autograd.predict_mode():
                     self._build_cache(*placeholders)

@@ -11,7 +11,7 @@ GroupNorm has no running statistics (per-sample statistics), so it needs nothing
 """
 import numpy as _onp
 
-from . import _np
+from . import _compat, _np
 from .nn import DecorrelatedBatchNorm
 
 # Keys of the statistics in a kvstore: ints, like the Trainer's (0..num_params-1), far above them
@@ -26,7 +26,7 @@ def dbn_layers(block):
     def walk(b):
         if isinstance(b, DecorrelatedBatchNorm):
             found.append(b)
-        for child in b._children.values():
+        for child in _compat.children(b):
             walk(child)
 
     walk(block)
@@ -40,17 +40,17 @@ def _kvstore_of(kvstore):
     from mxnet.gluon import Trainer
     if isinstance(kvstore, Trainer):
         trainer = kvstore
-        if not trainer._kv_initialized:
-            trainer._init_kvstore()
-        if trainer._kvstore is None:
+        kv = _compat.trainer_kvstore(trainer)
+        if kv is None:
             return None
-        if len(trainer._params) >= _KEY_BASE:
+        num_params, update_on_kvstore = _compat.trainer_info(trainer)
+        if num_params >= _KEY_BASE:
             raise ValueError(f"sync_running_stats: more than {_KEY_BASE} parameters in the Trainer")
-        if trainer._update_on_kvstore and "dist" in trainer._kvstore.type:
+        if update_on_kvstore and "dist" in kv.type:
             raise ValueError("sync_running_stats: the Trainer updates on the kvstore (the servers "
                              "would apply the optimizer to the statistics); create it with "
                              "update_on_kvstore=False")
-        return trainer._kvstore
+        return kv
     return kvstore
 
 
@@ -65,12 +65,9 @@ def init_kvstore(trainer):
     ``net.initialize()`` (parameters must not be deferred: give in_channels/in_units, or run one
     forward first) and before the first step. Harmless for other kvstores."""
     import mxnet as mx
-    if not trainer._kv_initialized:
-        trainer._init_kvstore()
-    if trainer._params_to_init:
-        trainer._init_params()
+    kv = _compat.trainer_kvstore(trainer, init_params=True)
     mx.nd.waitall()
-    return trainer._kvstore
+    return kv
 
 
 def sync_running_stats(block, kvstore=None):

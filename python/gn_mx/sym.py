@@ -26,17 +26,14 @@ import json
 
 import mxnet as mx
 
-from . import _library, _np
+from . import _compat, _library, _np
 from .nn import GroupIdentity, _check_groups, _dbn_grouping
 
 _library.load()
 
 
 def _auto_name(name, hint):
-    from mxnet.name import NameManager
-    if not hasattr(NameManager._current, "value"):
-        NameManager._current.value = NameManager()
-    return NameManager._current.value.get(name, hint)
+    return _compat.current_name_manager().get(name, hint)
 
 
 def _param(given, name, shape, init=None):
