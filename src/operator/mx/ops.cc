@@ -212,8 +212,10 @@ void infer_affine_param_shapes(const char* op, std::vector<std::vector<unsigned>
 
 MXReturnValue gn_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
   return guarded(kGroupNorm, [&] {
+    const GnParams p = parse_gn(kGroupNorm, attrs, true);
     const int t = infer_affine_param_types(kGroupNorm, in);
     if (t == -1) return MX_SUCCESS;
+    check_eps_in_acc(kGroupNorm, p.eps, t == 1, mx_dtype_name(t));
     const int acc = static_cast<int>(acc_dtype(to_dtype(t)));
     (*out)[kOut] = t;
     (*out)[kMean] = acc;
@@ -438,7 +440,8 @@ REGISTER_OP(gn_channel_affine)
 
 MXReturnValue initialize(int version) {
   if (version >= 10900) return MX_SUCCESS;
-  MX_ERROR_MSG << "gn_mx: needs MXNet >= 1.9.0 (got version code " << version
-               << "); install mxnet==1.9.1 or mxnet-cu112==1.9.1 with numpy<1.24";
+  gn_mx::mxa::ErrorList::set("gn_mx: needs MXNet >= 1.9.0 (got version code " +
+                             std::to_string(version) +
+                             "); install mxnet==1.9.1 or mxnet-cu112==1.9.1 with numpy<1.24");
   return MX_FAIL;
 }
