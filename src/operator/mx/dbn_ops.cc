@@ -357,6 +357,13 @@ MXReturnValue inf_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   });
 }
 
+MXReturnValue dbn_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kDbn, in, out);
+}
+MXReturnValue inf_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kDbnInf, in, out);
+}
+
 }  // namespace
 }  // namespace mxa
 }  // namespace gn_mx
@@ -365,6 +372,7 @@ REGISTER_OP(gn_dbn)
     .setParseAttrs(gn_mx::mxa::dbn_parse)
     .setInferType(gn_mx::mxa::dbn_type)
     .setInferShape(gn_mx::mxa::dbn_shape)
+    .setInferSType(gn_mx::mxa::dbn_stype)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::dbn_fwd, "cpu")
     .setBackward(gn_mx::mxa::dbn_bwd, "cpu")
@@ -378,6 +386,7 @@ REGISTER_OP(gn_dbn_inference)
     .setParseAttrs(gn_mx::mxa::inf_parse)
     .setInferType(gn_mx::mxa::inf_type)
     .setInferShape(gn_mx::mxa::inf_shape)
+    .setInferSType(gn_mx::mxa::inf_stype)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::inf_fwd, "cpu")
     .setBackward(gn_mx::mxa::inf_bwd, "cpu")

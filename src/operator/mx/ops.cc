@@ -398,6 +398,16 @@ MXReturnValue aff_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   });
 }
 
+MXReturnValue moments_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kMoments, in, out);
+}
+MXReturnValue gn_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kGroupNorm, in, out);
+}
+MXReturnValue aff_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kAffine, in, out);
+}
+
 }  // namespace
 }  // namespace mxa
 }  // namespace gn_mx
@@ -406,6 +416,7 @@ REGISTER_OP(gn_moments)
     .setParseAttrs(gn_mx::mxa::moments_parse)
     .setInferType(gn_mx::mxa::moments_type)
     .setInferShape(gn_mx::mxa::moments_shape)
+    .setInferSType(gn_mx::mxa::moments_stype)
     .setForward(gn_mx::mxa::moments_fwd, "cpu")
     .setBackward(gn_mx::mxa::moments_bwd, "cpu")
 #if defined(GNMX_WITH_CUDA)
@@ -418,6 +429,7 @@ REGISTER_OP(gn_group_norm)
     .setParseAttrs(gn_mx::mxa::gn_parse)
     .setInferType(gn_mx::mxa::gn_type)
     .setInferShape(gn_mx::mxa::gn_shape)
+    .setInferSType(gn_mx::mxa::gn_stype)
     .setForward(gn_mx::mxa::gn_fwd, "cpu")
     .setBackward(gn_mx::mxa::gn_bwd, "cpu")
 #if defined(GNMX_WITH_CUDA)
@@ -430,6 +442,7 @@ REGISTER_OP(gn_channel_affine)
     .setParseAttrs(gn_mx::mxa::aff_parse)
     .setInferType(gn_mx::mxa::aff_type)
     .setInferShape(gn_mx::mxa::aff_shape)
+    .setInferSType(gn_mx::mxa::aff_stype)
     .setForward(gn_mx::mxa::aff_fwd, "cpu")
     .setBackward(gn_mx::mxa::aff_bwd, "cpu")
 #if defined(GNMX_WITH_CUDA)

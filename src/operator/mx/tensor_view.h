@@ -97,6 +97,24 @@ class Workspace {
   char* base_ = nullptr;
 };
 
+// inferSType of every op: inputs and outputs are dense. MXNet's default (no callback) rejects
+// inputs whose storage type is still undefined, which is what Module.bind / simple_bind pass for
+// the running statistics (mutable inputs) of gn_dbn / gn_dbn_inference; here undefined inputs
+// become dense and a sparse input is a clear error. Used for the backward ops too (any arity).
+inline MXReturnValue dense_storage(const char* op, std::vector<int>* in, std::vector<int>* out) {
+  return guarded(op, [&] {
+    for (size_t i = 0; i < in->size(); ++i) {
+      int& st = (*in)[i];
+      if (st == -1) st = mxnet::ext::kDefaultStorage;
+      if (st != mxnet::ext::kDefaultStorage)
+        fail(op, ": input ", i, " is a sparse array (storage type ", st,
+             "); gn_mx ops take dense arrays only (use .tostype('default'))");
+    }
+    for (int& st : *out) st = mxnet::ext::kDefaultStorage;
+    return mxnet::ext::MX_SUCCESS;
+  });
+}
+
 inline const char* ctx_of(const MXTensor& t) { return t.ctx.dev_type.c_str(); }
 
 // Head gradients reach a backward unchecked by MXNet: a float32 gradient for a float64 output
