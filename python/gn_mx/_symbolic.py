@@ -11,7 +11,7 @@ gn_mx therefore gives every parameter / running-statistics *variable* that carri
 placeholder shape of known rank and unknown dims (``__shape__ = (-1,)``; ``(-1, -1, -1)`` for
 ``running_projection``), like Gluon does for deferred parameters. The op's inferShape then fills the
 real shape in from ``data``, as MXNet's own GroupNorm/BatchNorm do, and the ``ndim`` sum is right.
-Applied by the ``mx.sym.gn_*`` functions and by ``mx.sym.load`` / ``mx.sym.load_json`` (JSON saved
+Applied when an ``mx.sym.gn_*`` symbol is created and by ``mx.sym.load`` / ``mx.sym.load_json`` (JSON saved
 without gn_mx). Not covered: a parameter that is the output of another op of unknown rank, and
 shape inference with ``data`` itself of unknown rank (MXNet's buffer is then one entry short per
 unknown input whatever gn_mx does; the inference still completes).
@@ -48,22 +48,41 @@ def _fill_children(sym, op):
         child._set_attr(**{_SHAPE_KEY: _placeholder(rank)})
 
 
-def _wrap_op(fn, op):
-    if getattr(fn, "_gn_mx_placeholders", False):
-        return fn
+def _op_handles():
+    import ctypes
+    from mxnet.base import _LIB, OpHandle, c_str, check_call
+    handles = {}
+    for op in PARAM_RANKS:
+        h = OpHandle()
+        check_call(_LIB.NNGetOpHandle(c_str(op), ctypes.byref(h)))
+        if h.value:
+            handles[h.value] = op
+    return handles
 
-    @functools.wraps(fn)
-    def wrapper(*args, **kwargs):
-        out = fn(*args, **kwargs)
-        if isinstance(out, mx.sym.Symbol):
-            try:
-                _fill_children(out, op)
-            except mx.base.MXNetError:
-                pass
+
+def _wrap_creator(creator, handles):
+    """mxnet.symbol.register._symbol_creator, which every generated mx.sym.* function calls.
+
+    Hooking it (rather than replacing mx.sym.gn_* themselves) leaves the function objects that AMP
+    and others wrap untouched, and survives the regeneration of mx.sym.* by mx.library.load.
+    """
+    if getattr(creator, "_gn_mx_placeholders", False):
+        return creator
+
+    @functools.wraps(creator)
+    def symbol_creator(handle, *args, **kwargs):
+        out = creator(handle, *args, **kwargs)
+        op = handles.get(handle)
+        if op is not None:
+            for s in out if isinstance(out, list) else [out]:
+                try:
+                    _fill_children(s, op)
+                except mx.base.MXNetError:
+                    pass
         return out
 
-    wrapper._gn_mx_placeholders = True
-    return wrapper
+    symbol_creator._gn_mx_placeholders = True
+    return symbol_creator
 
 
 def fill_json(text):
@@ -119,16 +138,12 @@ def _wrap_load(fn, load_json):
 
 
 def install():
-    """Wrap mx.sym.gn_* and mx.sym.load / load_json (idempotent; after the library is loaded)."""
+    """Hook symbol creation and mx.sym.load / load_json (idempotent; after the library is loaded)."""
     import mxnet.symbol as msym
-    import mxnet.symbol.op as mop
-    for mod in (mop, msym):
-        for op in PARAM_RANKS:
-            fn = getattr(mod, op, None)
-            if fn is not None:
-                setattr(mod, op, _wrap_op(fn, op))
-    from mxnet.symbol import symbol as msymsym
+    from mxnet.symbol import register, symbol as msymsym
+    register._symbol_creator = _wrap_creator(register._symbol_creator, _op_handles())
     load_json = _wrap_load_json(msymsym.load_json)
+    load = _wrap_load(msymsym.load, load_json)
     for mod in (msym, msymsym):
         mod.load_json = load_json
-        mod.load = _wrap_load(msymsym.load, load_json)
+        mod.load = load
