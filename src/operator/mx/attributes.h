@@ -114,8 +114,8 @@ class Attrs {
     if (it == m_.end()) return dflt;
     const std::string t = detail::trim(it->second);
     if (!detail::is_decimal_integer(t))
-      fail(op_, ": attribute ", key, " must be an integer (decimal digits); got '", it->second,
-           "'");
+      fail(op_, ": attribute ", key, " must be an integer; got '", it->second,
+           "' (decimal digits only, e.g. 4)");
     errno = 0;
     const long long v = std::strtoll(t.c_str(), nullptr, 10);
     if (errno == ERANGE)
@@ -129,8 +129,8 @@ class Attrs {
     const std::string t = detail::trim(it->second);
     bool nonzero = false;
     if (!detail::is_decimal_number(t, &nonzero))
-      fail(op_, ": attribute ", key, " must be a number (decimal, e.g. 1e-5); got '", it->second,
-           "'");
+      fail(op_, ": attribute ", key, " must be a number; got '", it->second,
+           "' (decimal only, e.g. 1e-5)");
     errno = 0;
     const double v = std::strtod(t.c_str(), nullptr);
     if (errno == ERANGE) {  // glibc also flags subnormal results: those are numbers
