@@ -15,15 +15,21 @@
  *    "<build path>/file.h[line]: " prefix.
  * The list is a private member of lib_api's class; ErrorList reaches it through the standard
  * explicit-instantiation access rule (no layout assumptions, no patched lib_api).
- * Callbacks run on MXNet's worker threads and on the calling threads at once; a mutex serializes
- * our edits, and cleared messages are freed one clear later so a reader on another thread that
- * is still copying a just-cleared message never sees freed memory.
+ * Callbacks run on MXNet's worker threads and on the calling threads at once. A mutex serializes
+ * our edits; a callback clears only its own thread's messages (MXNet on that thread has read them),
+ * so a message another thread is about to read survives; other threads' messages go once they are
+ * a few seconds old (a thread that failed and never called again). lib_api's own reads are not
+ * synchronized (its design): under concurrent failures an error may, rarely, show a message of a
+ * simultaneous failure on another thread as well.
  */
 #pragma once
+#include <chrono>
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
+#include <thread>
+#include <unordered_map>
 #include <vector>
 
 #include "lib_api.h"
@@ -60,35 +66,50 @@ template struct ErrorListAccess<&mxnet::ext::MXerrorMsgs::messages>;
 
 class ErrorList {
  public:
-  // Drop every message (called when a callback starts).
+  // Drop this thread's messages (called when a callback starts), and other threads' messages once
+  // they are kStaleSeconds old (a thread that failed and never called again).
   static void clear() {
     std::lock_guard<std::mutex> lock(mutex());
     detail::MsgVec& list = detail::error_list(*mxnet::ext::MXerrorMsgs::get());
-    if (list.empty() && retired().empty()) return;
-    for (std::stringstream* s : retired()) delete s;
-    retired().clear();
-    retired().swap(list);  // freed at the next clear; `list` is now empty
+    if (list.empty()) return;
+    auto& own = owners();
+    const auto me = std::this_thread::get_id();
+    const auto now = std::chrono::steady_clock::now();
+    size_t keep = 0;
+    for (std::stringstream* m : list) {
+      auto it = own.find(m);
+      const bool drop = it == own.end() || it->second.thread == me ||
+                        now - it->second.born > std::chrono::seconds(kStaleSeconds);
+      if (drop) {
+        if (it != own.end()) own.erase(it);
+        delete m;
+      } else {
+        list[keep++] = m;
+      }
+    }
+    list.resize(keep);
   }
-  // Store `msg` as the one message MXNet will show.
+  // Store `msg` as the one message MXNet will show for this thread's failing call.
   static void set(const std::string& msg) {
     std::lock_guard<std::mutex> lock(mutex());
-    detail::error_list(*mxnet::ext::MXerrorMsgs::get()).push_back(new std::stringstream(msg));
+    auto* m = new std::stringstream(msg);
+    detail::error_list(*mxnet::ext::MXerrorMsgs::get()).push_back(m);
+    owners()[m] = Owner{std::this_thread::get_id(), std::chrono::steady_clock::now()};
   }
 
  private:
+  static constexpr int kStaleSeconds = 2;
+  struct Owner {
+    std::thread::id thread;
+    std::chrono::steady_clock::time_point born;
+  };
   static std::mutex& mutex() {
     static std::mutex m;
     return m;
   }
-  struct Retired {
-    detail::MsgVec v;
-    ~Retired() {
-      for (std::stringstream* s : v) delete s;
-    }
-  };
-  static detail::MsgVec& retired() {
-    static Retired r;
-    return r.v;
+  static std::unordered_map<std::stringstream*, Owner>& owners() {
+    static std::unordered_map<std::stringstream*, Owner> o;
+    return o;
   }
 };
 
