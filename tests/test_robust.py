@@ -57,6 +57,14 @@ for op, kw in OPS.items():
         s2 = mx.sym.load_json(json.dumps(g))
         r['json'] = [list(a) for a in s2.infer_shape(data=shp)[0]]
         res[key] = r
+for nsp in range(4):
+    shp = (4, 6) + (3,) * nsp
+    s = mx.sym.gn_moments(V('data'), num_groups=2)
+    m = mx.mod.Module(s[1], data_names=['data'], label_names=None)
+    m.bind(data_shapes=[('data', shp)], for_training=False)
+    m.forward(mx.io.DataBatch([mx.nd.ones(shp)]), is_train=False)
+    res[f'gn_moments/{nsp}'] = [list(s.infer_shape(data=shp)[1][0]),
+                                list(m.get_outputs()[0].shape)]
 print('RESULT ' + json.dumps(res))
 """
 
@@ -66,7 +74,9 @@ def test_symbolic_inference_with_shapeless_parameters_every_op_and_rank():
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     assert res.pop("example") == [[[4, 6], [6], [6]], [[4, 6], [4, 2], [4, 2]], []]
-    assert len(res) == 16
+    assert len(res) == 20
+    for nsp in range(4):
+        assert res.pop(f"gn_moments/{nsp}") == [[4, 2], [4, 2]]
     for key, r in res.items():
         op, nsp = key.split("/")
         shp = [4, 6] + [3] * int(nsp)
