@@ -62,6 +62,7 @@ for nsp in range(4):
     s = mx.sym.gn_moments(V('data'), num_groups=2)
     m = mx.mod.Module(s[1], data_names=['data'], label_names=None)
     m.bind(data_shapes=[('data', shp)], for_training=False)
+    m.init_params()
     m.forward(mx.io.DataBatch([mx.nd.ones(shp)]), is_train=False)
     res[f'gn_moments/{nsp}'] = [list(s.infer_shape(data=shp)[1][0]),
                                 list(m.get_outputs()[0].shape)]
