@@ -102,8 +102,9 @@ def fill_json(text):
             src = nodes[entry[0]]
             if src.get("op") != "null":
                 continue
-            attrs = src.setdefault("attrs", {})
-            if _SHAPE_KEY in attrs or _SHAPE_KEY in src.get("attr", {}):
+            key = "attr" if "attr" in src and "attrs" not in src else "attrs"  # pre-1.0 JSON
+            attrs = src.setdefault(key, {})
+            if _SHAPE_KEY in attrs:
                 continue
             attrs[_SHAPE_KEY] = _placeholder(ranks[i])
             changed = True
