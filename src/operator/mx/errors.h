@@ -13,8 +13,8 @@
  *    leaves the list empty and MXNet fetches nothing;
  *  - on failure stores exactly one message, the op's own text, without MX_ERROR_MSG's
  *    "<build path>/file.h[line]: " prefix.
- * The list is a private member of lib_api's class; ErrorList reaches it through the standard
- * explicit-instantiation access rule (no layout assumptions, no patched lib_api).
+ * The list is a private member of lib_api's class; ErrorList (errors.cc) reaches it through the
+ * standard explicit-instantiation access rule (no layout assumptions, no patched lib_api).
  * Callbacks run on MXNet's worker threads and on the calling threads at once. A mutex serializes
  * our edits; a callback clears only its own thread's messages (MXNet on that thread has read them),
  * so a message another thread is about to read survives; other threads' messages go once they are
@@ -23,14 +23,9 @@
  * simultaneous failure on another thread as well.
  */
 #pragma once
-#include <chrono>
-#include <mutex>
 #include <sstream>
 #include <stdexcept>
 #include <string>
-#include <thread>
-#include <unordered_map>
-#include <vector>
 
 #include "lib_api.h"
 
@@ -53,64 +48,14 @@ inline void require(bool ok, const std::string& msg) {
   if (!ok) throw OpError(msg);
 }
 
-namespace detail {
-using MsgVec = std::vector<std::stringstream*>;
-// Explicit instantiation may name a private member; the friend it defines hands out the pointer.
-template <MsgVec mxnet::ext::MXerrorMsgs::*M>
-struct ErrorListAccess {
-  friend MsgVec& error_list(mxnet::ext::MXerrorMsgs& e) { return e.*M; }
-};
-MsgVec& error_list(mxnet::ext::MXerrorMsgs& e);
-template struct ErrorListAccess<&mxnet::ext::MXerrorMsgs::messages>;
-}  // namespace detail
-
+// lib_api's message list, emptied and filled per thread (errors.cc).
 class ErrorList {
  public:
   // Drop this thread's messages (called when a callback starts), and other threads' messages once
-  // they are kStaleSeconds old (a thread that failed and never called again).
-  static void clear() {
-    std::lock_guard<std::mutex> lock(mutex());
-    detail::MsgVec& list = detail::error_list(*mxnet::ext::MXerrorMsgs::get());
-    if (list.empty()) return;
-    auto& own = owners();
-    const auto me = std::this_thread::get_id();
-    const auto now = std::chrono::steady_clock::now();
-    size_t keep = 0;
-    for (std::stringstream* m : list) {
-      auto it = own.find(m);
-      const bool drop = it == own.end() || it->second.thread == me ||
-                        now - it->second.born > std::chrono::seconds(kStaleSeconds);
-      if (drop) {
-        if (it != own.end()) own.erase(it);
-        delete m;
-      } else {
-        list[keep++] = m;
-      }
-    }
-    list.resize(keep);
-  }
+  // they are a few seconds old (a thread that failed and never called again).
+  static void clear();
   // Store `msg` as the one message MXNet will show for this thread's failing call.
-  static void set(const std::string& msg) {
-    std::lock_guard<std::mutex> lock(mutex());
-    auto* m = new std::stringstream(msg);
-    detail::error_list(*mxnet::ext::MXerrorMsgs::get()).push_back(m);
-    owners()[m] = Owner{std::this_thread::get_id(), std::chrono::steady_clock::now()};
-  }
-
- private:
-  static constexpr int kStaleSeconds = 2;
-  struct Owner {
-    std::thread::id thread;
-    std::chrono::steady_clock::time_point born;
-  };
-  static std::mutex& mutex() {
-    static std::mutex m;
-    return m;
-  }
-  static std::unordered_map<std::stringstream*, Owner>& owners() {
-    static std::unordered_map<std::stringstream*, Owner> o;
-    return o;
-  }
+  static void set(const std::string& msg);
 };
 
 // Every lib_api callback runs inside guarded(): a C++ exception (a bad attribute, a failed check)
