@@ -346,19 +346,29 @@ def test_dbn_extreme_scale_float64(D, G, scale):
         np.testing.assert_allclose(cov, np.eye(D), atol=1e-3)
 
 
+def _nan_or_right(out, x, G, eps, rtol, atol):
+    """Either the whole group is NaN (documented overflow) or it is right: never silently wrong."""
+    if np.isnan(out).all():
+        return
+    xs = x / np.abs(x).max()  # DBN is scale invariant up to eps: compare on scaled data
+    np.testing.assert_allclose(out, dbn_ref(xs, G, eps / np.abs(x).max() ** 2)[0], rtol=rtol,
+                               atol=atol)
+
+
 def test_dbn_float64_beyond_covariance_range_is_nan_not_silent():
-    """|x| > ~1e154: the covariance overflows float64. Pinned: that group's output is NaN."""
+    """|x| > ~1e154: the covariance overflows float64: that group's output is NaN (today)."""
     x = np.random.randn(8, 4, 2)
     x[:, :2] *= 1e160
     out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), mx.nd.zeros((4,), dtype="float64"),
                        mx.nd.zeros((2, 2, 2), dtype="float64"), num_groups=2)[0].asnumpy()
-    assert np.isnan(out[:, :2]).all()
+    _nan_or_right(out[:, :2], x[:, :2], 1, 1e-5, 1e-7, 1e-9)
     np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=1e-7, atol=1e-9)
 
 
 def test_dbn_float32_large_values():
     """float32 data: correct to |x| ~ 1e18; beyond ~1e19 the float32 Gram matrix overflows and
-    the group's output is NaN (pinned: never a silent finite wrong answer)."""
+    the group's output is NaN today (a kernel with a wider range may make it right instead: either
+    passes, a silent finite wrong answer does not)."""
     x = (np.random.randn(16, 4, 2) * 1e18).astype(np.float32)
     out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
                        num_groups=2)[0].asnumpy()
@@ -366,7 +376,7 @@ def test_dbn_float32_large_values():
     x[:, :2] *= np.float32(1e19)
     out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
                        num_groups=2)[0].asnumpy()
-    assert np.isnan(out[:, :2]).all()
+    _nan_or_right(out[:, :2], x[:, :2].astype(np.float64), 1, 1e-5, 2e-3, 2e-3)
     np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=2e-3, atol=2e-3)
 
 
