@@ -9,6 +9,10 @@ from . import amp
 
 amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers our ops with AMP
 
+from . import _symbolic  # noqa: E402
+
+_symbolic.install()  # shape placeholders for shapeless parameter variables (see _symbolic.py)
+
 from . import ops, parallel, sym  # noqa: E402
 from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
 from .parallel import sync_running_stats  # noqa: E402

@@ -49,6 +49,14 @@ def numpy_interface(hybrid_forward):
     return wrapper
 
 
+def _check_nonempty(block, x):
+    """A clear error for an empty batch (Gluon's deferred init would fail with an AssertionError)."""
+    shape = getattr(x, "shape", None)  # None for Symbols
+    if shape is not None and 0 in shape:
+        raise ValueError(f"{type(block).__name__}: input of shape {shape} is empty; gn_mx blocks "
+                         f"need at least one sample and one element per channel")
+
+
 def accumulating_params(F, *params):
     """Route parameters through `identity` so that grad_req='add' accumulates.
 
@@ -95,6 +103,10 @@ class GroupNorm(HybridBlock):
         with self.name_scope():
             self.gamma, self.beta = _affine_params(self, in_channels, center, scale,
                                                    beta_initializer, gamma_initializer)
+
+    def forward(self, x, *args):
+        _check_nonempty(self, x)
+        return super().forward(x, *args)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta):
@@ -196,6 +208,10 @@ class DecorrelatedBatchNorm(HybridBlock):
             self.running_projection = self.params.get(
                 "running_projection", grad_req="null", shape=(num_groups or 0, D, D),
                 init=GroupIdentity(), allow_deferred_init=True, differentiable=False)
+
+    def forward(self, x, *args):
+        _check_nonempty(self, x)
+        return super().forward(x, *args)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):

@@ -2,7 +2,8 @@
  * affine_cpu.cc: CPU per-channel affine (see affine.h) on the runtime-dispatched primitives of
  * simd_cpu.h. Rows (n, c) are contiguous runs of S elements. The forward splits over all N*C rows;
  * the backward splits over channels, so each thread owns its dgamma/dbeta sums (no workspace, no
- * atomics) and writes dx in the same pass that reads dy and x.
+ * atomics) and writes dx = gamma * dy in the same pass (from dy alone: a NaN/Inf in x stays out
+ * of dx, as in the CUDA twin).
  */
 #include "affine.h"
 
@@ -50,7 +51,7 @@ struct AffineBwd {
       for (int64_t n = 0; n < N; ++n) {
         const int64_t off = (n * C + c) * S;
         p.bwd_sums(x + off, dy + off, S, A(0), &sg, &sb);
-        p.bwd_dx(x + off, dy + off, dx + off, S, A(0), g, A(0), A(0));
+        p.affine(dy + off, dx + off, S, g, A(0));  // dx = gamma * dy: x must not reach dx
       }
       if (dgamma) dgamma[c] = from_acc<P>(sg);
       if (dbeta) dbeta[c] = from_acc<P>(sb);

@@ -173,6 +173,24 @@ __device__ __forceinline__ double block_sum_all(double v) {
   return s_out;
 }
 
+// Block-wide max of v (v >= 0), returned to every thread.
+__device__ __forceinline__ double block_max_all(double v) {
+  __shared__ double s_mpart[kBlock / kWarp];
+  __shared__ double s_mout;
+  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, off));
+  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
+  __syncthreads();  // s_mpart / s_mout may still be read from a previous call
+  if (lane == 0) s_mpart[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    v = lane < int(blockDim.x / kWarp) ? s_mpart[lane] : 0.0;
+    for (int off = kWarp / 2; off > 0; off >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, off));
+    if (lane == 0) s_mout = v;
+  }
+  __syncthreads();
+  return s_mout;
+}
+
 __device__ __forceinline__ double load_stat(DType t, const void* p, int64_t i) {
   switch (t) {
     case DType::kFloat16: return static_cast<double>(__half2float(static_cast<const __half*>(p)[i]));
@@ -322,10 +340,18 @@ __device__ __forceinline__ void rr_pair(int k, int r, int Dp, int* p, int* q) {
 // Parallel cyclic Jacobi on the block: A (destroyed) -> eigenvalues diag(A), eigenvectors U
 // (columns). Same rotation formula, stopping rule and sweep limit as dbn_jacobi_eigh; only the
 // order of the rotations differs (D/2 disjoint rotations at a time).
+// Like dbn_jacobi_eigh, A is scaled by 2^-e (max|A_ij| in [0.5, 1)) first and diag(A) scaled back
+// at the end, so the stopping rule holds for entries up to the float64 range.
 __device__ void block_jacobi(double* A, double* U, int D) {
   __shared__ double s_c[kMaxD / 2], s_s[kMaxD / 2];
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) U[e] = (e / D == e % D) ? 1.0 : 0.0;
   double part = 0.0;
+  for (int e = threadIdx.x; e < D * D; e += blockDim.x) part = fmax(part, fabs(A[e]));
+  const int ex = dbn_jacobi_scale_exponent(block_max_all(part));  // also syncs A
+  if (ex != 0)
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) A[e] = ldexp(A[e], -ex);
+  __syncthreads();
+  part = 0.0;
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) part += A[e] * A[e];
   const double tol = 1e-30 * block_sum_all(part);  // also syncs U / A
   const int Dp = D + (D & 1), npairs = Dp / 2;
@@ -385,6 +411,10 @@ __device__ void block_jacobi(double* A, double* U, int D) {
       }
       __syncthreads();
     }
+  }
+  if (ex != 0) {
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) A[e] = ldexp(A[e], ex);
+    __syncthreads();
   }
 }
 

@@ -32,9 +32,24 @@ GN_HOST_DEVICE inline void dbn_jacobi_rotation(double app, double aqq, double ap
 // info != 0) and usable per thread on a device. `A` is destroyed; on return `l` holds the
 // eigenvalues in ascending order and U the matching orthonormal eigenvectors (columns).
 // Each rotation is J = [[c, s], [-s, c]] in the (p, q) plane chosen so that (J^T A J)_pq = 0.
+// Range: A is first scaled by the power of two 2^-e that brings max|A_ij| into [0.5, 1) (exact:
+// no rounding), so the stopping rule's sums of squares neither overflow (entries up to the float64
+// maximum; unscaled, sum A^2 = inf for |A| > ~1e154 stopped the solver before any rotation) nor
+// underflow (tiny matrices); the eigenvalues are scaled back by 2^e at the end.
+GN_HOST_DEVICE inline int dbn_jacobi_scale_exponent(double amax) {
+  int e = 0;
+  if (amax > 0 && amax - amax == 0.0) frexp(amax, &e);  // finite and > 0
+  return e;
+}
+
 GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int D) {
   for (int i = 0; i < D; ++i)
     for (int j = 0; j < D; ++j) U[i * D + j] = (i == j) ? 1.0 : 0.0;
+  double amax = 0.0;
+  for (int i = 0; i < D * D; ++i) amax = fmax(amax, fabs(A[i]));
+  const int e = dbn_jacobi_scale_exponent(amax);
+  if (e != 0)
+    for (int i = 0; i < D * D; ++i) A[i] = ldexp(A[i], -e);
   double scale = 0.0;
   for (int i = 0; i < D * D; ++i) scale += A[i] * A[i];
   const double tol = 1e-30 * scale;
@@ -68,7 +83,7 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
       }
     }
   }
-  for (int i = 0; i < D; ++i) l[i] = A[i * D + i];
+  for (int i = 0; i < D; ++i) l[i] = ldexp(A[i * D + i], e);
   for (int i = 0; i < D; ++i) {  // selection sort, ascending (same order as LAPACK)
     int best = i;
     for (int j = i + 1; j < D; ++j)

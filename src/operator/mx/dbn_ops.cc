@@ -71,6 +71,17 @@ DbnParams parse_dbn(const char* op, const AttrMap& attrs, bool training) {
   return p;
 }
 
+// eps against the dtypes it meets: Sigma = cov + eps I is whitened in float64, but the whitening
+// matrix (up to 1/sqrt(eps) in a direction without variance: m = 1, constant channels) is stored in
+// the accumulation dtype and in the running statistics' dtype.
+void check_dbn_eps(const char* op, double eps, int data_dtype, int stat_dtype) {
+  check_eps_in_acc(op, eps, data_dtype == 1, mx_dtype_name(data_dtype));
+  if (stat_dtype == 2 && eps < limits::kMinEpsFloat16Stats)
+    fail(op, ": eps=", eps, " is too small for float16 running statistics (the running projection "
+         "can reach 1/sqrt(eps), float16 holds at most 65504): use eps >= ",
+         limits::kMinEpsFloat16Stats, " or float32 running statistics");
+}
+
 GroupShape data_groups(const char* op, const std::vector<int64_t>& shape, int64_t G) {
   GroupShape gs;
   const std::string msg = check_group_shape(op, shape, G, &gs);
@@ -93,7 +104,9 @@ MXReturnValue dbn_shape_common(const char* op, bool training, const AttrMap& att
   const auto& ds = (*in)[kData];
   if (shape_unknown(ds)) return MX_SUCCESS;
   const GroupShape gs = data_groups(op, to_i64(ds), p.num_groups);
-  if (gs.D > 4096) fail(op, ": group size C/num_groups = ", gs.D, " is too large (max 4096)");
+  if (gs.D > limits::kMaxDbnGroupSize)
+    fail(op, ": group size C/num_groups = ", gs.D, " is too large (max ", limits::kMaxDbnGroupSize,
+         ")");
   for (int i : {kRunMean, kRunProj}) {
     const std::vector<unsigned> want = i == kRunMean ? mean_shape(gs) : proj_shape(gs);
     auto& s = (*in)[i];
@@ -114,8 +127,9 @@ MXReturnValue dbn_shape_common(const char* op, bool training, const AttrMap& att
   return MX_SUCCESS;
 }
 
-MXReturnValue dbn_type_common(const char* op, bool training, std::vector<int>* in,
-                              std::vector<int>* out) {
+MXReturnValue dbn_type_common(const char* op, bool training, const AttrMap& attrs,
+                              std::vector<int>* in, std::vector<int>* out) {
+  const DbnParams p = parse_dbn(op, attrs, training);
   const int t = (*in)[kData];
   if (t != -1 && !is_float_dtype(t))
     fail(op, ": data must be float16, float32 or float64; got ", mx_dtype_name(t));
@@ -135,6 +149,7 @@ MXReturnValue dbn_type_common(const char* op, bool training, std::vector<int>* i
   if ((*in)[kRunMean] != (*in)[kRunProj])
     fail(op, ": running_mean and running_projection must have the same dtype; got ",
          mx_dtype_name((*in)[kRunMean]), " and ", mx_dtype_name((*in)[kRunProj]));
+  if (training) check_dbn_eps(op, p.eps, t, (*in)[kRunProj]);
   (*out)[kOut] = t;
   if (training) {
     const int acc = static_cast<int>(acc_dtype(to_dtype(t)));
@@ -146,9 +161,11 @@ MXReturnValue dbn_type_common(const char* op, bool training, std::vector<int>* i
 }
 
 MXReturnValue dbn_mutate(const AttrMap& attrs, std::vector<int>* idx) {
-  idx->push_back(kRunMean);
-  idx->push_back(kRunProj);
-  return MX_SUCCESS;
+  return guarded(kDbn, [&] {
+    idx->push_back(kRunMean);
+    idx->push_back(kRunProj);
+    return MX_SUCCESS;
+  });
 }
 
 // Forward/backward re-check what they index with: the data shape and the statistics' sizes.
@@ -188,7 +205,7 @@ MXReturnValue dbn_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>
 }
 
 MXReturnValue dbn_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
-  return guarded(kDbn, [&] { return dbn_type_common(kDbn, true, in, out); });
+  return guarded(kDbn, [&] { return dbn_type_common(kDbn, true, attrs, in, out); });
 }
 
 MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
@@ -273,7 +290,7 @@ MXReturnValue inf_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>
 }
 
 MXReturnValue inf_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
-  return guarded(kDbnInf, [&] { return dbn_type_common(kDbnInf, false, in, out); });
+  return guarded(kDbnInf, [&] { return dbn_type_common(kDbnInf, false, attrs, in, out); });
 }
 
 DbnInferenceArgs inference_args(const MXTensor& x, const MXTensor& rmean, const MXTensor& rproj,
@@ -340,6 +357,13 @@ MXReturnValue inf_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   });
 }
 
+MXReturnValue dbn_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kDbn, in, out);
+}
+MXReturnValue inf_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kDbnInf, in, out);
+}
+
 }  // namespace
 }  // namespace mxa
 }  // namespace gn_mx
@@ -348,6 +372,7 @@ REGISTER_OP(gn_dbn)
     .setParseAttrs(gn_mx::mxa::dbn_parse)
     .setInferType(gn_mx::mxa::dbn_type)
     .setInferShape(gn_mx::mxa::dbn_shape)
+    .setInferSType(gn_mx::mxa::dbn_stype)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::dbn_fwd, "cpu")
     .setBackward(gn_mx::mxa::dbn_bwd, "cpu")
@@ -361,6 +386,7 @@ REGISTER_OP(gn_dbn_inference)
     .setParseAttrs(gn_mx::mxa::inf_parse)
     .setInferType(gn_mx::mxa::inf_type)
     .setInferShape(gn_mx::mxa::inf_shape)
+    .setInferSType(gn_mx::mxa::inf_stype)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::inf_fwd, "cpu")
     .setBackward(gn_mx::mxa::inf_bwd, "cpu")

@@ -212,8 +212,10 @@ void infer_affine_param_shapes(const char* op, std::vector<std::vector<unsigned>
 
 MXReturnValue gn_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
   return guarded(kGroupNorm, [&] {
+    const GnParams p = parse_gn(kGroupNorm, attrs, true);
     const int t = infer_affine_param_types(kGroupNorm, in);
     if (t == -1) return MX_SUCCESS;
+    check_eps_in_acc(kGroupNorm, p.eps, t == 1, mx_dtype_name(t));
     const int acc = static_cast<int>(acc_dtype(to_dtype(t)));
     (*out)[kOut] = t;
     (*out)[kMean] = acc;
@@ -396,6 +398,16 @@ MXReturnValue aff_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   });
 }
 
+MXReturnValue moments_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kMoments, in, out);
+}
+MXReturnValue gn_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kGroupNorm, in, out);
+}
+MXReturnValue aff_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return dense_storage(kAffine, in, out);
+}
+
 }  // namespace
 }  // namespace mxa
 }  // namespace gn_mx
@@ -404,6 +416,7 @@ REGISTER_OP(gn_moments)
     .setParseAttrs(gn_mx::mxa::moments_parse)
     .setInferType(gn_mx::mxa::moments_type)
     .setInferShape(gn_mx::mxa::moments_shape)
+    .setInferSType(gn_mx::mxa::moments_stype)
     .setForward(gn_mx::mxa::moments_fwd, "cpu")
     .setBackward(gn_mx::mxa::moments_bwd, "cpu")
 #if defined(GNMX_WITH_CUDA)
@@ -416,6 +429,7 @@ REGISTER_OP(gn_group_norm)
     .setParseAttrs(gn_mx::mxa::gn_parse)
     .setInferType(gn_mx::mxa::gn_type)
     .setInferShape(gn_mx::mxa::gn_shape)
+    .setInferSType(gn_mx::mxa::gn_stype)
     .setForward(gn_mx::mxa::gn_fwd, "cpu")
     .setBackward(gn_mx::mxa::gn_bwd, "cpu")
 #if defined(GNMX_WITH_CUDA)
@@ -428,6 +442,7 @@ REGISTER_OP(gn_channel_affine)
     .setParseAttrs(gn_mx::mxa::aff_parse)
     .setInferType(gn_mx::mxa::aff_type)
     .setInferShape(gn_mx::mxa::aff_shape)
+    .setInferSType(gn_mx::mxa::aff_stype)
     .setForward(gn_mx::mxa::aff_fwd, "cpu")
     .setBackward(gn_mx::mxa::aff_bwd, "cpu")
 #if defined(GNMX_WITH_CUDA)
@@ -438,7 +453,8 @@ REGISTER_OP(gn_channel_affine)
 
 MXReturnValue initialize(int version) {
   if (version >= 10900) return MX_SUCCESS;
-  MX_ERROR_MSG << "gn_mx: needs MXNet >= 1.9.0 (got version code " << version
-               << "); install mxnet==1.9.1 or mxnet-cu112==1.9.1 with numpy<1.24";
+  gn_mx::mxa::ErrorList::set("gn_mx: needs MXNet >= 1.9.0 (got version code " +
+                             std::to_string(version) +
+                             "); install mxnet==1.9.1 or mxnet-cu112==1.9.1 with numpy<1.24");
   return MX_FAIL;
 }

@@ -1,11 +1,9 @@
 /*
  * tensor_view.h: the thin layer between lib_api.h and the framework-free kernels.
  *
- * - guarded(): every lib_api callback runs inside it, so a C++ exception (a bad attribute, a failed
- *   check) becomes MX_ERROR_MSG + MX_FAIL, which MXNet raises as MXNetError at the call site.
- *   lib_api.cc itself catches nothing; an escaping exception would abort the process.
- * - Attrs: strict attribute parsing (whole-string numbers, unknown keys rejected so that a typo such as
- *   `num_group=4` is an error, not a silently ignored argument).
+ * - errors.h: guarded() (every lib_api callback runs inside it: exception -> one MXNetError message,
+ *   lib_api's error list emptied per call), OpError, fail(), require().
+ * - attributes.h: Attrs, the strict attribute parser of all ops; eps checks against dtypes.
  * - dtype mapping between MXDType and gn_mx::DType, shape conversion.
  * - Workspace: one alloc_cpu/alloc_gpu per callback (a second allocation may alias the first),
  *   carved into 64-byte aligned slices.
@@ -21,6 +19,8 @@
 #include <vector>
 
 #include "lib_api.h"
+#include "attributes.h"
+#include "errors.h"
 #include "../common/acc_type.h"
 #include "../common/group_shape.h"
 
@@ -30,88 +30,6 @@ namespace mxa {
 using mxnet::ext::MXReturnValue;
 using mxnet::ext::MXTensor;
 using mxnet::ext::OpResource;
-using AttrMap = std::unordered_map<std::string, std::string>;
-
-struct OpError : std::runtime_error {
-  explicit OpError(const std::string& m) : std::runtime_error(m) {}
-};
-
-// Throw an OpError whose text is built by streaming `args`.
-template <typename... Ts>
-[[noreturn]] inline void fail(const Ts&... args) {
-  std::ostringstream os;
-  (os << ... << args);
-  throw OpError(os.str());
-}
-
-inline void require(bool ok, const std::string& msg) {
-  if (!ok) throw OpError(msg);
-}
-
-template <typename F>
-MXReturnValue guarded(const char* op, F&& f) {
-  try {
-    return f();
-  } catch (const std::exception& e) {
-    MX_ERROR_MSG << e.what();
-  } catch (...) {
-    MX_ERROR_MSG << op << ": unknown internal error";
-  }
-  return mxnet::ext::MX_FAIL;
-}
-
-// Attribute access with defaults and strict parsing. Keys MXNet adds itself start with "__".
-class Attrs {
- public:
-  Attrs(const char* op, const AttrMap& m, std::initializer_list<const char*> known) : op_(op), m_(m) {
-    for (const auto& kv : m) {
-      if (kv.first.rfind("__", 0) == 0) continue;
-      bool ok = false;
-      for (const char* k : known) ok = ok || kv.first == k;
-      if (!ok) {
-        std::ostringstream os;
-        os << op << ": unknown attribute '" << kv.first << "'; expected one of:";
-        for (const char* k : known) os << " " << k;
-        throw OpError(os.str());
-      }
-    }
-  }
-
-  int64_t get_int(const char* key, int64_t dflt) const {
-    auto it = m_.find(key);
-    if (it == m_.end()) return dflt;
-    const std::string& s = it->second;
-    size_t pos = 0;
-    long long v = 0;
-    try {
-      v = std::stoll(s, &pos);
-    } catch (...) {
-      pos = std::string::npos;
-    }
-    while (pos != std::string::npos && pos < s.size() && (s[pos] == 'L' || s[pos] == ' ')) ++pos;
-    if (pos != s.size()) fail(op_, ": attribute ", key, " must be an integer; got '", s, "'");
-    return v;
-  }
-
-  double get_float(const char* key, double dflt) const {
-    auto it = m_.find(key);
-    if (it == m_.end()) return dflt;
-    const std::string& s = it->second;
-    size_t pos = 0;
-    double v = 0;
-    try {
-      v = std::stod(s, &pos);
-    } catch (...) {
-      pos = std::string::npos;
-    }
-    if (pos != s.size()) fail(op_, ": attribute ", key, " must be a number; got '", s, "'");
-    return v;
-  }
-
- private:
-  const char* op_;
-  const AttrMap& m_;
-};
 
 // MXDType values 0/1/2 are float32/float64/float16 and equal gn_mx::DType.
 inline bool is_float_dtype(int t) { return t == 0 || t == 1 || t == 2; }
@@ -178,6 +96,24 @@ class Workspace {
   size_t total_ = 0;
   char* base_ = nullptr;
 };
+
+// inferSType of every op: inputs and outputs are dense. MXNet's default (no callback) rejects
+// inputs whose storage type is still undefined, which is what Module.bind / simple_bind pass for
+// the running statistics (mutable inputs) of gn_dbn / gn_dbn_inference; here undefined inputs
+// become dense and a sparse input is a clear error. Used for the backward ops too (any arity).
+inline MXReturnValue dense_storage(const char* op, std::vector<int>* in, std::vector<int>* out) {
+  return guarded(op, [&] {
+    for (size_t i = 0; i < in->size(); ++i) {
+      int& st = (*in)[i];
+      if (st == -1) st = mxnet::ext::kDefaultStorage;
+      if (st != mxnet::ext::kDefaultStorage)
+        fail(op, ": input ", i, " is a sparse array (storage type ", st,
+             "); gn_mx ops take dense arrays only (use .tostype('default'))");
+    }
+    for (int& st : *out) st = mxnet::ext::kDefaultStorage;
+    return mxnet::ext::MX_SUCCESS;
+  });
+}
 
 inline const char* ctx_of(const MXTensor& t) { return t.ctx.dev_type.c_str(); }
 

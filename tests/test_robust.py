@@ -1,0 +1,521 @@
+"""Robustness under bad input and long runs (issue 10).
+
+- symbolic shape inference with shapeless parameter variables (subprocess: it used to SIGSEGV);
+- no leak and no stale text after caught errors (subprocess, RSS);
+- NaN/Inf in one group / channel stays there, every op, forward and backward;
+- extreme finite inputs in DBN's eigensolver; eps checked against the accumulation dtype;
+- the strict attribute parser; empty batches in the blocks.
+"""
+import json
+import os
+
+import numpy as np
+import pytest
+
+import mxnet as mx
+import gn_mx
+
+from conftest import run_python
+from reference import dbn_ref, group_norm_ref, moments_ref
+
+# ---------------------------------------------------------------------------------------------
+# 1. Symbolic shape inference with parameters of unknown shape
+
+_SYMBOLIC = r"""
+import json, mxnet as mx, gn_mx
+V = mx.sym.var
+res = {}
+# the issue's example, verbatim
+s = mx.sym.gn_group_norm(mx.sym.var('d'), mx.sym.var('g'), mx.sym.var('b'), num_groups=2)
+res['example'] = [list(map(list, r)) for r in s.infer_shape(d=(4, 6))]
+OPS = {'gn_group_norm': dict(num_groups=2), 'gn_channel_affine': {},
+       'gn_dbn': dict(num_groups=2), 'gn_dbn_inference': dict(num_groups=2)}
+for op, kw in OPS.items():
+    for nsp in range(4):
+        shp = (4, 6) + (3,) * nsp
+        key = f'{op}/{nsp}'
+        dbn = 'dbn' in op
+        n1, n2 = ('st_moving_mean', 'st_moving_var') if dbn else ('p_gamma', 'p_beta')
+        s = getattr(mx.sym, op)(V('data'), V(n1, init=mx.init.Zero()),
+                                V(n2, init=mx.init.One()), **kw)
+        args, outs, aux = s.infer_shape(data=shp)
+        names = s.list_arguments() + s.list_auxiliary_states()
+        r = {'shapes': dict(zip(names, [list(a) for a in args + aux])),
+             'out0': list(outs[0])}
+        pa, po, px = s.infer_shape_partial(data=shp)
+        r['partial'] = dict(zip(names, [list(a) for a in pa + px]))
+        out = s[0] if len(s.list_outputs()) > 1 else s
+        m = mx.mod.Module(out, data_names=['data'], label_names=None)
+        m.bind(data_shapes=[('data', shp)], for_training=False)
+        m.init_params()
+        m.forward(mx.io.DataBatch([mx.nd.ones(shp)]), is_train=False)
+        r['module_out'] = list(m.get_outputs()[0].shape)
+        # JSON saved without any placeholder (as by a gn_mx without this fix) loads and infers
+        g = json.loads(s.tojson())
+        for n in g['nodes']:
+            n.get('attrs', {}).pop('__shape__', None)
+        s2 = mx.sym.load_json(json.dumps(g))
+        r['json'] = [list(a) for a in s2.infer_shape(data=shp)[0]]
+        res[key] = r
+for nsp in range(4):
+    shp = (4, 6) + (3,) * nsp
+    s = mx.sym.gn_moments(V('data'), num_groups=2)
+    m = mx.mod.Module(s[1], data_names=['data'], label_names=None)
+    m.bind(data_shapes=[('data', shp)], for_training=False)
+    m.init_params()
+    m.forward(mx.io.DataBatch([mx.nd.ones(shp)]), is_train=False)
+    res[f'gn_moments/{nsp}'] = [list(s.infer_shape(data=shp)[1][0]),
+                                list(m.get_outputs()[0].shape)]
+print('RESULT ' + json.dumps(res))
+"""
+
+
+def test_symbolic_inference_with_shapeless_parameters_every_op_and_rank():
+    p = run_python(_SYMBOLIC, timeout=240)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert res.pop("example") == [[[4, 6], [6], [6]], [[4, 6], [4, 2], [4, 2]], []]
+    assert len(res) == 20
+    for nsp in range(4):
+        assert res.pop(f"gn_moments/{nsp}") == [[4, 2], [4, 2]]
+    for key, r in res.items():
+        op, nsp = key.split("/")
+        shp = [4, 6] + [3] * int(nsp)
+        if "dbn" in op:
+            want = {"data": shp, "st_moving_mean": [6], "st_moving_var": [2, 3, 3]}
+        else:
+            want = {"data": shp, "p_gamma": [6], "p_beta": [6]}
+        assert r["shapes"] == want, key
+        assert r["partial"] == want, key
+        assert r["out0"] == shp and r["module_out"] == shp, key
+        assert r["json"][0] == shp and r["json"][1:] == [want[k] for k in list(want)[1:]
+                                                         if k in ("p_gamma", "p_beta")], key
+
+
+UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
+
+
+@pytest.mark.skipif(UNDER_ASAN, reason="MXNet 1.9.1 itself writes one entry past its shape buffer "
+                    "when data has unknown rank (libmxnet's FInferShape glue; see _symbolic.py); "
+                    "ASan flags lib_api's read of it")
+def test_symbolic_partial_inference_without_data_shape():
+    p = run_python(r"""
+import json, mxnet as mx, gn_mx
+V = mx.sym.var
+res = []
+for op, kw in [('gn_group_norm', dict(num_groups=2)), ('gn_channel_affine', {}),
+               ('gn_dbn', dict(num_groups=2)), ('gn_dbn_inference', dict(num_groups=2)),
+               ('gn_moments', dict(num_groups=2))]:
+    ins = [V('data')] + ([] if op == 'gn_moments' else [V('a'), V('b')])
+    s = getattr(mx.sym, op)(*ins, **kw)
+    for _ in range(20):
+        try:
+            a, o, x = s.infer_shape_partial()
+            res.append(op)
+        except mx.base.MXNetError as e:
+            # every input of unknown rank: MXNet sizes its buffer as the sum of ranks, -1 here
+            res.append(op + ' raised: ' + ('bad_alloc' if 'bad_alloc' in str(e) else str(e)))
+print('RESULT ' + json.dumps(res))
+""", timeout=120)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    # with placeholders the ops with parameters complete; gn_moments (data only) gets MXNet's
+    # clean error for an all-unknown input list
+    assert res == [op for op in ["gn_group_norm", "gn_channel_affine", "gn_dbn",
+                                 "gn_dbn_inference"] for _ in range(20)] + \
+        ["gn_moments raised: bad_alloc"] * 20, res
+
+
+# ---------------------------------------------------------------------------------------------
+# 2. No leak and no stale text after errors
+
+_LEAK = r"""
+import json, mxnet as mx, gn_mx
+x = mx.nd.ones((2, 6, 4)); g, b = mx.nd.ones((6,)), mx.nd.zeros((6,))
+x.attach_grad()
+def rss_mb():
+    return int(open('/proc/self/statm').read().split()[1]) * 4096 / 2**20
+msgs = []
+for i in range(100):
+    bad = [lambda: mx.nd.gn_group_norm(x, g, b, num_groups=4),
+           lambda: mx.nd.gn_group_norm(x, g, b, num_groups='two'),
+           lambda: mx.nd.gn_dbn(x, mx.nd.zeros((6,)), mx.nd.zeros((2, 3, 3)), num_groups=2,
+                                momentum=2)][i % 3]
+    try:
+        bad()[0].wait_to_read()
+        msgs.append(None)
+    except mx.base.MXNetError as e:
+        msgs.append(str(e))
+def step():
+    with mx.autograd.record():
+        y = mx.nd.gn_group_norm(x, g, b, num_groups=2)[0]
+    y.backward()
+    x.grad.wait_to_read()
+for _ in range(200):
+    step()
+r0 = rss_mb()
+for _ in range(__CALLS__):
+    step()
+r1 = rss_mb()
+print('RESULT ' + json.dumps({'msgs': msgs[:3] + msgs[-3:], 'n_none': msgs.count(None),
+                              'rss0': r0, 'rss1': r1}))
+"""
+
+
+def test_errors_leave_no_leak_and_no_stale_text():
+    calls = 2000
+    p = run_python(_LEAK.replace("__CALLS__", str(calls)), timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert r["n_none"] == 0
+    expected = ["must be divisible by num_groups (4)", "num_groups must be an integer",
+                "momentum must be in [0, 1]"]
+    for i, m in enumerate(r["msgs"]):
+        k = (i if i < 3 else 100 - 6 + i) % 3
+        # exactly one extension message: its own, not the earlier ones
+        assert m.count("Extension Traceback") == 1 and "[1]" not in m, m
+        assert expected[k] in m, m
+        assert all(e not in m for j, e in enumerate(expected) if j != k), m
+        # no build-machine paths in the text
+        assert ".h[" not in m and ".cc[" not in m and "/src/operator" not in m, m
+    # before the fix: ~1 MB per call after 100 errors (2 GB here); now flat
+    growth = r["rss1"] - r["rss0"]
+    print(f"RSS after 100 errors: {r['rss0']:.1f} MB -> {r['rss1']:.1f} MB over {calls} calls")
+    if not UNDER_ASAN:  # ASan's quarantine keeps freed memory resident
+        assert growth < 8, growth
+
+
+_THREADS = r"""
+import json, threading, mxnet as mx, gn_mx
+x = mx.nd.ones((2, 6, 4)); g, b = mx.nd.ones((6,)), mx.nd.zeros((6,))
+wrong, crashed, nerr = [], [], [0]
+def work(k):
+    try:
+        for i in range(300):
+            try:
+                mx.nd.gn_group_norm(x, g, b, num_groups=4 if i % 10 == k else 2)[0].wait_to_read()
+            except mx.base.MXNetError as e:
+                nerr[0] += 1
+                if "must be divisible by num_groups (4)" not in str(e):
+                    wrong.append(str(e)[-300:])
+    except Exception as e:
+        crashed.append(repr(e))
+ts = [threading.Thread(target=work, args=(k,)) for k in range(6)]
+[t.start() for t in ts]
+[t.join() for t in ts]
+print('RESULT ' + json.dumps({'wrong': wrong[:3], 'nwrong': len(wrong), 'crashed': crashed,
+                              'nerr': nerr[0]}))
+"""
+
+
+def test_concurrent_errors_keep_their_message():
+    p = run_python(_THREADS, timeout=240)
+    assert p.returncode == 0, p.stderr[-4000:]
+    r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    assert not r["crashed"] and r["nerr"] == 6 * 30, r
+    assert r["nwrong"] <= 2, r  # lib_api's own reads are unsynchronized: rare overlap tolerated
+
+
+# ---------------------------------------------------------------------------------------------
+# 3. NaN / Inf stay in their group or channel, forward and backward
+
+
+def _fwd_bwd(fn, inputs, head=None):
+    arrs = [mx.nd.array(a, dtype=a.dtype) for a in inputs]
+    for a in arrs:
+        a.attach_grad()
+    with mx.autograd.record():
+        out = fn(*arrs)
+        outs = out if isinstance(out, (list, tuple)) else [out]
+    heads = [mx.nd.ones(o.shape, dtype=o.dtype) if head is None else head(o) for o in outs]
+    mx.autograd.backward(outs[:1], head_grads=heads[:1])
+    return [o.asnumpy() for o in outs], [a.grad.asnumpy() for a in arrs]
+
+
+BAD = [np.nan, np.inf, -np.inf]
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_stays_in_its_group_group_norm_and_moments(bad, dtype):
+    N, C, G, S = 3, 6, 3, 4
+    x = np.random.randn(N, C, S).astype(dtype)
+    x[1, 2, 3] = bad  # sample 1, group 1 (channels 2, 3)
+    g, b = np.random.rand(C).astype(dtype) + 0.5, np.random.randn(C).astype(dtype)
+    (y, mean, rstd), (dx, dg, db) = _fwd_bwd(
+        lambda x_, g_, b_: mx.nd.gn_group_norm(x_, g_, b_, num_groups=G), [x, g, b])
+    poisoned = np.zeros((N, C), bool)
+    poisoned[1, 2:4] = True
+    assert not np.isfinite(y[poisoned]).any()  # group 1 of sample 1, all of it
+    assert np.isfinite(y[~poisoned]).all() and np.isfinite(dx[~poisoned]).all()
+    assert np.isfinite(np.delete(mean, 1, axis=0)).all() and np.isfinite(mean[1, [0, 2]]).all()
+    assert np.isfinite(rstd[1, [0, 2]]).all() and np.isfinite(np.delete(rstd, 1, axis=0)).all()
+    # the other samples / groups are exactly what clean data gives
+    ref = group_norm_ref(x, g, b, G, 1e-5)[0]
+    np.testing.assert_allclose(y[~poisoned], ref[~poisoned], rtol=1e-4, atol=1e-5)
+    # dgamma/dbeta sum over samples: only the two channels of group 1 can see it
+    assert np.isfinite(dg[[0, 1, 4, 5]]).all() and np.isfinite(db).all()
+    (mn, var), (dxm,) = _fwd_bwd(lambda x_: mx.nd.gn_moments(x_, num_groups=G), [x])
+    pos = np.zeros((N, G), bool)
+    pos[1, 1] = True
+    assert np.isfinite(mn[~pos]).all() and np.isfinite(var[~pos]).all()
+    assert not np.isfinite(var[1, 1])
+    assert np.isfinite(dxm[~poisoned]).all()
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nonfinite_stays_in_its_element_channel_affine(bad, dtype):
+    x = np.array([[1, bad, 3, 4], [5, 6, 7, 8]], dtype=dtype).reshape(2, 2, 2)
+    g = np.array([2, 3], dtype=dtype)
+    b = np.array([0.5, -1], dtype=dtype)
+    (y,), (dx, dg, db) = _fwd_bwd(mx.nd.gn_channel_affine, [x, g, b])
+    mask = ~np.isfinite(x)
+    assert (np.isnan(y[mask]) | np.isinf(y[mask])).all() and np.isfinite(y[~mask]).all()
+    # dx = gamma * dy whatever x holds (the issue: [2, nan, nan, nan] before the fix)
+    np.testing.assert_array_equal(dx, np.broadcast_to(g.reshape(1, 2, 1), x.shape))
+    assert np.isfinite(db).all() and np.isfinite(dg[1]) and not np.isfinite(dg[0])
+
+
+def test_channel_affine_backward_issue_example():
+    x = mx.nd.array([1, np.nan, np.inf, -np.inf]).reshape(1, 1, 4)
+    g, b = mx.nd.array([2]), mx.nd.array([0])
+    x.attach_grad()
+    with mx.autograd.record():
+        y = mx.nd.gn_channel_affine(x, g, b)
+    y.backward()
+    np.testing.assert_array_equal(x.grad.asnumpy().ravel(), [2, 2, 2, 2])
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_nonfinite_stays_in_its_group_dbn(bad, dtype):
+    N, C, G, S = 4, 6, 3, 3
+    x = np.random.randn(N, C, S).astype(dtype)
+    x[2, 3, 1] = bad  # group 1 (channels 2, 3); DBN's statistics span the batch
+    rm, rp = np.zeros(C, dtype), np.tile(np.eye(2, dtype=dtype), (G, 1, 1))
+    outs, grads = _fwd_bwd(
+        lambda x_, m_, p_: mx.nd.gn_dbn(x_, m_, p_, num_groups=G, eps=1e-3), [x, rm, rp])
+    y, dx = outs[0], grads[0]
+    grp = np.zeros(C, bool)
+    grp[2:4] = True
+    assert np.isfinite(y[:, ~grp]).all() and np.isfinite(dx[:, ~grp]).all()
+    assert not np.isfinite(y[:, grp]).all()
+    ref = dbn_ref(x[:, ~grp], G - 1, 1e-3)[0]
+    np.testing.assert_allclose(y[:, ~grp], ref, rtol=1e-3, atol=1e-4)
+    # running statistics: only group 1 is touched
+    rmn, rpn = mx.nd.array(rm, dtype=dtype), mx.nd.array(rp, dtype=dtype)
+    mx.nd.gn_dbn(mx.nd.array(x, dtype=dtype), rmn, rpn, num_groups=G, eps=1e-3)[0].wait_to_read()
+    assert np.isfinite(rmn.asnumpy()[~grp]).all() and np.isfinite(rpn.asnumpy()[[0, 2]]).all()
+    # inference: a non-finite x element reaches only its own group at its own position,
+    # and dx = P^T dy never sees x
+    P = np.tile(np.array([[1.5, 0.5], [0.5, 1.0]], dtype), (G, 1, 1))
+    (yi,), (dxi, _, _) = _fwd_bwd(
+        lambda x_, m_, p_: mx.nd.gn_dbn_inference(x_, m_, p_, num_groups=G), [x, rm, P])
+    pos = np.zeros_like(x, bool)
+    pos[2, 2:4, 1] = True
+    assert np.isfinite(yi[~pos]).all() and not np.isfinite(yi[pos]).all()
+    assert np.isfinite(dxi).all()
+    # a non-finite running projection of group 0 stays in group 0
+    Pb = P.copy()
+    Pb[0, 1, 0] = bad
+    yb = mx.nd.gn_dbn_inference(mx.nd.array(np.nan_to_num(x, nan=0, posinf=0, neginf=0)),
+                                mx.nd.array(rm), mx.nd.array(Pb), num_groups=G).asnumpy()
+    assert np.isfinite(yb[:, 2:]).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 4. Extreme finite inputs: the eigensolver's stopping rule
+
+
+@pytest.mark.parametrize("D, G", [(2, 3), (4, 2), (8, 1), (16, 1)])
+@pytest.mark.parametrize("scale", [1e-150, 1e-30, 1e30, 1e80, 1e100, 1e150])
+def test_dbn_extreme_scale_float64(D, G, scale):
+    C = D * G
+    x = np.random.randn(16, C, 3) * scale
+    rm, rp = mx.nd.zeros((C,), dtype="float64"), mx.nd.zeros((G, D, D), dtype="float64")
+    eps = 1e-5 * scale * scale  # the same relative eps at every scale (>= DBL_MIN here)
+    out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), rm, rp, num_groups=G, eps=eps)[0]
+    out = out.asnumpy()
+    ref = dbn_ref(x, G, eps)[0]
+    np.testing.assert_allclose(out, ref, rtol=1e-7, atol=1e-9 * np.abs(ref).max())
+    # whitened: each group's covariance is ~ identity (Sigma includes eps, relative 1e-5)
+    for g in range(G):
+        xg = out[:, g * D:(g + 1) * D].transpose(1, 0, 2).reshape(D, -1)
+        cov = np.cov(xg, bias=True)
+        np.testing.assert_allclose(cov, np.eye(D), atol=1e-3)
+
+
+def _nan_or_right(out, x, G, eps, rtol, atol):
+    """Either the whole group is NaN (documented overflow) or it is right: never silently wrong."""
+    if np.isnan(out).all():
+        return
+    xs = x / np.abs(x).max()  # DBN is scale invariant up to eps: compare on scaled data
+    np.testing.assert_allclose(out, dbn_ref(xs, G, eps / np.abs(x).max() ** 2)[0], rtol=rtol,
+                               atol=atol)
+
+
+def test_dbn_float64_beyond_covariance_range_is_nan_not_silent():
+    """|x| > ~1e154: the covariance overflows float64: that group's output is NaN (today)."""
+    x = np.random.randn(8, 4, 2)
+    x[:, :2] *= 1e160
+    out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), mx.nd.zeros((4,), dtype="float64"),
+                       mx.nd.zeros((2, 2, 2), dtype="float64"), num_groups=2)[0].asnumpy()
+    _nan_or_right(out[:, :2], x[:, :2], 1, 1e-5, 1e-7, 1e-9)
+    np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=1e-7, atol=1e-9)
+
+
+def test_dbn_float32_large_values():
+    """float32 data: correct to |x| ~ 1e18; beyond ~1e19 the float32 Gram matrix overflows and
+    the group's output is NaN today (a kernel with a wider range may make it right instead: either
+    passes, a silent finite wrong answer does not)."""
+    x = (np.random.randn(16, 4, 2) * 1e18).astype(np.float32)
+    out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
+                       num_groups=2)[0].asnumpy()
+    np.testing.assert_allclose(out, dbn_ref(x, 2, 1e-5)[0], rtol=2e-3, atol=2e-3)
+    x[:, :2] *= np.float32(1e19)
+    out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
+                       num_groups=2)[0].asnumpy()
+    _nan_or_right(out[:, :2], x[:, :2].astype(np.float64), 1, 1e-5, 2e-3, 2e-3)
+    np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=2e-3, atol=2e-3)
+
+
+# ---------------------------------------------------------------------------------------------
+# 5. eps against the accumulation dtype
+
+
+def _raises(fn, text):
+    with pytest.raises(mx.base.MXNetError) as e:
+        r = fn()
+        (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
+    assert text in str(e.value), str(e.value)
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+@pytest.mark.parametrize("eps", ["1e-300", "1e-40", "5e-324"])
+def test_eps_below_float32_range_rejected_for_fp16_fp32_data(dtype, eps):
+    x = mx.nd.ones((2, 4, 1), dtype=dtype)
+    g = mx.nd.ones((4,), dtype=dtype)
+    _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=eps),
+            "below the smallest normal float32")
+    _raises(lambda: mx.nd.gn_dbn(x, mx.nd.zeros((4,), dtype=dtype),
+                                 mx.nd.zeros((1, 4, 4), dtype=dtype), eps=eps),
+            "below the smallest normal float32")
+
+
+def test_eps_float64():
+    x = mx.nd.array(np.random.randn(2, 4, 1), dtype="float64")
+    g = mx.nd.ones((4,), dtype="float64")
+    # representable in float64 accumulation: accepted and used (single-element groups)
+    y = mx.nd.gn_group_norm(x, g, g * 0, num_groups=4, eps=1e-300)[0].asnumpy()
+    np.testing.assert_array_equal(y, 0)
+    _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=5e-324),
+            "below the smallest normal float64")
+    # eps = 0 is allowed for GroupNorm (documented: NaN-free only for non-constant groups)
+    mx.nd.gn_group_norm(x, g, g, num_groups=1, eps=0)[0].wait_to_read()
+    # float32 data: the smallest normal float32 is fine, with m = 1 groups too
+    x32 = mx.nd.array(np.random.randn(2, 4, 1))
+    y = mx.nd.gn_group_norm(x32, g.astype("float32"), g.astype("float32") * 0, num_groups=4,
+                            eps=1.2e-38)[0].asnumpy()
+    assert np.isfinite(y).all()
+
+
+def test_dbn_tiny_eps_m1_float32_finite_and_fp16_stats_bound():
+    x = mx.nd.array(np.random.randn(1, 4, 1))
+    rm, rp = mx.nd.zeros((4,)), mx.nd.zeros((1, 4, 4))
+    y = mx.nd.gn_dbn(x, rm, rp, eps=1e-30, momentum=0)[0].asnumpy()
+    assert np.isfinite(y).all() and np.isfinite(rp.asnumpy()).all()
+    x16 = x.astype("float16")
+    _raises(lambda: mx.nd.gn_dbn(x16, rm.astype("float16"), rp.astype("float16"), eps=1e-10),
+            "too small for float16 running statistics")
+    rp16 = mx.nd.zeros((1, 4, 4), dtype="float16")
+    mx.nd.gn_dbn(x16, mx.nd.zeros((4,), dtype="float16"), rp16, eps=2.4e-10,
+                 momentum=0)[0].wait_to_read()
+    assert np.isfinite(rp16.asnumpy()).all()
+    # float32 running statistics with float16 data: tiny eps is fine
+    rp32 = mx.nd.zeros((1, 4, 4))
+    mx.nd.gn_dbn(x16, mx.nd.zeros((4,)), rp32, eps=1e-12, momentum=0)[0].wait_to_read()
+    assert np.isfinite(rp32.asnumpy()).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# 6. One strict attribute parser
+
+
+X6 = mx.nd.array(np.random.randn(2, 6, 4))
+G6, B6 = mx.nd.ones((6,)), mx.nd.zeros((6,))
+
+GOOD_ATTRS = [
+    ("num_groups", "2"), ("num_groups", "+2"), ("num_groups", " 2"), ("num_groups", "2 "),
+    ("num_groups", "\t3\n"), ("eps", "1e-5"), ("eps", " 1e-05 "), ("eps", "0.001"), ("eps", ".5"),
+    ("eps", "5."), ("eps", "1E-3"), ("eps", "+1e-3"), ("eps", "0"),
+]
+BAD_ATTRS = [
+    ("num_groups", "0x2", "must be an integer"), ("num_groups", "2.0", "must be an integer"),
+    ("num_groups", "2L", "must be an integer"), ("num_groups", "", "must be an integer"),
+    ("num_groups", "2 2", "must be an integer"), ("num_groups", "1e1", "must be an integer"),
+    ("num_groups", "99999999999999999999", "out of the int64 range"),
+    ("num_groups", "True", "must be an integer"),
+    ("eps", "0x10", "must be a number"), ("eps", "0x1p-3", "must be a number"),
+    ("eps", "1e-5x", "must be a number"), ("eps", "1 e-5", "must be a number"),
+    ("eps", "", "must be a number"), ("eps", "e-5", "must be a number"), ("eps", ".", "must be a number"),
+    ("eps", "1e", "must be a number"), ("eps", "1e400", "out of the float64 range"),
+    ("eps", "1e-400", "underflows to 0 in float64"), ("eps", "nan", "finite number"),
+    ("eps", "inf", "finite number"), ("eps", "-1e-5", "finite number >= 0"),
+    ("eps", "5e-324", "below the smallest normal float32"),
+]
+
+
+@pytest.mark.parametrize("key, val", GOOD_ATTRS)
+def test_attribute_parser_accepts(key, val):
+    kw = {"num_groups": "2", key: val}
+    y = mx.nd.gn_group_norm(X6, G6, B6, **kw)[0].asnumpy()
+    ng = int(kw["num_groups"])
+    ref = group_norm_ref(X6.asnumpy(), G6.asnumpy(), B6.asnumpy(), ng, float(kw.get("eps", 1e-5)))
+    np.testing.assert_allclose(y, ref[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("key, val, text", BAD_ATTRS)
+def test_attribute_parser_rejects(key, val, text):
+    kw = {"num_groups": "2", key: val}
+    with pytest.raises(mx.base.MXNetError) as e:
+        mx.nd.gn_group_norm(X6, G6, B6, **kw)[0].wait_to_read()
+    msg = str(e.value)
+    assert text in msg, msg
+    assert ".h[" not in msg and "/src/operator" not in msg, msg
+
+
+@pytest.mark.parametrize("op, args, key", [
+    ("gn_moments", (X6,), "num_groups"),
+    ("gn_dbn", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "momentum"),
+    ("gn_dbn", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "eps"),
+    ("gn_dbn_inference", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "num_groups"),
+])
+def test_attribute_parser_same_rules_every_op(op, args, key):
+    fn = getattr(mx.nd, op)
+    with pytest.raises(mx.base.MXNetError) as e:
+        r = fn(*args, **{key: "0x1"})
+        (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
+    assert "must be a" in str(e.value)
+    good = " 1 " if key == "num_groups" else " 0.5 "
+    r = fn(*args, **{key: good})
+    (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
+
+
+# ---------------------------------------------------------------------------------------------
+# Empty batches in the blocks
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+@pytest.mark.parametrize("cls", ["GroupNorm", "DecorrelatedBatchNorm"])
+@pytest.mark.parametrize("shape", [(0, 6, 4), (2, 6, 0)])
+def test_blocks_empty_batch_clear_error(cls, hybridize, shape):
+    blk = getattr(gn_mx, cls)(num_groups=2)
+    blk.initialize()
+    if hybridize:
+        blk.hybridize()
+    x = mx.nd.array(np.ones(shape))
+    with pytest.raises(ValueError) as e:
+        with mx.autograd.record():
+            blk(x)
+    assert "is empty" in str(e.value) and cls in str(e.value)
