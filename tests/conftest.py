@@ -57,3 +57,39 @@ def run_python(code, timeout=300, cwd=None):
     env.setdefault("OMP_NUM_THREADS", "1")
     return subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                           text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
+
+
+def dbn_data(shape, dtype, offset=0.5):
+    """Correlated, well-conditioned data for DBN tests: channel c mixes channel c-1."""
+    x = np.random.randn(*shape)
+    x[:, 1:] += 0.6 * x[:, :-1]
+    return (x + offset).astype(dtype)
+
+
+def check_bad_inputs(prelude, cases, survivor, survivor_out):
+    """The one bad-input runner: every case of ``cases`` ({name: (statement, expected text)}) runs
+    in ONE fresh interpreter after ``prelude``; each must raise MXNetError (or Gluon's ValueError
+    wrapping the op's message) containing its expected text, and afterwards ``survivor`` (an
+    expression) must still evaluate and print ``survivor_out``. A crash (segfault, abort) names the
+    case that was running. Fails with one line per wrong case."""
+    code = prelude
+    for name, (stmt, _) in cases.items():
+        body = textwrap.indent(textwrap.dedent(stmt).strip(), "    ")
+        code += (f"\nprint('START {name}', flush=True)\ntry:\n{body}\n    mx.nd.waitall()\n"
+                 f"    print('CASE {name} NO_ERROR', flush=True)\n"
+                 f"except (mx.base.MXNetError, ValueError) as e:\n"
+                 f"    print('CASE {name}', type(e).__name__, str(e).replace(chr(10), ' '),"
+                 f" flush=True)\n")
+    code += f"\nprint('ALIVE', {survivor})\n"
+    p = run_python(code)
+    out = p.stdout
+    if p.returncode != 0:
+        started = [ln.split()[1] for ln in out.splitlines() if ln.startswith("START ")]
+        raise AssertionError(f"the interpreter died (exit {p.returncode}) in case "
+                             f"{started[-1] if started else '?'}:\n{p.stderr[-3000:]}")
+    assert f"ALIVE {survivor_out}" in out, out[-3000:]
+    lines = {ln.split()[1]: ln for ln in out.splitlines() if ln.startswith("CASE ")}
+    failures = [f"{name}: want {want!r}; got {lines.get(name)!r}"[:600]
+                for name, (_, want) in cases.items()
+                if name not in lines or "NO_ERROR" in lines[name] or want not in lines[name]]
+    assert not failures, "\n".join(failures)

@@ -1,10 +1,11 @@
 """Bad input gives a clear MXNetError naming the problem, and the process keeps running.
 
-Each case runs in a fresh interpreter: a segfault or abort would show up as a bad exit code.
+The cases of a family run one after another in one fresh interpreter (conftest.check_bad_inputs):
+a segfault or abort shows up as a bad exit code naming the case that was running.
 """
 import pytest
 
-from conftest import run_python
+from conftest import check_bad_inputs, run_python
 
 PRELUDE = """
 import mxnet as mx, gn_mx
@@ -47,9 +48,9 @@ CASES = {
                             "gn_channel_affine: data must be float16, float32 or float64; got int64"),
     "head_grad_wrong_dtype": (
         "x64 = x.astype('float64'); x64.attach_grad()\n"
-        "    with mx.autograd.record():\n"
-        "        o = mx.nd.gn_group_norm(x64, g.astype('float64'), b.astype('float64'), num_groups=2)[0]\n"
-        "    o.backward(mx.nd.ones((2, 6, 4), dtype='float32')); r = x64.grad",
+        "with mx.autograd.record():\n"
+        "    o = mx.nd.gn_group_norm(x64, g.astype('float64'), b.astype('float64'), num_groups=2)[0]\n"
+        "o.backward(mx.nd.ones((2, 6, 4), dtype='float32')); r = x64.grad",
         "the gradient of output 'out' must be float64; got float32"),
     "symbolic_bad_groups": (
         "mx.sym.gn_group_norm(mx.sym.var('d'), mx.sym.var('g'), mx.sym.var('b'), num_groups=4)"
@@ -61,29 +62,54 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(CASES))
-def test_bad_input_raises_and_process_survives(name):
-    stmt, expected = CASES[name]
-    code = PRELUDE + f"""
-try:
-    r = {stmt}
-    if isinstance(r, (list, tuple)):
-        r[0].wait_to_read()
-    elif hasattr(r, 'wait_to_read'):
-        r.wait_to_read()
-    print('NO ERROR')
-except mx.base.MXNetError as e:
-    print('MXNetError:', str(e))
-except ValueError as e:  # Gluon wraps deferred-init failures in ValueError, message included
-    print('ValueError:', str(e))
-y = mx.nd.gn_group_norm(x, g, b, num_groups=2)[0].asnumpy()
-print('SURVIVED', y.shape)
+DBN_PRELUDE = """
+import mxnet as mx, gn_mx
+x = mx.nd.ones((2, 6, 4))
+rm, rp = mx.nd.zeros((6,)), mx.nd.zeros((2, 3, 3))
 """
-    p = run_python(code)
-    assert p.returncode == 0, p.stderr[-3000:]
-    assert "SURVIVED (2, 6, 4)" in p.stdout
-    assert "NO ERROR" not in p.stdout
-    assert expected in p.stdout, p.stdout[-3000:]
+
+DBN_CASES = {
+    "channels_not_divisible": ("mx.nd.gn_dbn(x, mx.nd.zeros((6,)), mx.nd.zeros((4, 1, 1)), "
+                               "num_groups=4)",
+                               "gn_dbn: channels (C=6) must be divisible by num_groups (4)"),
+    "num_groups_zero": ("mx.nd.gn_dbn(x, rm, rp, num_groups=0)",
+                        "gn_dbn: num_groups must be positive; got 0"),
+    "group_size_zero": ("mx.nd.gn_dbn_inference(x, rm, rp, num_groups=12)",
+                        "gn_dbn_inference: channels (C=6) must be divisible by num_groups (12)"),
+    "wrong_projection_shape": ("mx.nd.gn_dbn(x, rm, mx.nd.zeros((2, 3, 2)), num_groups=2)",
+                               "running_projection must have shape (2, 3, 3) for data shape "
+                               "(2, 6, 4) and num_groups=2; got (2, 3, 2)"),
+    "wrong_mean_shape": ("mx.nd.gn_dbn_inference(x, mx.nd.zeros((3,)), rp, num_groups=2)",
+                         "running_mean must have shape (6,)"),
+    "integer_data": ("mx.nd.gn_dbn(x.astype('int32'), rm, rp, num_groups=2)",
+                     "gn_dbn: data must be float16, float32 or float64; got int32"),
+    "stats_dtype_mismatch": ("mx.nd.gn_dbn(x, rm.astype('float64'), rp.astype('float64'), "
+                             "num_groups=2)",
+                             "running_mean dtype must equal the data dtype"),
+    "one_dim_data": ("mx.nd.gn_dbn(mx.nd.ones((6,)), rm, rp, num_groups=2)",
+                     "data must have at least 2 dims (N, C, *spatial); got shape (6,)"),
+    "eps_zero": ("mx.nd.gn_dbn(x, rm, rp, num_groups=2, eps=0)", "eps must be a finite number > 0"),
+    "momentum_out_of_range": ("mx.nd.gn_dbn(x, rm, rp, num_groups=2, momentum=1.5)",
+                              "momentum must be in [0, 1]; got 1.5"),
+    "unknown_attribute": ("mx.nd.gn_dbn_inference(x, rm, rp, num_groups=2, eps=1e-3)",
+                          "gn_dbn_inference: unknown attribute 'eps'"),
+    "symbolic_bad_groups": ("mx.sym.gn_dbn(mx.sym.var('d'), mx.sym.var('m'), mx.sym.var('p'), "
+                            "num_groups=4).infer_shape(d=(2, 6, 4))",
+                            "channels (C=6) must be divisible by num_groups (4)"),
+    # Gluon wraps deferred-init shape errors in ValueError; the op's message is inside.
+    "block_bad_groups_in_graph": ("n = gn_mx.DecorrelatedBatchNorm(num_groups=4); n.initialize();"
+                                  " n.hybridize(); n(x)",
+                                  "channels (C=6) must be divisible by num_groups (4)"),
+}
+
+
+def test_bad_input_raises_and_process_survives():
+    check_bad_inputs(PRELUDE, CASES, "mx.nd.gn_group_norm(x, g, b, num_groups=2)[0].shape",
+                     "(2, 6, 4)")
+
+
+def test_dbn_bad_input_raises_and_process_survives():
+    check_bad_inputs(DBN_PRELUDE, DBN_CASES, "float(mx.nd.ones((2,)).sum().asscalar())", "2.0")
 
 
 @pytest.mark.parametrize("kwargs, expected", [
