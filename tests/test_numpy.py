@@ -3,7 +3,7 @@
 Every test that switches the interface on does it through the `np_mode` fixture, which restores the
 legacy mode (``npx.reset_np()``) afterwards, so other tests are unaffected. Results under set_np are
 compared with the same computation on legacy NDArrays (itself tested against float64 references in
-test_blocks.py / test_dbn.py) and, for GroupNorm, directly with the float64 reference.
+test_blocks.py / test_dbn_blocks.py) and, for GroupNorm, directly with the float64 reference.
 """
 import json
 import os
