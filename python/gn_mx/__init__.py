@@ -1,8 +1,10 @@
 """gn_mx: native GroupNorm and Decorrelated Batch Normalization ops for MXNet 1.9.
 
-``import gn_mx`` loads the op library (once) and registers ``gn_moments``, ``gn_group_norm``,
-``gn_dbn`` and ``gn_dbn_inference`` in ``mx.nd`` and ``mx.sym``; a fresh process that reloads an
-exported model only needs this import before ``gluon.SymbolBlock.imports``.
+``import gn_mx`` loads the op library (once per process, whatever else loaded it) and registers
+``gn_moments``, ``gn_group_norm``, ``gn_dbn``, ``gn_dbn_inference`` and ``gn_channel_affine`` in
+``mx.nd`` and ``mx.sym``; a fresh process that reloads an exported model only needs this import
+before ``gluon.SymbolBlock.imports`` / ``mx.sym.load``. With onnx installed it also registers the
+ONNX converters (``gn_mx.onnx``) with ``mx.onnx.export_model``.
 """
 from ._library import library_path, load as _load
 from . import amp

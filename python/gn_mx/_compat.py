@@ -6,6 +6,7 @@ gn_mx patches two MXNet internals that have no public hook:
   ``gluon.HybridBlock`` and reads its cache attributes;
 * ``amp.py`` (surviving ``mx.library.load`` after ``amp.init()``) reads AMP's state and rebuilds its
   wrapper closures;
+* ``_symbolic.py`` hooks the creator of every generated ``mx.sym.*`` function;
 * ``parallel.py`` creates a Trainer's kvstore and its initial broadcast ahead of the first step,
   ``sym.py`` names variables with the current NameManager.
 
@@ -42,6 +43,11 @@ AMP_LIST_NAMES = ("FP16_FUNCS", "FP32_FUNCS", "FP16_FP32_FUNCS")
 TRAINER_METHODS = ("_init_kvstore", "_init_params")
 TRAINER_ATTRS = ("_kv_initialized", "_kvstore", "_params", "_update_on_kvstore",
                  "_params_to_init")
+
+#: Symbol internals used by _symbolic.py (rank placeholders for shapeless parameter variables):
+#: the creator every generated mx.sym.* function calls, attribute setting, the C API handle.
+from mxnet.symbol import register as symbol_register  # noqa: E402
+SYMBOL_NAMES = ("mxnet.symbol.register._symbol_creator", "Symbol._set_attr", "mxnet.base._LIB")
 
 #: The prefixes of op submodules (``mx.nd.contrib``...) that mx.library.load regenerates.
 OP_NAME_PREFIXES = _base._OP_NAME_PREFIX_LIST if hasattr(_base, "_OP_NAME_PREFIX_LIST") else None
@@ -82,6 +88,12 @@ def _missing():
         missing.append("Block()._children")
     if not hasattr(getattr(mx.name, "NameManager", None), "_current"):
         missing.append("mxnet.name.NameManager._current")
+    if not callable(getattr(symbol_register, "_symbol_creator", None)):
+        missing.append("mxnet.symbol.register._symbol_creator")
+    if not callable(getattr(mx.sym.Symbol, "_set_attr", None)):
+        missing.append("Symbol._set_attr")
+    if not hasattr(getattr(_base, "_LIB", None), "NNGetOpHandle"):
+        missing.append("mxnet.base._LIB.NNGetOpHandle")
     if not isinstance(OP_NAME_PREFIXES, (list, tuple)):
         missing.append("mxnet.base._OP_NAME_PREFIX_LIST")
     if not isinstance(flatten, types.FunctionType):

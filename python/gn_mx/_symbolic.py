@@ -141,7 +141,8 @@ def _wrap_load(fn, load_json):
 def install():
     """Hook symbol creation and mx.sym.load / load_json (idempotent; after the library is loaded)."""
     import mxnet.symbol as msym
-    from mxnet.symbol import register, symbol as msymsym
+    from mxnet.symbol import symbol as msymsym
+    from ._compat import symbol_register as register  # private names checked there
     register._symbol_creator = _wrap_creator(register._symbol_creator, _op_handles())
     load_json = _wrap_load_json(msymsym.load_json)
     load = _wrap_load(msymsym.load, load_json)

@@ -63,8 +63,8 @@ _lock = threading.Lock()
 
 
 def _available(name):
-    # Ops of the DBN issue may not be in the library yet; amp.init() raises AttributeError on a
-    # listed name that mx.nd / mx.sym lack, so only loaded ops are listed.
+    # amp.init() raises AttributeError on a listed name that mx.nd / mx.sym lack, so only ops the
+    # loaded library registered are listed (a library built from an older tree may lack some).
     return hasattr(mx.nd, name) and hasattr(mx.sym, name)
 
 
