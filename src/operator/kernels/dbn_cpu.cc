@@ -32,10 +32,14 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#if defined(GNMX_DBN_PROFILE)
+#include <ctime>
+#endif
 
 #include "dbn.h"
 #include "../common/carver.h"
 #include "dbn_math.h"
+#include "dbn_small_cpu.h"
 
 // Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
 // hidden size_t arguments; LAPACK (compiled Fortran) gets them explicitly.
@@ -92,6 +96,23 @@ const Blas& blas() {
 }
 
 using Carver = WorkspaceCarver<kAlign>;
+
+// Stage timestamps for benchmarks/dbn_stages.cc (built with -DGNMX_DBN_PROFILE); no-ops otherwise.
+// Placed right after an `omp for` (its implicit barrier), so thread 0's clock marks the stage end.
+#if defined(GNMX_DBN_PROFILE)
+}  // namespace
+double g_dbn_prof[16];
+double dbn_prof_clock() {  // thread CPU time: survives a loaded machine at one thread
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+namespace {
+#define DBN_PROF(i) \
+  do { if (omp_get_thread_num() == 0) g_dbn_prof[i] = dbn_prof_clock(); } while (0)
+#else
+#define DBN_PROF(i) do { } while (0)
+#endif
 
 int resolve_threads(int t) { return t > 0 ? t : std::max(1, omp_get_max_threads()); }
 
@@ -169,99 +190,127 @@ inline void syrk_t(int n, int k, const double* a, int lda, double* c) {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define GNMX_DBN_AVX2 1
 
-__attribute__((target("avx2,fma"))) void apply_f32_avx2(const float* M, int Dout, int Din,
-                                                        const float* P, int64_t ld, int kc,
-                                                        float* Q) {
-  int i = 0;
-  for (; i + 4 <= Dout; i += 4) {  // 4 rows x 16 columns of accumulators
-    const float* m0 = M + static_cast<int64_t>(i) * Din;
-    int c = 0;
-    for (; c + 16 <= kc; c += 16) {
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
-      __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-      const float* p = P + c;
-      for (int k = 0; k < Din; ++k, p += ld) {
-        const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
-        __m256 w = _mm256_broadcast_ss(m0 + k);
-        a00 = _mm256_fmadd_ps(w, p0, a00);
-        a01 = _mm256_fmadd_ps(w, p1, a01);
-        w = _mm256_broadcast_ss(m0 + Din + k);
-        a10 = _mm256_fmadd_ps(w, p0, a10);
-        a11 = _mm256_fmadd_ps(w, p1, a11);
-        w = _mm256_broadcast_ss(m0 + 2 * Din + k);
-        a20 = _mm256_fmadd_ps(w, p0, a20);
-        a21 = _mm256_fmadd_ps(w, p1, a21);
-        w = _mm256_broadcast_ss(m0 + 3 * Din + k);
-        a30 = _mm256_fmadd_ps(w, p0, a30);
-        a31 = _mm256_fmadd_ps(w, p1, a31);
-      }
-      float* q = Q + static_cast<int64_t>(i) * ld + c;
-      _mm256_storeu_ps(q, a00);
-      _mm256_storeu_ps(q + 8, a01);
-      _mm256_storeu_ps(q + ld, a10);
-      _mm256_storeu_ps(q + ld + 8, a11);
-      _mm256_storeu_ps(q + 2 * ld, a20);
-      _mm256_storeu_ps(q + 2 * ld + 8, a21);
-      _mm256_storeu_ps(q + 3 * ld, a30);
-      _mm256_storeu_ps(q + 3 * ld + 8, a31);
+// Q rows [i, i+R) x 16 columns [c, c+16): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile16(
+    const float* M, int Din, const float* P, int64_t ld, float* Q) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const float* p = P;
+  for (int k = 0; k < Din; ++k, p += ld) {
+    const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(M + r * Din + k);
+      acc0[r] = _mm256_fmadd_ps(w, p0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w, p1, acc1[r]);
     }
-    for (; c < kc; ++c)
-      for (int r = 0; r < 4; ++r) {
-        float s = 0.f;
-        for (int k = 0; k < Din; ++k) s += m0[r * Din + k] * P[k * ld + c];
-        Q[(i + r) * ld + c] = s;
-      }
   }
-  for (; i < Dout; ++i) {  // remaining rows, one 8-column vector at a time
-    const float* mi = M + static_cast<int64_t>(i) * Din;
-    int c = 0;
-    for (; c + 8 <= kc; c += 8) {
-      __m256 a = _mm256_setzero_ps();
-      for (int k = 0; k < Din; ++k)
-        a = _mm256_fmadd_ps(_mm256_broadcast_ss(mi + k), _mm256_loadu_ps(P + k * ld + c), a);
-      _mm256_storeu_ps(Q + i * ld + c, a);
-    }
-    for (; c < kc; ++c) {
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(Q + r * ld, acc0[r]);
+    _mm256_storeu_ps(Q + r * ld + 8, acc1[r]);
+  }
+}
+
+// The same for one 8-column vector (column tails), R <= 6.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile8(
+    const float* M, int Din, const float* P, int64_t ld, float* Q) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const float* p = P;
+  for (int k = 0; k < Din; ++k, p += ld) {
+    const __m256 p0 = _mm256_loadu_ps(p);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(M + r * Din + k), p0, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(Q + r * ld, acc[r]);
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void apply_rows_avx2(const float* M, int Din, const float* P,
+                                                         int64_t ld, int kc, float* Q) {
+  int c = 0;
+  for (; c + 16 <= kc; c += 16) apply_tile16<R>(M, Din, P + c, ld, Q + c);
+  for (; c + 8 <= kc; c += 8) apply_tile8<R>(M, Din, P + c, ld, Q + c);
+  for (; c < kc; ++c)
+    for (int r = 0; r < R; ++r) {
       float s = 0.f;
-      for (int k = 0; k < Din; ++k) s += mi[k] * P[k * ld + c];
-      Q[i * ld + c] = s;
+      for (int k = 0; k < Din; ++k) s += M[r * Din + k] * P[k * ld + c];
+      Q[r * ld + c] = s;
     }
+}
+
+// Q (Dout x kc) = M (Dout x Din) P (Din x kc): blocks of 6 rows of Q, then the remaining 1-5.
+void apply_f32_avx2(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
+                    float* Q) {
+  int i = 0;
+  for (; i + 6 <= Dout; i += 6)
+    apply_rows_avx2<6>(M + static_cast<int64_t>(i) * Din, Din, P, ld, kc, Q + i * ld);
+  const float* m = M + static_cast<int64_t>(i) * Din;
+  float* q = Q + i * ld;
+  switch (Dout - i) {
+    case 5: apply_rows_avx2<5>(m, Din, P, ld, kc, q); break;
+    case 4: apply_rows_avx2<4>(m, Din, P, ld, kc, q); break;
+    case 3: apply_rows_avx2<3>(m, Din, P, ld, kc, q); break;
+    case 2: apply_rows_avx2<2>(m, Din, P, ld, kc, q); break;
+    case 1: apply_rows_avx2<1>(m, Din, P, ld, kc, q); break;
+    default: break;
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+// Four horizontal sums at once: {sum a, sum b, sum c, sum d}.
+__attribute__((target("avx2,fma"), always_inline)) inline __m128 hsum4_avx2(__m256 a, __m256 b,
+                                                                          __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
 }
 
-// Dot products along the contiguous k axis, 4 rows of X x 2 rows of Y per block.
+// C = X Y^T by dot products along the contiguous k axis, 4 rows of X x 3 rows of Y per block
+// (12 accumulators; per 8 columns 7 loads feed 12 FMAs). sym (X == Y): only blocks with j >= i
+// are computed, each written to both (i, j) and (j, i).
 __attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const float* Y,
                                                        int64_t ld, int D, int kc, float* C,
                                                        bool sym) {
   const int kv = kc / 8 * 8;
   for (int i = 0; i < D; i += 4) {
     const int ni = std::min(4, D - i);
-    for (int j = sym ? i / 2 * 2 : 0; j < D; j += 2) {
-      const int nj = std::min(2, D - j);
-      const float* a[4];
-      const float* b[2];
-      for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
-      for (int u = 0; u < 2; ++u) b[u] = Y + (j + std::min(u, nj - 1)) * ld;
-      __m256 acc[4][2];
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* a[4];
+    for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
+    for (int j = sym ? i : 0; j < D; j += 3) {
+      const int nj = std::min(3, D - j);
+      const float* b0 = Y + j * ld;
+      const float* b1 = Y + (j + std::min(1, nj - 1)) * ld;
+      const float* b2 = Y + (j + std::min(2, nj - 1)) * ld;
+      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+      __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
       for (int k = 0; k < kv; k += 8) {
-        const __m256 b0 = _mm256_loadu_ps(b[0] + k), b1 = _mm256_loadu_ps(b[1] + k);
-        for (int r = 0; r < 4; ++r) {
-          const __m256 av = _mm256_loadu_ps(a[r] + k);
-          acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
-        }
+        const __m256 y0 = _mm256_loadu_ps(b0 + k), y1 = _mm256_loadu_ps(b1 + k),
+                     y2 = _mm256_loadu_ps(b2 + k);
+        __m256 x = _mm256_loadu_ps(a[0] + k);
+        c00 = _mm256_fmadd_ps(x, y0, c00);
+        c01 = _mm256_fmadd_ps(x, y1, c01);
+        c02 = _mm256_fmadd_ps(x, y2, c02);
+        x = _mm256_loadu_ps(a[1] + k);
+        c10 = _mm256_fmadd_ps(x, y0, c10);
+        c11 = _mm256_fmadd_ps(x, y1, c11);
+        c12 = _mm256_fmadd_ps(x, y2, c12);
+        x = _mm256_loadu_ps(a[2] + k);
+        c20 = _mm256_fmadd_ps(x, y0, c20);
+        c21 = _mm256_fmadd_ps(x, y1, c21);
+        c22 = _mm256_fmadd_ps(x, y2, c22);
+        x = _mm256_loadu_ps(a[3] + k);
+        c30 = _mm256_fmadd_ps(x, y0, c30);
+        c31 = _mm256_fmadd_ps(x, y1, c31);
+        c32 = _mm256_fmadd_ps(x, y2, c32);
       }
+      float s[3][4];  // s[u][r] = row i+r of X . row j+u of Y
+      _mm_storeu_ps(s[0], hsum4_avx2(c00, c10, c20, c30));
+      _mm_storeu_ps(s[1], hsum4_avx2(c01, c11, c21, c31));
+      _mm_storeu_ps(s[2], hsum4_avx2(c02, c12, c22, c32));
+      const float* b[3] = {b0, b1, b2};
       for (int r = 0; r < ni; ++r)
         for (int u = 0; u < nj; ++u) {
-          float v = hsum_avx2(acc[r][u]);
+          float v = s[u][r];
           for (int k = kv; k < kc; ++k) v += a[r][k] * b[u][k];
           C[(i + r) * D + j + u] = v;
           if (sym) C[(j + u) * D + i + r] = v;
@@ -422,6 +471,7 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
+  double* tmp;   // T x 2 x D x D, dbn_small::inv_sqrt scratch
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
@@ -444,6 +494,7 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
   L.l = c->take<double>(T * q.D);
   L.Wd = c->take<double>(T * DD);
   L.ea = c->take<double>(T * DD);
+  L.tmp = c->take<double>(T * 2 * DD);
   L.work = c->take<double>(T * eig_lwork(q.D));
   L.iwork = c->take<int>(T * eig_liwork(q.D));
   return L;
@@ -522,6 +573,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       for (int64_t d = 0; d < D; ++d) tmean[d] += delta[d] * nb / n;
       na = n;
     }
+    DBN_PROF(1);
     // Per group: Sigma, eigh, W, running statistics.
     const EigScratch es{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
                         static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
@@ -559,7 +611,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       if (finite) {
         eigh(sig, Di, U, l, es);
         dbn_clamp_eigvals(l, Di, a.eps);
-        dbn_inv_sqrt(U, l, Di, Wd, es.a);  // es.a is free after eigh
+        dbn_small::inv_sqrt(U, l, Di, Wd, L.tmp + t * 2 * DD);
       } else {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         std::fill(U, U + DD, nan);
@@ -586,6 +638,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         }
       }
     }
+    DBN_PROF(2);
     // Pass 3: whitening, y = W (x - mu).
     A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
@@ -596,6 +649,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       panel_apply(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out);
       scatter(out, q.ld, q, g, j0, kc, y);
     }
+    DBN_PROF(3);
   }
   return nullptr;
 }
@@ -635,7 +689,7 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x 3 x D x D
+  double* tmp;    // T x 4 x D x D
 };
 
 template <typename A>
@@ -654,7 +708,7 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * 3 * DD);
+  L.tmp = c->take<double>(T * 4 * DD);
   return L;
 }
 
@@ -698,16 +752,19 @@ const char* bwd_impl(const DbnBwdArgs& a) {
       double* dsg = dys_t + g * D;
       for (int64_t d = 0; d < D; ++d) {
         A s = 0;
-        for (int64_t k = 0; k < kc; ++k) s += pdy[d * q.ld + k];
+        const A* row = pdy + d * q.ld;
+#pragma omp simd reduction(+ : s)
+        for (int64_t k = 0; k < kc; ++k) s += row[k];
         dsg[d] += static_cast<double>(s);
       }
     }
+    DBN_PROF(4);
     double* U = L.U + t * DD;
     double* l = L.l + t * D;
     double* GW = L.GW + t * DD;
     double* W = L.W + t * DD;
     double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * 3 * DD;
+    double* tmp = L.tmp + t * 4 * DD;
 #pragma omp for schedule(static)
     for (int64_t g = 0; g < q.G; ++g) {
       for (int64_t i = 0; i < DD; ++i) {
@@ -722,7 +779,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
         L.dymean[g * D + d] = static_cast<A>(s / static_cast<double>(q.m));
         l[d] = static_cast<double>(eigval[g * D + d]);
       }
-      dbn_bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
+      dbn_small::bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
       A* a2 = L.A2 + g * 2 * DD;
       for (int64_t i = 0; i < D; ++i)
         for (int64_t j = 0; j < D; ++j) {
@@ -730,6 +787,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
           a2[i * 2 * D + D + j] = static_cast<A>(B[i * D + j]);
         }
     }
+    DBN_PROF(5);
     // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
     A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
@@ -741,6 +799,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
       panel_apply(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out);
       scatter(out, q.ld, q, g, j0, kc, dx);
     }
+    DBN_PROF(6);
   }
   return nullptr;
 }
