@@ -130,3 +130,46 @@ def test_ql_path_data_scale(scale):
     np.testing.assert_allclose(y, dbn_ref(x, 1, EPS)[0], rtol=1e-8, atol=1e-9)
     rdx = dbn_bwd_ref(x, dy, 1, EPS)
     np.testing.assert_allclose(dx, rdx, rtol=1e-7, atol=1e-8 * np.abs(rdx).max())
+
+
+_BLOCK_CODE = """
+import sys; sys.path.insert(0, {tests!r})
+import numpy as np, mxnet as mx
+from mxnet import autograd
+import gn_mx
+from reference import dbn_ref, dbn_bwd_ref
+# > 4 MB of input: training passes run in blocks of groups (3 + 1 here); the fp64 tensor is also
+# >= 8 MB, which turns on the next-chunk prefetch.
+for dtype, tol in ((np.float64, 1e-9), (np.float32, 2e-4)):
+    rng = np.random.RandomState(5)
+    shape, G = (20, 64, 32, 32), 4
+    x = (rng.randn(*shape) + 0.3).astype(dtype)
+    dy = rng.randn(*shape).astype(dtype)
+    C, D = 64, 16
+    rm = mx.nd.zeros((C,), dtype=dtype)
+    rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
+    xs = mx.nd.array(x, dtype=dtype); xs.attach_grad()
+    with autograd.record():
+        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G)[0]
+    y.backward(mx.nd.array(dy, dtype=dtype))
+    ref, mean, W = dbn_ref(x, G, 1e-5)
+    np.testing.assert_allclose(y.asnumpy(), ref, rtol=tol, atol=tol)
+    rdx = dbn_bwd_ref(x, dy, G, 1e-5)
+    np.testing.assert_allclose(xs.grad.asnumpy(), rdx, rtol=10 * tol, atol=10 * tol * np.abs(rdx).max())
+    np.testing.assert_allclose(rp.asnumpy(), 0.9 * np.eye(D) + 0.1 * W, rtol=1e-5, atol=1e-6)
+print("BLOCKS_OK")
+"""
+
+
+@pytest.mark.parametrize("env", [{}, {"MXNET_ENGINE_TYPE": "NaiveEngine", "OMP_NUM_THREADS": "2"}],
+                         ids=["engine", "naive_two_threads"])
+def test_group_blocks_large_tensor(env):
+    """Large tensors: statistics / D x D / apply passes block by block over the groups."""
+    import os
+    import subprocess
+    import sys
+    from conftest import ROOT
+    code = _BLOCK_CODE.format(tests=os.path.join(ROOT, "tests"))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       cwd=ROOT, env=dict(os.environ, **env))
+    assert p.returncode == 0 and "BLOCKS_OK" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
