@@ -10,12 +10,16 @@
  *   forward 2   Q = W (x - mu) -> scattered (narrowed) into y
  *   backward 1  G_W += dY Xc^T, sum(dY)
  *   backward 2  dX = [W | B] [dY - mean(dY); Xc]  (one product with a D x 2D matrix)
- * Panels are per thread; (group, chunk) items are spread over an OpenMP team. D x D math (eigh,
- * W, backward matrices) is fp64. float panels use AVX2+FMA kernels when the CPU has them
- * (runtime dispatch; GNMX_CPU_ISA=generic disables them), otherwise and for double the BLAS
+ * Panels are per thread; (group, chunk) items are spread over an OpenMP team; tensors > 4 MB run
+ * the passes in blocks of groups (group_block) so a block's second read hits the last-level cache.
+ * D x D math (eigh, W, backward matrices) is fp64: dbn_small_cpu.h (register-blocked products,
+ * Householder + QL eigensolver for D > 8, Jacobi from dbn_math.h up to 8). float panels use
+ * AVX2+FMA kernels when the CPU has them (6 x 16 register tiles for W P, 4 x 3 dot-product tiles
+ * for X Y^T: ~85-97% of the FMA peak in cache; runtime dispatch; GNMX_CPU_ISA=generic disables
+ * them), otherwise and for double the BLAS
  * sgemm/dgemm/syrk of the OpenBLAS shipped in the mxnet wheel (built with OpenMP, so it runs
  * single-threaded inside our team), looked up at run time (see blas() below); without it a
- * naive gemm/syrk and the Jacobi eigensolver keep results correct.
+ * naive gemm/syrk keeps results correct (LAPACK dsyevd is only a fallback of the eigensolver).
  * NB: BLAS sees row-major D x K panels as column-major K x D matrices (leading dimension ld), so
  * a row-major product C = A B is issued as the column-major C^T = B^T A^T.
  */
