@@ -520,6 +520,34 @@ void gather(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, const A
   }
 }
 
+// gather without shift that also returns the row sums of the panel: sum[d] = sum_k P[d*ldp + k]
+// (saves a pass over the panel where the caller needs them).
+template <typename T, typename A>
+void gather_sum(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, A* P, int64_t ldp,
+                A* sum) {
+  for (int64_t d = 0; d < q.D; ++d) sum[d] = A(0);
+  int64_t j = j0, k = 0;
+  while (k < kc) {
+    const int64_t n = j / q.S, s = j % q.S;
+    const int64_t run = std::min(q.S - s, kc - k);
+    const T* base = x + (n * q.C + g * q.D) * q.S + s;
+    for (int64_t d = 0; d < q.D; ++d) {
+      const T* src = base + d * q.S;
+      A* dst = P + d * ldp + k;
+      A acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t r = 0; r < run; ++r) {
+        const A v = to_acc(src[r]);
+        dst[r] = v;
+        acc += v;
+      }
+      sum[d] += acc;
+    }
+    k += run;
+    j += run;
+  }
+}
+
 template <typename T, typename A>
 void scatter(const A* P, int64_t ldp, const Geo& q, int64_t g, int64_t j0, int64_t kc, T* y) {
   int64_t j = j0, k = 0;
@@ -665,13 +693,10 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     for (int64_t it = it0; it < it1; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(x, q, g, j0, kc, static_cast<const A*>(nullptr), panel, q.ld);
+      gather_sum(x, q, g, j0, kc, panel, q.ld, csum);
       for (int64_t d = 0; d < D; ++d) {
         A* row = panel + d * q.ld;
-        A s = 0;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < kc; ++k) s += row[k];
-        const A c = s / static_cast<A>(kc);
+        const A c = csum[d] / static_cast<A>(kc);
         A r = 0;  // residual sum after centring (rounding of c), folded in exactly below
 #pragma omp simd reduction(+ : r)
         for (int64_t k = 0; k < kc; ++k) {
@@ -807,6 +832,7 @@ struct BwdLayout {
   A* panel;       // T x 2D x K
   A* out;         // T x D x K
   A* cb;          // T x D x D
+  A* rsum;        // T x D, a dY panel's row sums
   double* U;      // T x D x D
   double* l;      // T x D
   double* GW;     // T x D x D
@@ -826,6 +852,7 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
   L.panel = c->take<A>(T * 2 * q.D * q.ld);
   L.out = c->take<A>(T * q.D * q.ld);
   L.cb = c->take<A>(T * DD);
+  L.rsum = c->take<A>(T * q.D);
   L.U = c->take<double>(T * DD);
   L.l = c->take<double>(T * q.D);
   L.GW = c->take<double>(T * DD);
@@ -876,20 +903,14 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     for (int64_t it = it0; it < it1; ++it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(dy, q, g, j0, kc, static_cast<const A*>(nullptr), pdy, q.ld);
+      gather_sum(dy, q, g, j0, kc, pdy, q.ld, L.rsum + t * D);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
       panel_gram_pf(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false,  // G_W = dY Xc^T
                     NextChunk<T>(q, it, it1, dy, x));
       double* accg = acc_t + g * DD;
       for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
       double* dsg = dys_t + g * D;
-      for (int64_t d = 0; d < D; ++d) {
-        A s = 0;
-        const A* row = pdy + d * q.ld;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < kc; ++k) s += row[k];
-        dsg[d] += static_cast<double>(s);
-      }
+      for (int64_t d = 0; d < D; ++d) dsg[d] += static_cast<double>(L.rsum[t * D + d]);
     }
     DBN_PROF(4);
 #pragma omp for schedule(static)
