@@ -3,7 +3,9 @@
 - eigensolver: cyclic Jacobi for D <= 8, Householder + implicit QL (dbn_small::eigh_ql) above;
 - float panel kernels: the apply kernel works in blocks of 6 rows of the output (remainders
   1..5) and the gram kernel in 4 x 3 blocks, so D mod 6, mod 4 and mod 3 all matter;
-- fp64 D x D steps (W, the backward's Daleckii-Krein matrices) by register-blocked products.
+- fp64 D x D steps (W, the backward's Daleckii-Krein matrices) by register-blocked products;
+- float32 with AVX2 writes the apply products straight into y / dx when spatial % 16 == 0
+  ("direct"), else through a panel and a scatter: both layouts are covered.
 
 Each case: forward, backward and the running projection against the float64 references of
 tests/reference.py on the rounded inputs, in fp16 / fp32 / fp64; gradients of the QL path also
@@ -43,16 +45,20 @@ def _run(x, dy, G, dtype):
 
 
 # D = 8: last Jacobi size; 9, 16, 33: QL. 11, 13, 14: apply-kernel row remainders 5, 1, 2.
-CASES = [(8, "float32"), (9, "float32"), (11, "float32"), (13, "float32"), (14, "float32"),
-         (16, "float32"), (33, "float32"), (8, "float64"), (9, "float64"), (16, "float64"),
-         (9, "float16"), (16, "float16")]
+# Spatial (7, 3): panel + scatter; (4, 4) and (4, 12): direct output (S = 16, 48).
+CASES = [(8, "float32", (7, 3)), (9, "float32", (7, 3)), (11, "float32", (7, 3)),
+         (13, "float32", (7, 3)), (14, "float32", (7, 3)), (16, "float32", (7, 3)),
+         (33, "float32", (7, 3)), (8, "float64", (7, 3)), (9, "float64", (7, 3)),
+         (16, "float64", (7, 3)), (9, "float16", (7, 3)), (16, "float16", (7, 3)),
+         (11, "float32", (4, 4)), (16, "float32", (4, 12)), (16, "float16", (4, 4))]
 
 
-@pytest.mark.parametrize("D,dtype", CASES, ids=[f"D{d}-{t}" for d, t in CASES])
-def test_group_size_paths_vs_reference(D, dtype):
+@pytest.mark.parametrize("D,dtype,spatial", CASES,
+                         ids=[f"D{d}-{t}-S{s[0] * s[1]}" for d, t, s in CASES])
+def test_group_size_paths_vs_reference(D, dtype, spatial):
     dtype = np.dtype(dtype).type
     G = 2
-    shape = (6, G * D, 7, 3)  # m = 126 > D: full-rank covariance, several odd tails
+    shape = (6, G * D) + spatial  # m = 6 S > D: full-rank covariance, several odd tails
     x = _data(shape, dtype, seed=D)
     dy = np.random.RandomState(D + 1).randn(*shape).astype(dtype)
     y, dx, rp = _run(x, dy, G, dtype)
