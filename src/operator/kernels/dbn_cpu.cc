@@ -769,10 +769,10 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         csum[d] = static_cast<A>(r);
       }
       for (int64_t j = 0; j < D; ++j) {
-        const double rj = static_cast<double>(csum[j]);
+        const double rj = static_cast<double>(csum[j]) / nb, dj = delta[j] * w;
         for (int64_t i = 0; i <= j; ++i)
           accg[i + j * D] += static_cast<double>(cb[i + j * D]) -
-                             static_cast<double>(csum[i]) * rj / nb + delta[i] * delta[j] * w;
+                             static_cast<double>(csum[i]) * rj + delta[i] * dj;
       }
       for (int64_t d = 0; d < D; ++d) tmean[d] += delta[d] * nb / n;
       na = n;
