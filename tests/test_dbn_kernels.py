@@ -4,6 +4,8 @@
 - float panel kernels: the apply kernel works in blocks of 6 rows of the output (remainders
   1..5) and the gram kernel in 4 x 3 blocks, so D mod 6, mod 4 and mod 3 all matter;
 - fp64 D x D steps (W, the backward's Daleckii-Krein matrices) by register-blocked products;
+- threads: for tensors > 4 MB whole groups per thread when the groups divide evenly over the
+  team, else chunk-parallel passes in blocks of groups; smaller tensors chunk-parallel;
 - float32 with AVX2 writes the apply products straight into y / dx when spatial % 16 == 0
   ("direct"), else through a panel and a scatter: both layouts are covered.
 
@@ -144,14 +146,15 @@ import numpy as np, mxnet as mx
 from mxnet import autograd
 import gn_mx
 from reference import dbn_ref, dbn_bwd_ref
-# > 4 MB of input: training passes run in blocks of groups (3 + 1 here); the fp64 tensor is also
-# >= 8 MB, which turns on the next-chunk prefetch.
-for dtype, tol in ((np.float64, 1e-9), (np.float32, 2e-4)):
+# > 4 MB of input (fp64 also >= 8 MB: next-chunk prefetch). G = 3 with 2 threads: the groups do
+# not split evenly, so the passes run chunk-parallel in blocks of groups (2 + 1); with 1 thread,
+# and G = 4 with 2 threads, each thread runs whole groups.
+for dtype, tol, G in ((np.float64, 1e-9, 3), (np.float32, 2e-4, 3), (np.float32, 2e-4, 4)):
     rng = np.random.RandomState(5)
-    shape, G = (20, 64, 32, 32), 4
+    C = 60 if G == 3 else 64
+    shape, D = (20, C, 32, 32), C // G
     x = (rng.randn(*shape) + 0.3).astype(dtype)
     dy = rng.randn(*shape).astype(dtype)
-    C, D = 64, 16
     rm = mx.nd.zeros((C,), dtype=dtype)
     rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
     xs = mx.nd.array(x, dtype=dtype); xs.attach_grad()
@@ -170,7 +173,7 @@ print("BLOCKS_OK")
 @pytest.mark.parametrize("env", [{}, {"MXNET_ENGINE_TYPE": "NaiveEngine", "OMP_NUM_THREADS": "2"}],
                          ids=["engine", "naive_two_threads"])
 def test_group_blocks_large_tensor(env):
-    """Large tensors: statistics / D x D / apply passes block by block over the groups."""
+    """Large tensors: per-thread whole groups, or chunk-parallel passes in blocks of groups."""
     import os
     import subprocess
     import sys
