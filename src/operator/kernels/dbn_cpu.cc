@@ -678,7 +678,7 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
-  double* tmp;   // T x 2 x D x D, dbn_small::inv_sqrt scratch
+  double* tmp;   // T x (2 D^2 + D), dbn_small::inv_sqrt scratch
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
@@ -701,7 +701,7 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
   L.l = c->take<double>(T * q.D);
   L.Wd = c->take<double>(T * DD);
   L.ea = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * 2 * DD);
+  L.tmp = c->take<double>(T * (2 * DD + q.D));
   L.work = c->take<double>(T * eig_lwork(q.D));
   L.iwork = c->take<int>(T * eig_liwork(q.D));
   return L;
@@ -815,7 +815,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       if (finite) {
         eigh(sig, Di, U, l, es);
         dbn_clamp_eigvals(l, Di, a.eps);
-        dbn_small::inv_sqrt(U, l, Di, Wd, L.tmp + t * 2 * DD);
+        dbn_small::inv_sqrt(U, l, Di, Wd, L.tmp + t * (2 * DD + D));
       } else {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         std::fill(U, U + DD, nan);
@@ -913,7 +913,7 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x 4 x D x D
+  double* tmp;    // T x (4 D^2 + 2 D), dbn_small::bwd_group scratch
 };
 
 template <typename A>
@@ -933,7 +933,7 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * 4 * DD);
+  L.tmp = c->take<double>(T * (4 * DD + 2 * q.D));
   return L;
 }
 
@@ -970,7 +970,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     double* GW = L.GW + t * DD;
     double* W = L.W + t * DD;
     double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * 4 * DD;
+    double* tmp = L.tmp + t * (4 * DD + 2 * D);
     A* out = L.out + t * D * q.ld;
     // Pass 1: G_W = dY Xc^T and sum(dY).
     auto gram_chunk = [&](int64_t it, int64_t it_end) {

@@ -9,7 +9,7 @@
  * D x D steps ~20% of a D = 64 forward+backward. Here every product is C = A B with B row-major,
  * so the inner loop runs along contiguous rows of B and C (transposes are explicit D x D copies).
  *
- * dmm_nn has an AVX2+FMA kernel (4 x 8 doubles of C in registers) chosen at run time like the
+ * dmm_nn has an AVX2+FMA kernel (6 x 8 doubles of C in registers) chosen at run time like the
  * float panel kernels of dbn_cpu.cc (GNMX_CPU_ISA=generic forces the portable loop).
  */
 #pragma once
@@ -43,60 +43,61 @@ inline void dmm_nn_generic(const double* A, int lda, const double* B, int ldb, d
 }
 
 #if defined(GNMX_DBN_SMALL_AVX2)
-__attribute__((target("avx2,fma"))) inline void dmm_nn_avx2(const double* A, int lda,
-                                                            const double* B, int ldb, double* C,
-                                                            int ldc, int M, int N, int K) {
-  int i = 0;
-  for (; i + 4 <= M; i += 4) {
-    const double* a0 = A + static_cast<long>(i) * lda;
-    const double* a1 = a0 + lda;
-    const double* a2 = a1 + lda;
-    const double* a3 = a2 + lda;
-    int j = 0;
-    for (; j + 8 <= N; j += 8) {
-      __m256d c00 = _mm256_setzero_pd(), c01 = c00, c10 = c00, c11 = c00;
-      __m256d c20 = c00, c21 = c00, c30 = c00, c31 = c00;
-      const double* b = B + j;
-      for (int k = 0; k < K; ++k, b += ldb) {
-        const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
-        __m256d w = _mm256_broadcast_sd(a0 + k);
-        c00 = _mm256_fmadd_pd(w, b0, c00);
-        c01 = _mm256_fmadd_pd(w, b1, c01);
-        w = _mm256_broadcast_sd(a1 + k);
-        c10 = _mm256_fmadd_pd(w, b0, c10);
-        c11 = _mm256_fmadd_pd(w, b1, c11);
-        w = _mm256_broadcast_sd(a2 + k);
-        c20 = _mm256_fmadd_pd(w, b0, c20);
-        c21 = _mm256_fmadd_pd(w, b1, c21);
-        w = _mm256_broadcast_sd(a3 + k);
-        c30 = _mm256_fmadd_pd(w, b0, c30);
-        c31 = _mm256_fmadd_pd(w, b1, c31);
-      }
-      double* c = C + static_cast<long>(i) * ldc + j;
-      _mm256_storeu_pd(c, c00);
-      _mm256_storeu_pd(c + 4, c01);
-      _mm256_storeu_pd(c + ldc, c10);
-      _mm256_storeu_pd(c + ldc + 4, c11);
-      _mm256_storeu_pd(c + 2 * ldc, c20);
-      _mm256_storeu_pd(c + 2 * ldc + 4, c21);
-      _mm256_storeu_pd(c + 3 * ldc, c30);
-      _mm256_storeu_pd(c + 3 * ldc + 4, c31);
+// Rows [0, R) of C, columns [j, j + 8): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void dmm_tile(
+    const double* A, int lda, const double* B, int ldb, double* C, int ldc, int K) {
+  __m256d c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_pd();
+  const double* b = B;
+  for (int k = 0; k < K; ++k, b += ldb) {
+    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+    for (int r = 0; r < R; ++r) {
+      const __m256d w = _mm256_broadcast_sd(A + static_cast<long>(r) * lda + k);
+      c0[r] = _mm256_fmadd_pd(w, b0, c0[r]);
+      c1[r] = _mm256_fmadd_pd(w, b1, c1[r]);
     }
-    if (j < N)  // remaining columns of these 4 rows
-      for (int r = 0; r < 4; ++r) {
-        double* c = C + static_cast<long>(i + r) * ldc;
-        const double* a = A + static_cast<long>(i + r) * lda;
-        for (int jj = j; jj < N; ++jj) c[jj] = 0.0;
-        for (int k = 0; k < K; ++k) {
-          const double av = a[k];
-          const double* b = B + static_cast<long>(k) * ldb;
-          for (int jj = j; jj < N; ++jj) c[jj] += av * b[jj];
-        }
-      }
   }
-  if (i < M)
-    dmm_nn_generic(A + static_cast<long>(i) * lda, lda, B, ldb, C + static_cast<long>(i) * ldc,
-                   ldc, M - i, N, K);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_pd(C + static_cast<long>(r) * ldc, c0[r]);
+    _mm256_storeu_pd(C + static_cast<long>(r) * ldc + 4, c1[r]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void dmm_rows_avx2(const double* A, int lda, const double* B,
+                                                       int ldb, double* C, int ldc, int N, int K) {
+  int j = 0;
+  for (; j + 8 <= N; j += 8) dmm_tile<R>(A, lda, B + j, ldb, C + j, ldc, K);
+  if (j < N)  // remaining columns
+    for (int r = 0; r < R; ++r) {
+      double* c = C + static_cast<long>(r) * ldc;
+      const double* a = A + static_cast<long>(r) * lda;
+      for (int jj = j; jj < N; ++jj) c[jj] = 0.0;
+      for (int k = 0; k < K; ++k) {
+        const double av = a[k];
+        const double* b = B + static_cast<long>(k) * ldb;
+        for (int jj = j; jj < N; ++jj) c[jj] += av * b[jj];
+      }
+    }
+}
+
+inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, double* C, int ldc,
+                        int M, int N, int K) {
+  int i = 0;
+  for (; i + 6 <= M; i += 6)
+    dmm_rows_avx2<6>(A + static_cast<long>(i) * lda, lda, B, ldb, C + static_cast<long>(i) * ldc,
+                     ldc, N, K);
+  const double* a = A + static_cast<long>(i) * lda;
+  double* c = C + static_cast<long>(i) * ldc;
+  switch (M - i) {
+    case 5: dmm_rows_avx2<5>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 4: dmm_rows_avx2<4>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 3: dmm_rows_avx2<3>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 2: dmm_rows_avx2<2>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 1: dmm_rows_avx2<1>(a, lda, B, ldb, c, ldc, N, K); break;
+    default: break;
+  }
 }
 
 inline bool use_avx2() {
@@ -123,13 +124,15 @@ inline void transpose(const double* A, int D, double* At) {
     for (int j = 0; j < D; ++j) At[j * D + i] = A[i * D + j];
 }
 
-// W = U diag(l^-1/2) U^T (= dbn_inv_sqrt). tmp: 2*D*D doubles.
+// W = U diag(l^-1/2) U^T (= dbn_inv_sqrt). tmp: 2*D*D + D doubles.
 inline void inv_sqrt(const double* U, const double* l, int D, double* W, double* tmp) {
   double* V = tmp;          // U diag(l^-1/2)
   double* Ut = tmp + D * D;
+  double* r = tmp + 2 * D * D;  // l^-1/2: D square roots, not D^2
+  for (int k = 0; k < D; ++k) r[k] = 1.0 / std::sqrt(l[k]);
   for (int i = 0; i < D; ++i)
     for (int k = 0; k < D; ++k) {
-      V[i * D + k] = U[i * D + k] / std::sqrt(l[k]);
+      V[i * D + k] = U[i * D + k] * r[k];
       Ut[k * D + i] = U[i * D + k];
     }
   dmm_nn(V, D, Ut, D, W, D, D, D, D);
@@ -138,13 +141,19 @@ inline void inv_sqrt(const double* U, const double* l, int D, double* W, double*
 }
 
 // The backward D x D step (= dbn_bwd_group): W = Sigma^{-1/2} and B = (2/m) U (K o (U^T sym(GW)
-// U)) U^T. tmp: 4*D*D doubles.
+// U)) U^T. tmp: 4*D*D + 2*D doubles.
 inline void bwd_group(const double* U, const double* l, const double* GW, int D, double m,
                       double* W, double* B, double* tmp) {
   double* H = tmp;
   double* T = tmp + D * D;
   double* Ut = tmp + 2 * D * D;
   double* V = tmp + 3 * D * D;
+  double* sq = tmp + 4 * D * D;  // sqrt(l)
+  double* r = sq + D;            // l^-1/2
+  for (int k = 0; k < D; ++k) {
+    sq[k] = std::sqrt(l[k]);
+    r[k] = 1.0 / sq[k];
+  }
   for (int i = 0; i < D; ++i)
     for (int j = 0; j < D; ++j) {
       H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
@@ -152,8 +161,10 @@ inline void bwd_group(const double* U, const double* l, const double* GW, int D,
     }
   dmm_nn(H, D, U, D, T, D, D, D, D);   // T = sym(GW) U
   dmm_nn(Ut, D, T, D, H, D, D, D, D);  // H = U^T sym(GW) U
+  // K_ij = dbn_inv_sqrt_divdiff(l_i, l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j))),
+  // from the D square roots (D^2 sqrt calls were ~30% of this step at D = 64).
   for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) H[i * D + j] *= dbn_inv_sqrt_divdiff(l[i], l[j]);
+    for (int j = 0; j < D; ++j) H[i * D + j] *= -1.0 / (sq[i] * sq[j] * (sq[i] + sq[j]));
   dmm_nn(U, D, H, D, T, D, D, D, D);   // T = U H
   dmm_nn(T, D, Ut, D, B, D, D, D, D);  // B = T U^T
   const double two_over_m = 2.0 / m;
@@ -163,7 +174,7 @@ inline void bwd_group(const double* U, const double* l, const double* GW, int D,
       B[i * D + j] = B[j * D + i] = b;
     }
   for (int i = 0; i < D; ++i)
-    for (int k = 0; k < D; ++k) V[i * D + k] = U[i * D + k] / std::sqrt(l[k]);
+    for (int k = 0; k < D; ++k) V[i * D + k] = U[i * D + k] * r[k];
   dmm_nn(V, D, Ut, D, W, D, D, D, D);  // W = U diag(l^-1/2) U^T
   for (int i = 0; i < D; ++i)
     for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
