@@ -104,7 +104,9 @@ const Blas& blas() {
 using Carver = WorkspaceCarver<kAlign>;
 
 // Stage timestamps for benchmarks/dbn_stages.cc (built with -DGNMX_DBN_PROFILE); no-ops otherwise.
-// Placed right after an `omp for` (its implicit barrier), so thread 0's clock marks the stage end.
+// Placed right after an `omp for` (its implicit barrier), so thread 0's clock marks the stage end;
+// meaningful for the chunk-parallel schedule over all groups (GNMX_DBN_PROFILE_CHUNKED=1 forces
+// it in a profiling build; whole-group and blocked schedules interleave the stages).
 #if defined(GNMX_DBN_PROFILE)
 }  // namespace
 double g_dbn_prof[16];
@@ -646,6 +648,9 @@ void store_any(DType t, void* p, int64_t i, double v) {
 constexpr int64_t kBlockBytes = int64_t(4) << 20;
 
 int64_t group_block(const Geo& q, size_t elem, int nt) {
+#if defined(GNMX_DBN_PROFILE)
+  if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return q.G;
+#endif
   const int64_t group_bytes = q.D * q.m * static_cast<int64_t>(elem);
   if (group_bytes * q.G <= kBlockBytes) return q.G;
   const int64_t gb = std::max<int64_t>(nt, kBlockBytes / std::max<int64_t>(group_bytes, 1));
@@ -658,6 +663,9 @@ int64_t group_block(const Geo& q, size_t elem, int nt) {
 // 3.6 vs 3.9-4.2 ms. Small tensors keep the chunk-parallel passes (there the per-group split was
 // 5-15% slower: 8x128x32x32 G=8).
 bool use_per_group(const Geo& q, size_t elem, int nt) {
+#if defined(GNMX_DBN_PROFILE)
+  if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return false;  // stage timestamps need the passes
+#endif
   return q.G % nt == 0 && q.D * q.m * q.G * static_cast<int64_t>(elem) > kBlockBytes;
 }
 
