@@ -146,7 +146,7 @@ import numpy as np, mxnet as mx
 from mxnet import autograd
 import gn_mx
 from reference import dbn_ref, dbn_bwd_ref
-# > 4 MB of input (fp64 also >= 8 MB: next-chunk prefetch). G = 3 with 2 threads: the groups do
+# > 4 MB of input. G = 3 with 2 threads: the groups do
 # not split evenly, so the passes run chunk-parallel in blocks of groups (2 + 1); with 1 thread,
 # and G = 4 with 2 threads, each thread runs whole groups.
 for dtype, tol, G in ((np.float64, 1e-9, 3), (np.float32, 2e-4, 3), (np.float32, 2e-4, 4)):

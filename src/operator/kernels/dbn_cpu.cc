@@ -301,10 +301,9 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m128 hsum4_avx2(__m2
 // are computed, each written to both (i, j) and (j, i).
 __attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const float* Y,
                                                        int64_t ld, int D, int kc, float* C,
-                                                       bool sym, int i_begin = 0,
-                                                       int i_end = INT_MAX) {
+                                                       bool sym) {
   const int kv = kc / 8 * 8;
-  for (int i = i_begin; i < std::min(D, i_end); i += 4) {
+  for (int i = 0; i < D; i += 4) {
     const int ni = std::min(4, D - i);
     const float* a[4];
     for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
@@ -395,121 +394,21 @@ inline void panel_gram(const float* X, const float* Y, int64_t ld, int D, int kc
   panel_gram_blas(X, Y, ld, D, kc, C, sym);
 }
 
-// ---- Prefetching the next chunk ---------------------------------------------------------------
-// On tensors too large for the caches, a chunk's gather waits on memory while the panel products
-// leave the load ports idle. So each product is split into parts, and after each part 1/np of the
-// rows of the next chunk (item it + 1, in the same static block except at its end) is prefetched:
-// the next gather then reads from cache. Measured on a Zen 4 (loaded, noisy): D = 64 passes of
-// an 8 MB tensor 0-10% faster, 4 MB tensors no gain (so off below 8 MB).
-constexpr int64_t kPrefetchBytes = int64_t(8) << 20;  // tensors from this size on
-constexpr int kPrefetchParts = 8;
-
-template <typename T>
-void prefetch_rows(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, int64_t d0,
-                   int64_t d1) {
-  int64_t j = j0, k = 0;
-  while (k < kc) {
-    const int64_t n = j / q.S, s = j % q.S;
-    const int64_t run = std::min(q.S - s, kc - k);
-    const char* base = reinterpret_cast<const char*>(x + (n * q.C + g * q.D) * q.S + s);
-    const int64_t bytes = run * static_cast<int64_t>(sizeof(T));
-    for (int64_t d = d0; d < d1; ++d) {
-      const char* r = base + d * q.S * static_cast<int64_t>(sizeof(T));
-      for (int64_t o = 0; o < bytes; o += 64) __builtin_prefetch(r + o, 0, 3);
-    }
-    k += run;
-    j += run;
-  }
-}
-
-// The chunk after item `it` of up to two source tensors; part(p, np) prefetches rows
-// [D p / np, D (p + 1) / np) of it. Off for small tensors and for the last item.
-template <typename T>
-struct NextChunk {
-  const T* src0 = nullptr;
-  const T* src1 = nullptr;
-  const Geo* q = nullptr;
-  int64_t g = 0, j0 = 0, kc = 0;
-  bool on = false;
-  NextChunk(const Geo& geo, int64_t it, int64_t items, const T* a, const T* b = nullptr)
-      : src0(a), src1(b), q(&geo) {
-    on = it + 1 < items &&
-         geo.N * geo.C * geo.S * static_cast<int64_t>(sizeof(T)) >= kPrefetchBytes;
-    if (!on) return;
-    g = (it + 1) / geo.nchunk;
-    j0 = ((it + 1) % geo.nchunk) * geo.K;
-    kc = std::min(geo.K, geo.m - j0);
-  }
-  void part(int p, int np) const {
-    if (!on) return;
-    const int64_t d0 = q->D * p / np, d1 = q->D * (p + 1) / np;
-    prefetch_rows(src0, *q, g, j0, kc, d0, d1);
-    if (src1) prefetch_rows(src1, *q, g, j0, kc, d0, d1);
-  }
-};
-
-// panel_apply in column parts with the next chunk's prefetch in between.
-template <typename A, typename PF>
-void panel_apply_pf(const A* M, int Dout, int Din, const A* P, int64_t ld, int kc, A* Q,
-                    const PF& pf) {
-  if (!pf.on) return panel_apply(M, Dout, Din, P, ld, kc, Q);
-  const int np = kPrefetchParts;
-  int c0 = 0;
-  for (int p = 0; p < np; ++p) {
-    const int c1 = p + 1 == np ? kc : std::min(kc, (kc * (p + 1) / np + 15) / 16 * 16);
-    if (c1 > c0) panel_apply(M, Dout, Din, P + c0, ld, c1 - c0, Q + c0);
-    pf.part(p, np);
-    c0 = std::max(c0, c1);
-  }
-}
-
-// panel_gram in row-block parts (AVX2 float) with the prefetch in between; other paths run the
-// whole product first.
-template <typename A, typename PF>
-void panel_gram_pf(const A* X, const A* Y, int64_t ld, int D, int kc, A* C, bool sym,
-                   const PF& pf) {
-#if defined(GNMX_DBN_AVX2)
-  if (std::is_same<A, float>::value && use_avx2() && pf.on) {
-    const int np = std::min(kPrefetchParts, (D + 3) / 4);
-    const int blocks = (D + 3) / 4;
-    for (int p = 0; p < np; ++p) {
-      const int b0 = blocks * p / np, b1 = blocks * (p + 1) / np;
-      gram_f32_avx2(reinterpret_cast<const float*>(X), reinterpret_cast<const float*>(Y), ld, D,
-                    kc, reinterpret_cast<float*>(C), sym, 4 * b0, 4 * b1);
-      pf.part(p, np);
-    }
-    return;
-  }
-#endif
-  panel_gram(X, Y, ld, D, kc, C, sym);
-  for (int p = 0; p < kPrefetchParts; ++p) pf.part(p, kPrefetchParts);
-}
-
 // Q = M P for chunk (g, j0, kc), written into y: straight from the kernel's registers for float
 // data with AVX2 when S % 16 == 0 (K is a multiple of 16, so are j0 and kc: no tile crosses a
 // sample), else into the panel `out` and scattered (narrowing to T). Measured on a Zen 4: the
 // scatter pass was 15-20% of each apply pass.
-template <typename T, typename A, typename PF>
+template <typename T, typename A>
 void apply_out(const A* M, int Dout, int Din, const A* P, int64_t ld, int kc, A* out,
-               const Geo& q, int64_t g, int64_t j0, T* y, const PF& pf) {
+               const Geo& q, int64_t g, int64_t j0, T* y) {
 #if defined(GNMX_DBN_AVX2)
   if constexpr (std::is_same<T, float>::value) {
-    if (use_avx2() && q.S % 16 == 0) {
-      const OutCols oc{y + g * q.D * q.S, q.S, q.S, q.C * q.S, j0};
-      if (!pf.on) return apply_f32_avx2(M, Dout, Din, P, ld, kc, oc);
-      const int np = kPrefetchParts;
-      int c0 = 0;
-      for (int p = 0; p < np; ++p) {
-        const int c1 = p + 1 == np ? kc : std::min(kc, (kc * (p + 1) / np + 15) / 16 * 16);
-        if (c1 > c0) apply_f32_avx2(M, Dout, Din, P + c0, ld, c1 - c0, oc.cols(c0));
-        pf.part(p, np);
-        c0 = std::max(c0, c1);
-      }
-      return;
-    }
+    if (use_avx2() && q.S % 16 == 0)
+      return apply_f32_avx2(M, Dout, Din, P, ld, kc,
+                            OutCols{y + g * q.D * q.S, q.S, q.S, q.C * q.S, j0});
   }
 #endif
-  panel_apply_pf(M, Dout, Din, P, ld, kc, out, pf);
+  panel_apply(M, Dout, Din, P, ld, kc, out);
   scatter(out, ld, q, g, j0, kc, y);
 }
 
@@ -757,7 +656,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     double* l = L.l + t * D;
     double* Wd = L.Wd + t * DD;
     A* out = L.out + t * D * q.ld;
-    auto stats_chunk = [&](int64_t it, int64_t it_end) {
+    auto stats_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather_sum(x, q, g, j0, kc, panel, q.ld, csum);
@@ -773,8 +672,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         csum[d] = c;  // chunk mean = c + r / kc
         delta[d] = static_cast<double>(r);
       }
-      panel_gram_pf(panel, panel, q.ld, Di, static_cast<int>(kc), cb, true,
-                    NextChunk<T>(q, it, it_end, x));
+      panel_gram(panel, panel, q.ld, Di, static_cast<int>(kc), cb, true);
       double* accg = acc_t + g * DD;
       double* tmean = L.tmean + (t * q.G + g) * D;
       double& na = L.tcnt[t * q.G + g];
@@ -851,33 +749,32 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       }
     };
     // Pass 3: whitening, y = W (x - mu).
-    auto whiten_chunk = [&](int64_t it, int64_t it_end) {
+    auto whiten_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
-      apply_out(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y,
-                NextChunk<T>(q, it, it_end, x));
+      apply_out(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     };
     if (per_group) {  // each thread runs whole groups: no barrier between the passes
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < q.G; ++g) {
         const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
-        for (int64_t it = it0; it < it1; ++it) stats_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
         finish_group(g);
-        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
       }
       DBN_PROF(1); DBN_PROF(2); DBN_PROF(3);
     } else {
       for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
         const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
 #pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) stats_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
         DBN_PROF(1);
 #pragma omp for schedule(static)
         for (int64_t g = g0; g < g1; ++g) finish_group(g);
         DBN_PROF(2);
 #pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
         DBN_PROF(3);
       }
     }
@@ -981,13 +878,12 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     double* tmp = L.tmp + t * (4 * DD + 2 * D);
     A* out = L.out + t * D * q.ld;
     // Pass 1: G_W = dY Xc^T and sum(dY).
-    auto gram_chunk = [&](int64_t it, int64_t it_end) {
+    auto gram_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather_sum(dy, q, g, j0, kc, pdy, q.ld, L.rsum + t * D);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
-      panel_gram_pf(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false,  // G_W = dY Xc^T
-                    NextChunk<T>(q, it, it_end, dy, x));
+      panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
       double* accg = acc_t + g * DD;
       for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
       double* dsg = dys_t + g * D;
@@ -1015,34 +911,33 @@ const char* bwd_impl(const DbnBwdArgs& a) {
         }
     };
     // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
-    auto apply_chunk = [&](int64_t it, int64_t it_end) {
+    auto apply_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, q.ld);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
-      apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out, q, g, j0,
-                dx, NextChunk<T>(q, it, it_end, dy, x));
+      apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out, q, g, j0, dx);
     };
     if (per_group) {  // each thread runs whole groups: no barrier between the passes
 #pragma omp for schedule(static)
       for (int64_t g = 0; g < q.G; ++g) {
         const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
-        for (int64_t it = it0; it < it1; ++it) gram_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
         group_step(g);
-        for (int64_t it = it0; it < it1; ++it) apply_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
       }
       DBN_PROF(4); DBN_PROF(5); DBN_PROF(6);
     } else {
       for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
         const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
 #pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) gram_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
         DBN_PROF(4);
 #pragma omp for schedule(static)
         for (int64_t g = g0; g < g1; ++g) group_step(g);
         DBN_PROF(5);
 #pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) apply_chunk(it, it1);
+        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
         DBN_PROF(6);
       }
     }
@@ -1099,8 +994,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
-      apply_out(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y,
-                NextChunk<T>(q, it, items, x));
+      apply_out(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     }
   }
   return nullptr;
