@@ -1,174 +1,302 @@
-"""Time gn_dbn (Decorrelated BN) forward and forward+backward against gn_group_norm, and against a
-torch implementation (eigh + autograd) when torch is importable.
+#!/usr/bin/env python
+"""Decorrelated BN on the CPU: gn_dbn / gn_dbn_inference against a PyTorch eigh + autograd
+implementation, side by side.
 
-    OMP_NUM_THREADS=2 python benchmarks/bench_dbn.py            # issue shapes, fp32
-    python benchmarks/bench_dbn.py --threads 1 --repeat 20
+    python benchmarks/bench_dbn.py                     # 1 and 2 threads x both allocator regimes
+    python benchmarks/bench_dbn.py --threads 2 --regimes keep --rounds 15
+    python benchmarks/bench_dbn.py --no-write          # print only
 
---threads sets OMP_NUM_THREADS before MXNet is imported and torch.set_num_threads. NB: MXNet's
-threaded engine runs library ops on worker threads whose OpenMP team is 1 thread whatever
-OMP_NUM_THREADS says (measured: process CPU time == wall time), so gn_dbn/gn_group_norm use one
-thread per op there; --naive (MXNET_ENGINE_TYPE=NaiveEngine) runs ops on the calling thread, where
-OMP_NUM_THREADS applies. The "thr" column is process CPU time / wall time of gn_dbn fwd+bwd, i.e.
-the threads actually used. Reported: median wall-clock ms per call.
+Contenders (same data, shapes, eps, thread count; one process per (threads, regime), interleaved
+round-robin: each round runs every contender once, one sample = a loop of calls >= --min-sample-s):
+  gn_fwd / gn_fwdbwd  mx.nd.gn_dbn forward, and forward + backward under autograd (dx)
+  gn_inf              mx.nd.gn_dbn_inference (y = P (x - running_mean))
+  torch_fwd / torch_fwdbwd / torch_inf
+                      the usual framework implementation: (N, C, *) -> (G, D, m) permute, centre,
+                      covariance by matmul, torch.linalg.eigh in float64, W = U diag(l^-1/2) U^T,
+                      y = W xc, permute back; backward by autograd. torch_inf: y = P (x - mean) with
+                      the same permutes.
+  bmm                 torch.bmm((G, D, D), (G, D, m)) on already grouped, contiguous data: the bare
+                      matrix product of the inference op (no layout change, no centring).
+Machine bounds measured in each child with torch: sgemm GFLOP/s (2048^3) and copy GB/s (64 MB
+clone: read + write), so the inference op is reported as GFLOP/s and GB/s against them.
+
+Thread counts: OMP_NUM_THREADS=t before MXNet is imported (MXNet sizes its OpenMP teams from it),
+torch.set_num_threads(t). Reported per contender: median and min ms per call over rounds, and the
+process CPU time per call / wall time ("thr": threads actually busy; < t on a loaded machine).
+Regimes: "default" = glibc as shipped (MXNet page-faults fresh outputs in on every call), "keep" =
+MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (freed memory reused).
+Writes benchmarks/results/dbn_cpu.{md,json} unless --no-write.
 """
 import argparse
+import json
 import os
+import platform
+import subprocess
 import sys
 import time
 
-SHAPES = [  # (N, C, H, W), num_groups: the issue's anchors (group size 16, 16, 64, 32)
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+SHAPES = [  # (N, C, H, W), num_groups: group sizes 16, 16, 64, 32
     ((32, 64, 16, 16), 4),
     ((8, 128, 32, 32), 8),
     ((128, 256, 8, 8), 4),
     ((16, 64, 32, 32), 2),
 ]
+EPS = 1e-5
+KEEP_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
+            "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+CONTENDERS = ["gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwd", "torch_fwdbwd", "torch_inf", "bmm"]
 
 
-def parse():
-    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--threads", type=int, default=int(os.environ.get("OMP_NUM_THREADS", "0") or 0),
-                   help="OpenMP threads (default: $OMP_NUM_THREADS, else MXNet's default)")
-    p.add_argument("--repeat", type=int, default=10)
-    p.add_argument("--dtype", default="float32", choices=["float16", "float32", "float64"])
-    p.add_argument("--no-torch", action="store_true")
-    p.add_argument("--naive", action="store_true",
-                   help="MXNET_ENGINE_TYPE=NaiveEngine: ops run on the calling thread")
-    return p.parse_args()
+def _median(v):
+    v = sorted(v)
+    n = len(v)
+    return v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2])
 
 
-def median_ms(fn, repeat, sync, cpu_ratio=None):
-    fn()
-    sync()
-    times = []
-    wall = cpu = 0.0
-    for _ in range(repeat):
-        c0 = time.process_time()
+def round_robin(fns, rounds, min_sample_s, max_time_s):
+    """fns: name -> (step, sync). Returns name -> {med_ms, min_ms, thr}."""
+    inner, wall, cpu = {}, {}, {}
+    for name, (step, sync) in fns.items():
+        step(); sync()  # warm-up: allocations, first-call set-up
         t0 = time.perf_counter()
-        fn()
-        sync()
-        dt = time.perf_counter() - t0
-        times.append(dt * 1e3)
-        wall += dt
-        cpu += time.process_time() - c0
-    if cpu_ratio is not None:
-        cpu_ratio.append(cpu / wall)
-    times.sort()
-    return times[len(times) // 2]
+        step(); sync()
+        one = max(time.perf_counter() - t0, 1e-6)
+        inner[name] = max(1, int(min_sample_s / one))
+        wall[name], cpu[name] = [], []
+    t_start = time.perf_counter()
+    for r in range(rounds):
+        for name, (step, sync) in fns.items():
+            k = inner[name]
+            c0 = time.process_time()
+            t0 = time.perf_counter()
+            for _ in range(k):
+                step()
+            sync()
+            wall[name].append((time.perf_counter() - t0) / k)
+            cpu[name].append((time.process_time() - c0) / k)
+        if r >= 4 and time.perf_counter() - t_start > max_time_s:
+            break
+    return {n: {"med_ms": 1e3 * _median(wall[n]), "min_ms": 1e3 * min(wall[n]),
+                "cpu_med_ms": 1e3 * _median(cpu[n]), "cpu_min_ms": 1e3 * min(cpu[n]),
+                "thr": sum(cpu[n]) / sum(wall[n]), "samples": len(wall[n])} for n in fns}
 
 
-def mx_timings(shape, G, dtype, repeat):
+# ------------------------------------------------------------------------------------------------
+# Child: one thread count, one allocator regime
+
+
+def child_main(args):
+    sys.path.insert(0, os.path.join(ROOT, "python"))
     import numpy as np
     import mxnet as mx
     from mxnet import autograd
+    import torch
     import gn_mx  # noqa: F401
 
-    N, C = shape[:2]
-    D = C // G
-    x = mx.nd.array(np.random.randn(*shape), dtype=dtype)
-    dy = mx.nd.array(np.random.randn(*shape), dtype=dtype)
-    rm = mx.nd.zeros((C,), dtype=dtype)
-    rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
-    gamma = mx.nd.ones((C,), dtype=dtype)
-    beta = mx.nd.zeros((C,), dtype=dtype)
-    x.attach_grad()
-    sync = mx.nd.waitall
+    t = int(os.environ["OMP_NUM_THREADS"])
+    torch.set_num_threads(t)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    out = {"threads": t, "torch": torch.__version__, "mxnet": mx.__version__,
+           "load_before": os.getloadavg(), "shapes": []}
 
-    def dbn_fwd():
-        mx.nd.gn_dbn(x, rm, rp, num_groups=G)
+    # Machine bounds, measured with torch at this thread count.
+    a = torch.randn(2048, 2048)
+    b = torch.randn(2048, 2048)
+    big = torch.randn(16 << 20)  # 64 MB
+    dst = torch.empty_like(big)  # preallocated: a warm copy, whatever the allocator regime
+    sink = {}
 
-    def dbn_fwd_bwd():
-        with autograd.record():
-            y = mx.nd.gn_dbn(x, rm, rp, num_groups=G)[0]
-        y.backward(dy)
+    def gemm():
+        sink["c"] = a @ b
 
-    def dbn_inf():
-        mx.nd.gn_dbn_inference(x, rm, rp, num_groups=G)
+    def copy():
+        dst.copy_(big)
 
-    def gn_fwd():
-        mx.nd.gn_group_norm(x, gamma, beta, num_groups=G)
+    r = round_robin({"gemm": (gemm, lambda: None), "copy": (copy, lambda: None)},
+                    rounds=max(5, args.rounds // 2), min_sample_s=0.05, max_time_s=10)
+    out["sgemm_gflops"] = 2 * 2048 ** 3 / (r["gemm"]["min_ms"] * 1e-3) / 1e9
+    out["copy_gbs"] = 2 * big.numel() * 4 / (r["copy"]["min_ms"] * 1e-3) / 1e9
+    del sink["c"], dst, big
 
-    def gn_fwd_bwd():
-        with autograd.record():
-            y = mx.nd.gn_group_norm(x, gamma, beta, num_groups=G)[0]
-        y.backward(dy)
+    for shape, G in SHAPES:
+        N, C = shape[:2]
+        D = C // G
+        S = int(np.prod(shape[2:]))
+        m = N * S
+        xnp = np.random.randn(*shape).astype(np.float32)
+        xnp[:, 1:] += 0.5 * xnp[:, :-1]  # correlated channels
+        dynp = np.random.randn(*shape).astype(np.float32)
+        x = mx.nd.array(xnp)
+        dy = mx.nd.array(dynp)
+        rm = mx.nd.zeros((C,))
+        rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)))
+        x.attach_grad()
 
-    ratio = []
-    r = {k: median_ms(f, repeat, sync, ratio if k == "dbn_fwd_bwd" else None) for k, f in [
-        ("dbn_fwd", dbn_fwd), ("dbn_fwd_bwd", dbn_fwd_bwd), ("dbn_inference", dbn_inf),
-        ("gn_fwd", gn_fwd), ("gn_fwd_bwd", gn_fwd_bwd)]}
-    r["thr"] = ratio[0]
-    return r
+        def gn_fwd():
+            mx.nd.gn_dbn(x, rm, rp, num_groups=G, eps=EPS)
+
+        def gn_fwdbwd():
+            with autograd.record():
+                y = mx.nd.gn_dbn(x, rm, rp, num_groups=G, eps=EPS)[0]
+            y.backward(dy)
+
+        def gn_inf():
+            mx.nd.gn_dbn_inference(x, rm, rp, num_groups=G)
+
+        tx = torch.from_numpy(xnp.copy()).requires_grad_(True)
+        tdy = torch.from_numpy(dynp.copy())
+        tP = torch.eye(D).repeat(G, 1, 1).contiguous()
+        tmean = torch.zeros(C)
+        txg = torch.randn(G, D, m)
+
+        def dbn_torch(xt):
+            xg = xt.reshape(N, G, D, S).permute(1, 2, 0, 3).reshape(G, D, m)
+            xc = xg - xg.mean(dim=2, keepdim=True)
+            sigma = xc @ xc.transpose(1, 2) / m + EPS * torch.eye(D, dtype=xt.dtype)
+            lam, U = torch.linalg.eigh(sigma.double())
+            W = (U * lam.rsqrt().unsqueeze(1)) @ U.transpose(1, 2)
+            y = W.to(xt.dtype) @ xc
+            return y.reshape(G, D, N, S).permute(2, 0, 1, 3).reshape(xt.shape)
+
+        def torch_fwd():
+            with torch.no_grad():
+                sink["y"] = dbn_torch(tx)
+
+        def torch_fwdbwd():
+            tx.grad = None
+            dbn_torch(tx).backward(tdy)
+
+        def torch_inf():
+            with torch.no_grad():
+                xg = tx.reshape(N, G, D, S).permute(1, 2, 0, 3).reshape(G, D, m)
+                y = tP @ (xg - tmean.reshape(G, D, 1))
+                sink["y"] = y.reshape(G, D, N, S).permute(2, 0, 1, 3).reshape(tx.shape)
+
+        def bmm():
+            sink["y"] = torch.bmm(tP, txg)
+
+        mxs, nos = mx.nd.waitall, (lambda: None)
+        fns = {"gn_fwd": (gn_fwd, mxs), "gn_fwdbwd": (gn_fwdbwd, mxs), "gn_inf": (gn_inf, mxs),
+               "torch_fwd": (torch_fwd, nos), "torch_fwdbwd": (torch_fwdbwd, nos),
+               "torch_inf": (torch_inf, nos), "bmm": (bmm, nos)}
+        res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
+        sink.clear()
+        out["shapes"].append({"shape": list(shape), "G": G, "D": D, "m": m, "res": res})
+        print(f"# threads={t} {shape} G={G}: " + ", ".join(
+            f"{k} {v['med_ms']:.2f}" for k, v in res.items()), file=sys.stderr, flush=True)
+    out["load_after"] = os.getloadavg()
+    print(json.dumps(out))
 
 
-def torch_timings(shape, G, dtype, repeat):
-    import torch
+# ------------------------------------------------------------------------------------------------
+# Parent
 
-    tdtype = getattr(torch, dtype)
-    N, C = shape[:2]
-    D = C // G
 
-    def dbn(x, eps=1e-5):
-        # (N, C, *) -> (G, D, m): the layout transposes are part of a framework implementation.
-        xg = x.reshape(N, G, D, -1).permute(1, 2, 0, 3).reshape(G, D, -1)
-        m = xg.shape[2]
-        xc = xg - xg.mean(dim=2, keepdim=True)
-        sigma = xc @ xc.transpose(1, 2) / m + eps * torch.eye(D, dtype=x.dtype)
-        lam, U = torch.linalg.eigh(sigma.double())
-        W = (U * lam.rsqrt().unsqueeze(1)) @ U.transpose(1, 2)
-        y = W.to(x.dtype) @ xc
-        return y.reshape(G, D, N, -1).permute(2, 0, 1, 3).reshape(x.shape)
+def machine_info():
+    cpu, flags = platform.processor() or "", []
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name") and not cpu:
+                    cpu = line.split(":", 1)[1].strip()
+                if line.startswith("flags") and not flags:
+                    fl = line.split()
+                    flags = [k for k in ("avx2", "fma", "f16c", "avx512f") if k in fl]
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "isa_flags": flags,
+            "system": platform.platform(), "python": platform.python_version()}
 
-    x = torch.randn(*shape, dtype=tdtype, requires_grad=True)
-    dy = torch.randn(*shape, dtype=tdtype)
 
-    def fwd():
-        with torch.no_grad():
-            dbn(x)
-
-    def fwd_bwd():
-        y = dbn(x)
-        y.backward(dy)
-
-    return {"torch_fwd": median_ms(fwd, repeat, lambda: None),
-            "torch_fwd_bwd": median_ms(fwd_bwd, repeat, lambda: None)}
+def table(run):
+    """Markdown table of one (threads, regime) child result."""
+    lines = ["| shape | G | D | gn_dbn fwd | gn_dbn fwd+bwd (thr) | torch fwd | torch fwd+bwd (thr) "
+             "| **fwd+bwd speed-up** | CPU-time speed-up | fwd speed-up | gn_dbn_inference | torch inf "
+             "| bmm | inf GFLOP/s | inf GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in run["shapes"]:
+        r = s["res"]
+        elems = s["shape"][1] * s["m"]  # C * N * spatial
+        inf_s = r["gn_inf"]["med_ms"] * 1e-3
+        gflops = 2 * s["D"] ** 2 * s["m"] * s["G"] / inf_s / 1e9
+        gbs = 2 * elems * 4 / inf_s / 1e9
+        shape = "x".join(str(v) for v in s["shape"])
+        lines.append(
+            f"| {shape} | {s['G']} | {s['D']} | {r['gn_fwd']['med_ms']:.2f} | "
+            f"{r['gn_fwdbwd']['med_ms']:.2f} ({r['gn_fwdbwd']['thr']:.1f}) | "
+            f"{r['torch_fwd']['med_ms']:.2f} | "
+            f"{r['torch_fwdbwd']['med_ms']:.2f} ({r['torch_fwdbwd']['thr']:.1f}) | "
+            f"**{r['torch_fwdbwd']['med_ms'] / r['gn_fwdbwd']['med_ms']:.2f}x** "
+            f"(min {r['torch_fwdbwd']['min_ms'] / r['gn_fwdbwd']['min_ms']:.2f}x) | "
+            f"{r['torch_fwdbwd']['cpu_med_ms'] / r['gn_fwdbwd']['cpu_med_ms']:.2f}x | "
+            f"{r['torch_fwd']['med_ms'] / r['gn_fwd']['med_ms']:.2f}x | "
+            f"{r['gn_inf']['med_ms']:.2f} | {r['torch_inf']['med_ms']:.2f} | "
+            f"{r['bmm']['med_ms']:.2f} | {gflops:.0f} | {gbs:.1f} |")
+    return "\n".join(lines)
 
 
 def main():
-    args = parse()
-    if args.threads > 0:
-        os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    if args.naive:
-        os.environ["MXNET_ENGINE_TYPE"] = "NaiveEngine"
-    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "python"))
-    import mxnet as mx  # noqa: F401  (after OMP_NUM_THREADS is set)
-    have_torch = False
-    if not args.no_torch:
-        try:
-            import torch
-            if args.threads > 0:
-                torch.set_num_threads(args.threads)
-            have_torch = True
-        except ImportError:
-            pass
-    threads = os.environ.get("OMP_NUM_THREADS", "MXNet default")
-    engine = os.environ.get("MXNET_ENGINE_TYPE", "ThreadedEnginePerDevice")
-    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
-    print(f"# gn_dbn benchmark, dtype {args.dtype}, OMP_NUM_THREADS={threads}, engine {engine}, "
-          f"{os.cpu_count()} cores (load avg {load:.1f}), median of {args.repeat}; ms per call"
-          + (f"; torch {torch.__version__} with {torch.get_num_threads()} threads"
-             if have_torch else "; torch not available"))
-    cols = ["dbn_fwd", "dbn_fwd_bwd", "thr", "dbn_inference", "gn_fwd", "gn_fwd_bwd"]
-    if have_torch:
-        cols += ["torch_fwd", "torch_fwd_bwd"]
-    print("| shape | G | D | " + " | ".join(cols) + " |")
-    print("|---|---|---|" + "---|" * len(cols))
-    for shape, G in SHAPES:
-        r = mx_timings(shape, G, args.dtype, args.repeat)
-        if have_torch:
-            r.update(torch_timings(shape, G, args.dtype, args.repeat))
-        print(f"| {shape} | {G} | {shape[1] // G} | "
-              + " | ".join(f"{r[c]:.1f}" if c == "thr" else f"{r[c]:.2f}" for c in cols) + " |",
-              flush=True)
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--threads", default="1,2")
+    p.add_argument("--regimes", default="keep,default", help="comma list of keep, default")
+    p.add_argument("--rounds", type=int, default=21)
+    p.add_argument("--min-sample-s", type=float, default=0.03)
+    p.add_argument("--max-time-s", type=float, default=40.0, help="per shape")
+    p.add_argument("--no-write", action="store_true")
+    p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child_main(args)
+
+    runs = []
+    for regime in args.regimes.split(","):
+        for t in [int(v) for v in args.threads.split(",")]:
+            env = dict(os.environ, OMP_NUM_THREADS=str(t))
+            for k in KEEP_ENV:
+                env.pop(k, None)
+            if regime == "keep":
+                env.update(KEEP_ENV)
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
+                   "--min-sample-s", str(args.min_sample_s), "--max-time-s", str(args.max_time_s)]
+            pr = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+            if pr.returncode != 0:
+                sys.exit(f"child failed (threads={t}, regime={regime})")
+            run = json.loads(pr.stdout.strip().splitlines()[-1])
+            run["regime"] = regime
+            runs.append(run)
+            print(f"\n## threads={t}, allocator {regime}; load average "
+                  f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}; sgemm "
+                  f"{run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s\n")
+            print(table(run), flush=True)
+    info = machine_info()
+    info["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
+    if args.no_write:
+        return
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "dbn_cpu.json"), "w") as f:
+        json.dump({"machine": info, "runs": runs}, f, indent=1)
+    md = [f"# Decorrelated BN CPU benchmark (`benchmarks/bench_dbn.py`)", "",
+          f"Machine: {info['cpu']}, {info['cores']} cores, ISA {'/'.join(info['isa_flags'])}; "
+          f"{info['system']}; torch {runs[0]['torch']}, MXNet {runs[0]['mxnet']}; {info['date_utc']}.",
+          "fp32, eps 1e-5. Times: median ms per call over interleaved rounds (speed-ups = torch / "
+          "gn_dbn, also from the minima, and from the process CPU time per call, which a loaded "
+          "machine distorts less at 1 thread); thr = process CPU time / wall time; inference "
+          "GFLOP/s = 2 D^2 N S C / t, GB/s = (x read + y written) / t; bmm = torch.bmm of the "
+          "same (G, D, D) x (G, D, m) product on grouped contiguous data.", ""]
+    for run in runs:
+        md += [f"## {run['threads']} thread(s), allocator: "
+               + ("glibc default" if run["regime"] == "default" else
+                  "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000"), "",
+               f"Load average {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}; measured "
+               f"bounds: sgemm {run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s "
+               "(read + write).", "", table(run), ""]
+    with open(os.path.join(RESULTS, "dbn_cpu.md"), "w") as f:
+        f.write("\n".join(md))
 
 
 if __name__ == "__main__":

@@ -10,12 +10,17 @@
  *   forward 2   Q = W (x - mu) -> scattered (narrowed) into y
  *   backward 1  G_W += dY Xc^T, sum(dY)
  *   backward 2  dX = [W | B] [dY - mean(dY); Xc]  (one product with a D x 2D matrix)
- * Panels are per thread; (group, chunk) items are spread over an OpenMP team. D x D math (eigh,
- * W, backward matrices) is fp64. float panels use AVX2+FMA kernels when the CPU has them
- * (runtime dispatch; GNMX_CPU_ISA=generic disables them), otherwise and for double the BLAS
+ * Panels are per thread; (group, chunk) items are spread over an OpenMP team. Tensors > 4 MB:
+ * whole groups per thread when they divide evenly over the team (use_per_group), else the passes
+ * in blocks of groups (group_block), so that a group's second read hits the last-level cache.
+ * D x D math (eigh, W, backward matrices) is fp64: dbn_small_cpu.h (register-blocked products,
+ * Householder + QL eigensolver for D > 8, Jacobi from dbn_math.h up to 8). float panels use
+ * AVX2+FMA kernels when the CPU has them (6 x 16 register tiles for W P, 4 x 3 dot-product tiles
+ * for X Y^T: ~85-97% of the FMA peak in cache; runtime dispatch; GNMX_CPU_ISA=generic disables
+ * them), otherwise and for double the BLAS
  * sgemm/dgemm/syrk of the OpenBLAS shipped in the mxnet wheel (built with OpenMP, so it runs
  * single-threaded inside our team), looked up at run time (see blas() below); without it a
- * naive gemm/syrk and the Jacobi eigensolver keep results correct.
+ * naive gemm/syrk keeps results correct (LAPACK dsyevd is only a fallback of the eigensolver).
  * NB: BLAS sees row-major D x K panels as column-major K x D matrices (leading dimension ld), so
  * a row-major product C = A B is issued as the column-major C^T = B^T A^T.
  */
@@ -31,11 +36,16 @@
 #include <cstdlib>
 #include <cstring>
 #include <limits>
+#include <type_traits>
+#if defined(GNMX_DBN_PROFILE)
+#include <ctime>
+#endif
 
 #include "dbn.h"
 #include "../common/carver.h"
 #include "../common/threads.h"
 #include "dbn_math.h"
+#include "dbn_small_cpu.h"
 
 // Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
 // hidden size_t arguments; LAPACK (compiled Fortran) gets them explicitly.
@@ -60,7 +70,7 @@ namespace {
 
 constexpr size_t kAlign = 64;
 constexpr int64_t kPanelElems = 32768;  // D*K AccT values per panel (128 KiB in fp32)
-constexpr int kJacobiMaxD = 8;          // eigh: Jacobi up to this group size, dsyevd above
+constexpr int kJacobiMaxD = 8;          // eigh: Jacobi up to this group size, eigh_ql above
 
 // BLAS/LAPACK entry points, resolved once. libgn_mx.so does not have to link OpenBLAS: in an
 // MXNet process the wheel's libopenblas.so.0 is already loaded (by libmxnet.so, RTLD_LOCAL), and
@@ -92,6 +102,25 @@ const Blas& blas() {
 }
 
 using Carver = WorkspaceCarver<kAlign>;
+
+// Stage timestamps for benchmarks/dbn_stages.cc (built with -DGNMX_DBN_PROFILE); no-ops otherwise.
+// Placed right after an `omp for` (its implicit barrier), so thread 0's clock marks the stage end;
+// meaningful for the chunk-parallel schedule over all groups (GNMX_DBN_PROFILE_CHUNKED=1 forces
+// it in a profiling build; whole-group and blocked schedules interleave the stages).
+#if defined(GNMX_DBN_PROFILE)
+}  // namespace
+double g_dbn_prof[16];
+double dbn_prof_clock() {  // thread CPU time: survives a loaded machine at one thread
+  timespec t;
+  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &t);
+  return t.tv_sec + 1e-9 * t.tv_nsec;
+}
+namespace {
+#define DBN_PROF(i) \
+  do { if (threads::thread_id() == 0) g_dbn_prof[i] = dbn_prof_clock(); } while (0)
+#else
+#define DBN_PROF(i) do { } while (0)
+#endif
 
 int resolve_threads(int t) { return t > 0 ? t : std::max(1, threads::max_threads()); }
 
@@ -169,99 +198,150 @@ inline void syrk_t(int n, int k, const double* a, int lda, double* c) {
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define GNMX_DBN_AVX2 1
 
-__attribute__((target("avx2,fma"))) void apply_f32_avx2(const float* M, int Dout, int Din,
-                                                        const float* P, int64_t ld, int kc,
-                                                        float* Q) {
-  int i = 0;
-  for (; i + 4 <= Dout; i += 4) {  // 4 rows x 16 columns of accumulators
-    const float* m0 = M + static_cast<int64_t>(i) * Din;
-    int c = 0;
-    for (; c + 16 <= kc; c += 16) {
-      __m256 a00 = _mm256_setzero_ps(), a01 = a00, a10 = a00, a11 = a00;
-      __m256 a20 = a00, a21 = a00, a30 = a00, a31 = a00;
-      const float* p = P + c;
-      for (int k = 0; k < Din; ++k, p += ld) {
-        const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
-        __m256 w = _mm256_broadcast_ss(m0 + k);
-        a00 = _mm256_fmadd_ps(w, p0, a00);
-        a01 = _mm256_fmadd_ps(w, p1, a01);
-        w = _mm256_broadcast_ss(m0 + Din + k);
-        a10 = _mm256_fmadd_ps(w, p0, a10);
-        a11 = _mm256_fmadd_ps(w, p1, a11);
-        w = _mm256_broadcast_ss(m0 + 2 * Din + k);
-        a20 = _mm256_fmadd_ps(w, p0, a20);
-        a21 = _mm256_fmadd_ps(w, p1, a21);
-        w = _mm256_broadcast_ss(m0 + 3 * Din + k);
-        a30 = _mm256_fmadd_ps(w, p0, a30);
-        a31 = _mm256_fmadd_ps(w, p1, a31);
-      }
-      float* q = Q + static_cast<int64_t>(i) * ld + c;
-      _mm256_storeu_ps(q, a00);
-      _mm256_storeu_ps(q + 8, a01);
-      _mm256_storeu_ps(q + ld, a10);
-      _mm256_storeu_ps(q + ld + 8, a11);
-      _mm256_storeu_ps(q + 2 * ld, a20);
-      _mm256_storeu_ps(q + 2 * ld + 8, a21);
-      _mm256_storeu_ps(q + 3 * ld, a30);
-      _mm256_storeu_ps(q + 3 * ld + 8, a31);
+// Q rows [i, i+R) x 16 columns [c, c+16): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile16(
+    const float* M, int Din, const float* P, int64_t ld, float* Q, int64_t ldq) {
+  __m256 acc0[R], acc1[R];
+  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
+  const float* p = P;
+  for (int k = 0; k < Din; ++k, p += ld) {
+    const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
+    for (int r = 0; r < R; ++r) {
+      const __m256 w = _mm256_broadcast_ss(M + r * Din + k);
+      acc0[r] = _mm256_fmadd_ps(w, p0, acc0[r]);
+      acc1[r] = _mm256_fmadd_ps(w, p1, acc1[r]);
     }
-    for (; c < kc; ++c)
-      for (int r = 0; r < 4; ++r) {
-        float s = 0.f;
-        for (int k = 0; k < Din; ++k) s += m0[r * Din + k] * P[k * ld + c];
-        Q[(i + r) * ld + c] = s;
-      }
   }
-  for (; i < Dout; ++i) {  // remaining rows, one 8-column vector at a time
-    const float* mi = M + static_cast<int64_t>(i) * Din;
-    int c = 0;
-    for (; c + 8 <= kc; c += 8) {
-      __m256 a = _mm256_setzero_ps();
-      for (int k = 0; k < Din; ++k)
-        a = _mm256_fmadd_ps(_mm256_broadcast_ss(mi + k), _mm256_loadu_ps(P + k * ld + c), a);
-      _mm256_storeu_ps(Q + i * ld + c, a);
-    }
-    for (; c < kc; ++c) {
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(Q + r * ldq, acc0[r]);
+    _mm256_storeu_ps(Q + r * ldq + 8, acc1[r]);
+  }
+}
+
+// The same for one 8-column vector (column tails), R <= 6.
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile8(
+    const float* M, int Din, const float* P, int64_t ld, float* Q, int64_t ldq) {
+  __m256 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
+  const float* p = P;
+  for (int k = 0; k < Din; ++k, p += ld) {
+    const __m256 p0 = _mm256_loadu_ps(p);
+    for (int r = 0; r < R; ++r)
+      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(M + r * Din + k), p0, acc[r]);
+  }
+  for (int r = 0; r < R; ++r) _mm256_storeu_ps(Q + r * ldq, acc[r]);
+}
+
+// Where column c of an apply's output goes: a panel (base + c, row stride rs) or, with S > 0, the
+// NCHW tensor itself ("direct": no scatter pass): column j = j0 + c of the group is element
+// (n, row, s) = (j / S, row, j % S), i.e. base + n * CS + s with base = y + g*D*S, rs = S,
+// CS = C*S. Tiles of 8 / 16 columns stay inside one sample when S and j0 are multiples of 16.
+struct OutCols {
+  float* base;
+  int64_t rs;
+  int64_t S = 0, CS = 0, j0 = 0;
+  float* at(int64_t c) const {
+    if (S == 0) return base + c;
+    const int64_t j = j0 + c;
+    return base + (j / S) * CS + j % S;
+  }
+  OutCols rows(int64_t i) const { OutCols o = *this; o.base += i * rs; return o; }
+  OutCols cols(int64_t c0) const {
+    OutCols o = *this;
+    if (S == 0) o.base += c0; else o.j0 += c0;
+    return o;
+  }
+};
+
+template <int R>
+__attribute__((target("avx2,fma"))) void apply_rows_avx2(const float* M, int Din, const float* P,
+                                                         int64_t ld, int kc, const OutCols& oc) {
+  int c = 0;
+  for (; c + 16 <= kc; c += 16) apply_tile16<R>(M, Din, P + c, ld, oc.at(c), oc.rs);
+  for (; c + 8 <= kc; c += 8) apply_tile8<R>(M, Din, P + c, ld, oc.at(c), oc.rs);
+  for (; c < kc; ++c) {
+    float* q = oc.at(c);
+    for (int r = 0; r < R; ++r) {
       float s = 0.f;
-      for (int k = 0; k < Din; ++k) s += mi[k] * P[k * ld + c];
-      Q[i * ld + c] = s;
+      for (int k = 0; k < Din; ++k) s += M[r * Din + k] * P[k * ld + c];
+      q[r * oc.rs] = s;
     }
   }
 }
 
-__attribute__((target("avx2,fma"))) inline float hsum_avx2(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 1));
-  return _mm_cvtss_f32(s);
+// Q (Dout x kc) = M (Dout x Din) P (Din x kc): blocks of 6 rows of Q, then the remaining 1-5.
+void apply_f32_avx2(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
+                    const OutCols& oc) {
+  int i = 0;
+  for (; i + 6 <= Dout; i += 6)
+    apply_rows_avx2<6>(M + static_cast<int64_t>(i) * Din, Din, P, ld, kc, oc.rows(i));
+  const float* m = M + static_cast<int64_t>(i) * Din;
+  const OutCols q = oc.rows(i);
+  switch (Dout - i) {
+    case 5: apply_rows_avx2<5>(m, Din, P, ld, kc, q); break;
+    case 4: apply_rows_avx2<4>(m, Din, P, ld, kc, q); break;
+    case 3: apply_rows_avx2<3>(m, Din, P, ld, kc, q); break;
+    case 2: apply_rows_avx2<2>(m, Din, P, ld, kc, q); break;
+    case 1: apply_rows_avx2<1>(m, Din, P, ld, kc, q); break;
+    default: break;
+  }
 }
 
-// Dot products along the contiguous k axis, 4 rows of X x 2 rows of Y per block.
+// Four horizontal sums at once: {sum a, sum b, sum c, sum d}.
+__attribute__((target("avx2,fma"), always_inline)) inline __m128 hsum4_avx2(__m256 a, __m256 b,
+                                                                          __m256 c, __m256 d) {
+  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
+  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// C = X Y^T by dot products along the contiguous k axis, 4 rows of X x 3 rows of Y per block
+// (12 accumulators; per 8 columns 7 loads feed 12 FMAs). sym (X == Y): only blocks with j >= i
+// are computed, each written to both (i, j) and (j, i).
 __attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const float* Y,
                                                        int64_t ld, int D, int kc, float* C,
                                                        bool sym) {
   const int kv = kc / 8 * 8;
   for (int i = 0; i < D; i += 4) {
     const int ni = std::min(4, D - i);
-    for (int j = sym ? i / 2 * 2 : 0; j < D; j += 2) {
-      const int nj = std::min(2, D - j);
-      const float* a[4];
-      const float* b[2];
-      for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
-      for (int u = 0; u < 2; ++u) b[u] = Y + (j + std::min(u, nj - 1)) * ld;
-      __m256 acc[4][2];
-      for (int r = 0; r < 4; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* a[4];
+    for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
+    for (int j = sym ? i : 0; j < D; j += 3) {
+      const int nj = std::min(3, D - j);
+      const float* b0 = Y + j * ld;
+      const float* b1 = Y + (j + std::min(1, nj - 1)) * ld;
+      const float* b2 = Y + (j + std::min(2, nj - 1)) * ld;
+      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
+      __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
       for (int k = 0; k < kv; k += 8) {
-        const __m256 b0 = _mm256_loadu_ps(b[0] + k), b1 = _mm256_loadu_ps(b[1] + k);
-        for (int r = 0; r < 4; ++r) {
-          const __m256 av = _mm256_loadu_ps(a[r] + k);
-          acc[r][0] = _mm256_fmadd_ps(av, b0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(av, b1, acc[r][1]);
-        }
+        const __m256 y0 = _mm256_loadu_ps(b0 + k), y1 = _mm256_loadu_ps(b1 + k),
+                     y2 = _mm256_loadu_ps(b2 + k);
+        __m256 x = _mm256_loadu_ps(a[0] + k);
+        c00 = _mm256_fmadd_ps(x, y0, c00);
+        c01 = _mm256_fmadd_ps(x, y1, c01);
+        c02 = _mm256_fmadd_ps(x, y2, c02);
+        x = _mm256_loadu_ps(a[1] + k);
+        c10 = _mm256_fmadd_ps(x, y0, c10);
+        c11 = _mm256_fmadd_ps(x, y1, c11);
+        c12 = _mm256_fmadd_ps(x, y2, c12);
+        x = _mm256_loadu_ps(a[2] + k);
+        c20 = _mm256_fmadd_ps(x, y0, c20);
+        c21 = _mm256_fmadd_ps(x, y1, c21);
+        c22 = _mm256_fmadd_ps(x, y2, c22);
+        x = _mm256_loadu_ps(a[3] + k);
+        c30 = _mm256_fmadd_ps(x, y0, c30);
+        c31 = _mm256_fmadd_ps(x, y1, c31);
+        c32 = _mm256_fmadd_ps(x, y2, c32);
       }
+      float s[3][4];  // s[u][r] = row i+r of X . row j+u of Y
+      _mm_storeu_ps(s[0], hsum4_avx2(c00, c10, c20, c30));
+      _mm_storeu_ps(s[1], hsum4_avx2(c01, c11, c21, c31));
+      _mm_storeu_ps(s[2], hsum4_avx2(c02, c12, c22, c32));
+      const float* b[3] = {b0, b1, b2};
       for (int r = 0; r < ni; ++r)
         for (int u = 0; u < nj; ++u) {
-          float v = hsum_avx2(acc[r][u]);
+          float v = s[u][r];
           for (int k = kv; k < kc; ++k) v += a[r][k] * b[u][k];
           C[(i + r) * D + j + u] = v;
           if (sym) C[(j + u) * D + i + r] = v;
@@ -289,7 +369,7 @@ inline void panel_apply(const double* M, int Dout, int Din, const double* P, int
 inline void panel_apply(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
                         float* Q) {
 #if defined(GNMX_DBN_AVX2)
-  if (use_avx2()) return apply_f32_avx2(M, Dout, Din, P, ld, kc, Q);
+  if (use_avx2()) return apply_f32_avx2(M, Dout, Din, P, ld, kc, OutCols{Q, ld});
 #endif
   const int ldi = static_cast<int>(ld);
   gemm('N', 'N', kc, Dout, Din, 1.f, P, ldi, M, Din, 0.f, Q, ldi);
@@ -314,6 +394,24 @@ inline void panel_gram(const float* X, const float* Y, int64_t ld, int D, int kc
   panel_gram_blas(X, Y, ld, D, kc, C, sym);
 }
 
+// Q = M P for chunk (g, j0, kc), written into y: straight from the kernel's registers for float
+// data with AVX2 when S % 16 == 0 (K is a multiple of 16, so are j0 and kc: no tile crosses a
+// sample), else into the panel `out` and scattered (narrowing to T). Measured on a Zen 4: the
+// scatter pass was 15-20% of each apply pass.
+template <typename T, typename A>
+void apply_out(const A* M, int Dout, int Din, const A* P, int64_t ld, int kc, A* out,
+               const Geo& q, int64_t g, int64_t j0, T* y) {
+#if defined(GNMX_DBN_AVX2)
+  if constexpr (std::is_same<T, float>::value) {
+    if (use_avx2() && q.S % 16 == 0)
+      return apply_f32_avx2(M, Dout, Din, P, ld, kc,
+                            OutCols{y + g * q.D * q.S, q.S, q.S, q.C * q.S, j0});
+  }
+#endif
+  panel_apply(M, Dout, Din, P, ld, kc, out);
+  scatter(out, ld, q, g, j0, kc, y);
+}
+
 // ---- Eigendecomposition -----------------------------------------------------------------------
 struct EigScratch {
   double* a;      // D*D
@@ -322,7 +420,9 @@ struct EigScratch {
   int lwork, liwork;
 };
 
-size_t eig_lwork(int64_t D) { return 1 + 6 * D + 2 * D * D; }
+size_t eig_lwork(int64_t D) {  // dsyevd's lwork; also >= dbn_small::eigh_ql_work(D)
+  return 1 + 6 * D + 2 * D * D;
+}
 size_t eig_liwork(int64_t D) { return 3 + 5 * D; }
 
 // Sigma (row-major, symmetric, finite) -> U (row-major, columns = eigenvectors), l ascending.
@@ -334,6 +434,10 @@ void eigh(const double* Sigma, int D, double* U, double* l, const EigScratch& s)
   }
   // NB: for tiny matrices a few Jacobi sweeps beat dsyevd's setup (measured: 1 us vs 11 us at
   // D = 4, equal at D = 16, 6x slower at D = 64), and groups of 2-8 channels come in large numbers.
+  // Above that, dbn_small::eigh_ql (Householder + implicit QL, vectorized) beats OpenBLAS's
+  // dsyevd (measured at D = 16 / 32 / 64 / 128: 11 / 43 / 206 / 1400 us against 65 / 210 / 560 /
+  // 2200 us on a Zen 4); dsyevd and Jacobi remain as fallbacks should it not converge.
+  if (D > kJacobiMaxD && dbn_small::eigh_ql(Sigma, D, U, l, s.work)) return;
   if (blas().dsyevd && D > kJacobiMaxD) {
     std::memcpy(s.a, Sigma, sizeof(double) * D * D);
     int info = 0;
@@ -363,6 +467,34 @@ void gather(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, const A
       A* dst = P + d * ldp + k;
       const A sh = shift ? shift[d] : A(0);
       for (int64_t r = 0; r < run; ++r) dst[r] = to_acc(src[r]) - sh;
+    }
+    k += run;
+    j += run;
+  }
+}
+
+// gather without shift that also returns the row sums of the panel: sum[d] = sum_k P[d*ldp + k]
+// (saves a pass over the panel where the caller needs them).
+template <typename T, typename A>
+void gather_sum(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, A* P, int64_t ldp,
+                A* sum) {
+  for (int64_t d = 0; d < q.D; ++d) sum[d] = A(0);
+  int64_t j = j0, k = 0;
+  while (k < kc) {
+    const int64_t n = j / q.S, s = j % q.S;
+    const int64_t run = std::min(q.S - s, kc - k);
+    const T* base = x + (n * q.C + g * q.D) * q.S + s;
+    for (int64_t d = 0; d < q.D; ++d) {
+      const T* src = base + d * q.S;
+      A* dst = P + d * ldp + k;
+      A acc = 0;
+#pragma omp simd reduction(+ : acc)
+      for (int64_t r = 0; r < run; ++r) {
+        const A v = to_acc(src[r]);
+        dst[r] = v;
+        acc += v;
+      }
+      sum[d] += acc;
     }
     k += run;
     j += run;
@@ -405,6 +537,37 @@ void store_any(DType t, void* p, int64_t i, double v) {
   }
 }
 
+// ---- Group blocks -------------------------------------------------------------------------------
+// Training passes run block by block over the groups: statistics pass, D x D step, apply pass for
+// groups [g0, g0 + gb), then the next block. A block's data is read twice (x; dy and x in the
+// backward), so when the tensor is larger than the caches the second read of a block comes from
+// the last-level cache instead of memory. gb: as many groups as fit kBlockBytes of input, at least
+// one per thread (the D x D steps of a block run in parallel over its groups); all groups when
+// the tensor is small (then blocking only adds barriers).
+constexpr int64_t kBlockBytes = int64_t(4) << 20;
+
+int64_t group_block(const Geo& q, size_t elem, int nt) {
+#if defined(GNMX_DBN_PROFILE)
+  if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return q.G;
+#endif
+  const int64_t group_bytes = q.D * q.m * static_cast<int64_t>(elem);
+  if (group_bytes * q.G <= kBlockBytes) return q.G;
+  const int64_t gb = std::max<int64_t>(nt, kBlockBytes / std::max<int64_t>(group_bytes, 1));
+  return std::min(q.G, std::max<int64_t>(gb, 1));
+}
+
+// Large tensors whose groups divide evenly over the team: each thread runs the passes of whole
+// groups (statistics, D x D step, apply), with no barrier between them and one group's data (not
+// a block's) in flight per thread; measured on a Zen 4 at 2 threads: 128x256x8x8 G=4 forward
+// 3.6 vs 3.9-4.2 ms. Small tensors keep the chunk-parallel passes (there the per-group split was
+// 5-15% slower: 8x128x32x32 G=8).
+bool use_per_group(const Geo& q, size_t elem, int nt) {
+#if defined(GNMX_DBN_PROFILE)
+  if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return false;  // stage timestamps need the passes
+#endif
+  return q.G % nt == 0 && q.D * q.m * q.G * static_cast<int64_t>(elem) > kBlockBytes;
+}
+
 // ---- Training forward -------------------------------------------------------------------------
 template <typename A>
 struct FwdLayout {
@@ -422,6 +585,7 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
+  double* tmp;   // T x (2 D^2 + D), dbn_small::inv_sqrt scratch
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
@@ -444,6 +608,7 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
   L.l = c->take<double>(T * q.D);
   L.Wd = c->take<double>(T * DD);
   L.ea = c->take<double>(T * DD);
+  L.tmp = c->take<double>(T * (2 * DD + q.D));
   L.work = c->take<double>(T * eig_lwork(q.D));
   L.iwork = c->take<int>(T * eig_liwork(q.D));
   return L;
@@ -463,7 +628,8 @@ const char* fwd_impl(const DbnFwdArgs& a) {
   A* eigval = static_cast<A*>(a.eigval);
   const int64_t D = q.D, DD = D * D, K = q.K;
   const int Di = static_cast<int>(D);
-  const int64_t items = q.G * q.nchunk;
+  const int64_t gb = group_block(q, sizeof(T), nt);
+  const bool per_group = use_per_group(q, sizeof(T), nt);
   // Zeroed up front: a team smaller than nt must still leave every partial state defined.
   std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
   std::fill(L.tmean, L.tmean + nt * q.G * D, 0.0);
@@ -483,17 +649,20 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     A* cb = L.cb + t * DD;
     A* csum = L.csum + t * D;
     double* delta = L.delta + t * D;
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < items; ++it) {
+    const EigScratch es{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
+                        static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
+    double* sig = L.sig + t * DD;
+    double* U = L.U + t * DD;
+    double* l = L.l + t * D;
+    double* Wd = L.Wd + t * DD;
+    A* out = L.out + t * D * q.ld;
+    auto stats_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
-      gather(x, q, g, j0, kc, static_cast<const A*>(nullptr), panel, q.ld);
+      gather_sum(x, q, g, j0, kc, panel, q.ld, csum);
       for (int64_t d = 0; d < D; ++d) {
         A* row = panel + d * q.ld;
-        A s = 0;
-#pragma omp simd reduction(+ : s)
-        for (int64_t k = 0; k < kc; ++k) s += row[k];
-        const A c = s / static_cast<A>(kc);
+        const A c = csum[d] / static_cast<A>(kc);
         A r = 0;  // residual sum after centring (rounding of c), folded in exactly below
 #pragma omp simd reduction(+ : r)
         for (int64_t k = 0; k < kc; ++k) {
@@ -514,23 +683,16 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         csum[d] = static_cast<A>(r);
       }
       for (int64_t j = 0; j < D; ++j) {
-        const double rj = static_cast<double>(csum[j]);
+        const double rj = static_cast<double>(csum[j]) / nb, dj = delta[j] * w;
         for (int64_t i = 0; i <= j; ++i)
           accg[i + j * D] += static_cast<double>(cb[i + j * D]) -
-                             static_cast<double>(csum[i]) * rj / nb + delta[i] * delta[j] * w;
+                             static_cast<double>(csum[i]) * rj + delta[i] * dj;
       }
       for (int64_t d = 0; d < D; ++d) tmean[d] += delta[d] * nb / n;
       na = n;
-    }
+    };
     // Per group: Sigma, eigh, W, running statistics.
-    const EigScratch es{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
-                        static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
-    double* sig = L.sig + t * DD;
-    double* U = L.U + t * DD;
-    double* l = L.l + t * D;
-    double* Wd = L.Wd + t * DD;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < q.G; ++g) {
+    auto finish_group = [&](int64_t g) {
       // Merge the threads' (count, mean, M2) states (Chan), into l (mean) and Wd (M2).
       double n = 0.0;
       std::fill(l, l + D, 0.0);
@@ -559,7 +721,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       if (finite) {
         eigh(sig, Di, U, l, es);
         dbn_clamp_eigvals(l, Di, a.eps);
-        dbn_inv_sqrt(U, l, Di, Wd, es.a);  // es.a is free after eigh
+        dbn_small::inv_sqrt(U, l, Di, Wd, L.tmp + t * (2 * DD + D));
       } else {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         std::fill(U, U + DD, nan);
@@ -585,16 +747,36 @@ const char* fwd_impl(const DbnFwdArgs& a) {
                     dbn_running_update(r, static_cast<double>(mean[g * D + i]), a.momentum));
         }
       }
-    }
+    };
     // Pass 3: whitening, y = W (x - mu).
-    A* out = L.out + t * D * q.ld;
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < items; ++it) {
+    auto whiten_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
-      panel_apply(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out);
-      scatter(out, q.ld, q, g, j0, kc, y);
+      apply_out(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
+    };
+    if (per_group) {  // each thread runs whole groups: no barrier between the passes
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < q.G; ++g) {
+        const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
+        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
+        finish_group(g);
+        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
+      }
+      DBN_PROF(1); DBN_PROF(2); DBN_PROF(3);
+    } else {
+      for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
+        const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
+#pragma omp for schedule(static)
+        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
+        DBN_PROF(1);
+#pragma omp for schedule(static)
+        for (int64_t g = g0; g < g1; ++g) finish_group(g);
+        DBN_PROF(2);
+#pragma omp for schedule(static)
+        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
+        DBN_PROF(3);
+      }
     }
   }
   return nullptr;
@@ -630,12 +812,13 @@ struct BwdLayout {
   A* panel;       // T x 2D x K
   A* out;         // T x D x K
   A* cb;          // T x D x D
+  A* rsum;        // T x D, a dY panel's row sums
   double* U;      // T x D x D
   double* l;      // T x D
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x 3 x D x D
+  double* tmp;    // T x (4 D^2 + 2 D), dbn_small::bwd_group scratch
 };
 
 template <typename A>
@@ -649,12 +832,13 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
   L.panel = c->take<A>(T * 2 * q.D * q.ld);
   L.out = c->take<A>(T * q.D * q.ld);
   L.cb = c->take<A>(T * DD);
+  L.rsum = c->take<A>(T * q.D);
   L.U = c->take<double>(T * DD);
   L.l = c->take<double>(T * q.D);
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * 3 * DD);
+  L.tmp = c->take<double>(T * (4 * DD + 2 * q.D));
   return L;
 }
 
@@ -673,7 +857,8 @@ const char* bwd_impl(const DbnBwdArgs& a) {
   const A* eigval = static_cast<const A*>(a.eigval);
   const int64_t D = q.D, DD = D * D, K = q.K;
   const int Di = static_cast<int>(D);
-  const int64_t items = q.G * q.nchunk;
+  const int64_t gb = group_block(q, sizeof(T), nt);
+  const bool per_group = use_per_group(q, sizeof(T), nt);
   std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
   std::fill(L.dysum, L.dysum + nt * q.G * D, 0.0);
 
@@ -685,31 +870,26 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     A* pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
     A* pxc = pdy + D * q.ld;              // rows D..2D-1: Xc
     A* cb = L.cb + t * DD;
-    // Pass 1: G_W = dY Xc^T and sum(dY).
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < items; ++it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
-      gather(dy, q, g, j0, kc, static_cast<const A*>(nullptr), pdy, q.ld);
-      gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
-      panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
-      double* accg = acc_t + g * DD;
-      for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
-      double* dsg = dys_t + g * D;
-      for (int64_t d = 0; d < D; ++d) {
-        A s = 0;
-        for (int64_t k = 0; k < kc; ++k) s += pdy[d * q.ld + k];
-        dsg[d] += static_cast<double>(s);
-      }
-    }
     double* U = L.U + t * DD;
     double* l = L.l + t * D;
     double* GW = L.GW + t * DD;
     double* W = L.W + t * DD;
     double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * 3 * DD;
-#pragma omp for schedule(static)
-    for (int64_t g = 0; g < q.G; ++g) {
+    double* tmp = L.tmp + t * (4 * DD + 2 * D);
+    A* out = L.out + t * D * q.ld;
+    // Pass 1: G_W = dY Xc^T and sum(dY).
+    auto gram_chunk = [&](int64_t it) {
+      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
+      const int64_t kc = std::min(K, q.m - j0);
+      gather_sum(dy, q, g, j0, kc, pdy, q.ld, L.rsum + t * D);
+      gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
+      panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
+      double* accg = acc_t + g * DD;
+      for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
+      double* dsg = dys_t + g * D;
+      for (int64_t d = 0; d < D; ++d) dsg[d] += static_cast<double>(L.rsum[t * D + d]);
+    };
+    auto group_step = [&](int64_t g) {
       for (int64_t i = 0; i < DD; ++i) {
         double s = 0.0;
         for (int u = 0; u < nt; ++u) s += L.acc[(u * q.G + g) * DD + i];
@@ -722,24 +902,44 @@ const char* bwd_impl(const DbnBwdArgs& a) {
         L.dymean[g * D + d] = static_cast<A>(s / static_cast<double>(q.m));
         l[d] = static_cast<double>(eigval[g * D + d]);
       }
-      dbn_bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
+      dbn_small::bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
       A* a2 = L.A2 + g * 2 * DD;
       for (int64_t i = 0; i < D; ++i)
         for (int64_t j = 0; j < D; ++j) {
           a2[i * 2 * D + j] = static_cast<A>(W[i * D + j]);
           a2[i * 2 * D + D + j] = static_cast<A>(B[i * D + j]);
         }
-    }
+    };
     // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
-    A* out = L.out + t * D * q.ld;
-#pragma omp for schedule(static)
-    for (int64_t it = 0; it < items; ++it) {
+    auto apply_chunk = [&](int64_t it) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, q.ld);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
-      panel_apply(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out);
-      scatter(out, q.ld, q, g, j0, kc, dx);
+      apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out, q, g, j0, dx);
+    };
+    if (per_group) {  // each thread runs whole groups: no barrier between the passes
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < q.G; ++g) {
+        const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
+        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
+        group_step(g);
+        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
+      }
+      DBN_PROF(4); DBN_PROF(5); DBN_PROF(6);
+    } else {
+      for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
+        const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
+#pragma omp for schedule(static)
+        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
+        DBN_PROF(4);
+#pragma omp for schedule(static)
+        for (int64_t g = g0; g < g1; ++g) group_step(g);
+        DBN_PROF(5);
+#pragma omp for schedule(static)
+        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
+        DBN_PROF(6);
+      }
     }
   }
   return nullptr;
@@ -794,8 +994,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
       const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
       const int64_t kc = std::min(K, q.m - j0);
       gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
-      panel_apply(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out);
-      scatter(out, q.ld, q, g, j0, kc, y);
+      apply_out(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     }
   }
   return nullptr;

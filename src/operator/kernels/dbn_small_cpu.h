@@ -1,0 +1,405 @@
+/*
+ * dbn_small_cpu.h: CPU versions of the per-group fp64 D x D steps of Decorrelated BN (W =
+ * Sigma^{-1/2} from the eigendecomposition, and the backward's dbn_bwd_group), computed with
+ * register-blocked fp64 products instead of dbn_math.h's plain loops.
+ *
+ * Same formulas and contracts as dbn_inv_sqrt / dbn_bwd_group in dbn_math.h (which the CUDA kernel
+ * mirrors): only the order of the fp64 additions differs. Why a CPU copy: dbn_math.h's
+ * dbn_matmul_bt is a chain of dependent scalar FMAs (latency-bound, ~1 GFLOP/s), which made the
+ * D x D steps ~20% of a D = 64 forward+backward. Here every product is C = A B with B row-major,
+ * so the inner loop runs along contiguous rows of B and C (transposes are explicit D x D copies).
+ *
+ * dmm_nn has an AVX2+FMA kernel (6 x 8 doubles of C in registers) chosen at run time like the
+ * float panel kernels of dbn_cpu.cc (GNMX_CPU_ISA=generic forces the portable loop).
+ */
+#pragma once
+#include <cmath>
+#include <cstdlib>
+#include <cstring>
+#include <utility>
+
+#include "dbn_math.h"
+
+#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
+#include <immintrin.h>
+#define GNMX_DBN_SMALL_AVX2 1
+#endif
+
+namespace gn_mx {
+namespace dbn_small {
+
+// C (M x N) = A (M x K) B (K x N), all row-major with leading dimensions lda, ldb, ldc.
+inline void dmm_nn_generic(const double* A, int lda, const double* B, int ldb, double* C, int ldc,
+                           int M, int N, int K) {
+  for (int i = 0; i < M; ++i) {
+    double* c = C + static_cast<long>(i) * ldc;
+    for (int j = 0; j < N; ++j) c[j] = 0.0;
+    for (int k = 0; k < K; ++k) {
+      const double a = A[static_cast<long>(i) * lda + k];
+      const double* b = B + static_cast<long>(k) * ldb;
+      for (int j = 0; j < N; ++j) c[j] += a * b[j];
+    }
+  }
+}
+
+#if defined(GNMX_DBN_SMALL_AVX2)
+// Rows [0, R) of C, columns [j, j + 8): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
+template <int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void dmm_tile(
+    const double* A, int lda, const double* B, int ldb, double* C, int ldc, int K) {
+  __m256d c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_pd();
+  const double* b = B;
+  for (int k = 0; k < K; ++k, b += ldb) {
+    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
+    for (int r = 0; r < R; ++r) {
+      const __m256d w = _mm256_broadcast_sd(A + static_cast<long>(r) * lda + k);
+      c0[r] = _mm256_fmadd_pd(w, b0, c0[r]);
+      c1[r] = _mm256_fmadd_pd(w, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_pd(C + static_cast<long>(r) * ldc, c0[r]);
+    _mm256_storeu_pd(C + static_cast<long>(r) * ldc + 4, c1[r]);
+  }
+}
+
+template <int R>
+__attribute__((target("avx2,fma"))) void dmm_rows_avx2(const double* A, int lda, const double* B,
+                                                       int ldb, double* C, int ldc, int N, int K) {
+  int j = 0;
+  for (; j + 8 <= N; j += 8) dmm_tile<R>(A, lda, B + j, ldb, C + j, ldc, K);
+  if (j < N)  // remaining columns
+    for (int r = 0; r < R; ++r) {
+      double* c = C + static_cast<long>(r) * ldc;
+      const double* a = A + static_cast<long>(r) * lda;
+      for (int jj = j; jj < N; ++jj) c[jj] = 0.0;
+      for (int k = 0; k < K; ++k) {
+        const double av = a[k];
+        const double* b = B + static_cast<long>(k) * ldb;
+        for (int jj = j; jj < N; ++jj) c[jj] += av * b[jj];
+      }
+    }
+}
+
+inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, double* C, int ldc,
+                        int M, int N, int K) {
+  int i = 0;
+  for (; i + 6 <= M; i += 6)
+    dmm_rows_avx2<6>(A + static_cast<long>(i) * lda, lda, B, ldb, C + static_cast<long>(i) * ldc,
+                     ldc, N, K);
+  const double* a = A + static_cast<long>(i) * lda;
+  double* c = C + static_cast<long>(i) * ldc;
+  switch (M - i) {
+    case 5: dmm_rows_avx2<5>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 4: dmm_rows_avx2<4>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 3: dmm_rows_avx2<3>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 2: dmm_rows_avx2<2>(a, lda, B, ldb, c, ldc, N, K); break;
+    case 1: dmm_rows_avx2<1>(a, lda, B, ldb, c, ldc, N, K); break;
+    default: break;
+  }
+}
+
+inline bool use_avx2() {
+  static const bool ok = [] {
+    const char* isa = std::getenv("GNMX_CPU_ISA");
+    if (isa && std::strcmp(isa, "generic") == 0) return false;
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
+  }();
+  return ok;
+}
+#endif
+
+inline void dmm_nn(const double* A, int lda, const double* B, int ldb, double* C, int ldc, int M,
+                   int N, int K) {
+#if defined(GNMX_DBN_SMALL_AVX2)
+  if (use_avx2()) return dmm_nn_avx2(A, lda, B, ldb, C, ldc, M, N, K);
+#endif
+  dmm_nn_generic(A, lda, B, ldb, C, ldc, M, N, K);
+}
+
+inline void transpose(const double* A, int D, double* At) {
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) At[j * D + i] = A[i * D + j];
+}
+
+// W = U diag(l^-1/2) U^T (= dbn_inv_sqrt). tmp: 2*D*D + D doubles.
+inline void inv_sqrt(const double* U, const double* l, int D, double* W, double* tmp) {
+  double* V = tmp;          // U diag(l^-1/2)
+  double* Ut = tmp + D * D;
+  double* r = tmp + 2 * D * D;  // l^-1/2: D square roots, not D^2
+  for (int k = 0; k < D; ++k) r[k] = 1.0 / std::sqrt(l[k]);
+  for (int i = 0; i < D; ++i)
+    for (int k = 0; k < D; ++k) {
+      V[i * D + k] = U[i * D + k] * r[k];
+      Ut[k * D + i] = U[i * D + k];
+    }
+  dmm_nn(V, D, Ut, D, W, D, D, D, D);
+  for (int i = 0; i < D; ++i)  // symmetric in exact arithmetic
+    for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
+}
+
+// The backward D x D step (= dbn_bwd_group): W = Sigma^{-1/2} and B = (2/m) U (K o (U^T sym(GW)
+// U)) U^T. tmp: 4*D*D + 2*D doubles.
+inline void bwd_group(const double* U, const double* l, const double* GW, int D, double m,
+                      double* W, double* B, double* tmp) {
+  double* H = tmp;
+  double* T = tmp + D * D;
+  double* Ut = tmp + 2 * D * D;
+  double* V = tmp + 3 * D * D;
+  double* sq = tmp + 4 * D * D;  // sqrt(l)
+  double* r = sq + D;            // l^-1/2
+  for (int k = 0; k < D; ++k) {
+    sq[k] = std::sqrt(l[k]);
+    r[k] = 1.0 / sq[k];
+  }
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) {
+      H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
+      Ut[i * D + j] = U[j * D + i];
+    }
+  dmm_nn(H, D, U, D, T, D, D, D, D);   // T = sym(GW) U
+  dmm_nn(Ut, D, T, D, H, D, D, D, D);  // H = U^T sym(GW) U
+  // K_ij = dbn_inv_sqrt_divdiff(l_i, l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j))),
+  // from the D square roots (D^2 sqrt calls were ~30% of this step at D = 64).
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) H[i * D + j] *= -1.0 / (sq[i] * sq[j] * (sq[i] + sq[j]));
+  dmm_nn(U, D, H, D, T, D, D, D, D);   // T = U H
+  dmm_nn(T, D, Ut, D, B, D, D, D, D);  // B = T U^T
+  const double two_over_m = 2.0 / m;
+  for (int i = 0; i < D; ++i)
+    for (int j = i; j < D; ++j) {
+      const double b = 0.5 * (B[i * D + j] + B[j * D + i]) * two_over_m;
+      B[i * D + j] = B[j * D + i] = b;
+    }
+  for (int i = 0; i < D; ++i)
+    for (int k = 0; k < D; ++k) V[i * D + k] = U[i * D + k] * r[k];
+  dmm_nn(V, D, Ut, D, W, D, D, D, D);  // W = U diag(l^-1/2) U^T
+  for (int i = 0; i < D; ++i)
+    for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
+}
+
+// ---- Symmetric eigensolver: Householder tridiagonalization + implicit QL -------------------------
+// For the group sizes of DBN (D ~ 8..128) this beats LAPACK dsyevd through OpenBLAS by 2-4x (no
+// per-call set-up, no tiny BLAS calls) with the same backward stability: orthogonal similarity
+// transforms only, eigenvectors orthonormal to rounding. Steps, for a symmetric A (row-major):
+//  0. scale A by a power of two so that max |A_ij| is in [0.5, 1) (exact; keeps squares of
+//     entries away from overflow / underflow whatever the data's scale), undone on l at the end;
+//  1. for k = 0 .. D-3: the reflector H_k = I - tau v v^T (v_0 = 1 implied by scaling below) maps
+//     A[k+1:, k] onto alpha e_1 (alpha = -sign(x_0) |x|, so alpha - x_0 never cancels); the
+//     trailing block becomes H_k A H_k via the symmetric rank-2 update A -= v w^T + w v^T with
+//     p = tau A v, w = p - (tau/2)(p.v) v. Diagonal d_k = A_kk, off-diagonal e_k = alpha;
+//  2. Q = H_0 H_1 ... H_{D-3} accumulated backwards (each H_k touches rows/columns > k only), so
+//     A = Q T Q^T with T tridiagonal (d, e); Q is kept transposed (rows = columns of Q);
+//  3. implicit QL with Wilkinson's shift on (d, e): each sweep chases the bulge with plane
+//     rotations, applied to consecutive rows of Q^T (contiguous, vectorizable); an off-diagonal
+//     is zero once |e_m| <= DBL_EPSILON (|d_m| + |d_{m+1}|);
+//  4. sort ascending (as LAPACK), U = (Q^T)^T.
+// Returns false (caller falls back to Jacobi) if a QL iteration count exceeds 60 per eigenvalue
+// or the input is not finite. work: 2*D*D + 4*D doubles.
+inline size_t eigh_ql_work(int D) { return 2 * static_cast<size_t>(D) * D + 4 * static_cast<size_t>(D); }
+
+// sqrt(a^2 + b^2) without std::hypot's cost when no square can overflow or underflow.
+inline double fast_hypot(double a, double b) {
+  const double m = std::fmax(std::fabs(a), std::fabs(b));
+  if (m > 1e-150 && m < 1e150) return std::sqrt(a * a + b * b);
+  return std::hypot(a, b);
+}
+
+__attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int D, double* U,
+                                                        double* l, double* work) {
+  double* A = work;                  // D*D, destroyed
+  double* Qt = work + D * D;         // D*D
+  double* d = Qt + D * D;            // D
+  double* e = d + D;                 // D
+  double* v = e + D;                 // D
+  double* p = v + D;                 // D
+  double amax = 0.0;
+  for (int i = 0; i < D * D; ++i) {
+    const double a = std::fabs(A_in[i]);
+    if (!(a <= 1.79e308)) return false;  // inf / NaN
+    amax = a > amax ? a : amax;
+  }
+  if (amax == 0.0) {
+    for (int i = 0; i < D; ++i) {
+      l[i] = 0.0;
+      for (int j = 0; j < D; ++j) U[i * D + j] = i == j ? 1.0 : 0.0;
+    }
+    return true;
+  }
+  int ex;
+  std::frexp(amax, &ex);  // amax = f 2^ex, f in [0.5, 1)
+  for (int i = 0; i < D * D; ++i) A[i] = std::ldexp(A_in[i], -ex);
+
+  // 1. Tridiagonalization; reflector k is kept in row k of A right of the diagonal (v_0 = 1
+  //    implied), its tau in taus[k].
+  double* taus = U;  // U is free until step 4: D doubles of scratch
+  for (int k = 0; k + 2 < D; ++k) {
+    double* x = A + k * D + k + 1;  // row k right of the diagonal == column k below it
+    const int n = D - k - 1;
+    double nrm2 = 0.0;
+#pragma omp simd reduction(+ : nrm2)
+    for (int i = 1; i < n; ++i) nrm2 += x[i] * x[i];
+    d[k] = A[k * D + k];
+    if (nrm2 == 0.0) {  // already tridiagonal in this column
+      e[k] = x[0];
+      taus[k] = 0.0;
+      continue;
+    }
+    const double x0 = x[0];
+    const double norm = std::sqrt(nrm2 + x0 * x0);
+    const double alpha = x0 >= 0 ? -norm : norm;
+    const double v0 = x0 - alpha;        // |v0| = |x0| + norm: no cancellation
+    const double tau = -v0 / alpha;      // with v scaled to v_0 = 1: tau = 2 / (v^T v)
+    const double inv_v0 = 1.0 / v0;
+    v[0] = 1.0;
+    for (int i = 1; i < n; ++i) v[i] = x[i] * inv_v0;
+    e[k] = alpha;
+    taus[k] = tau;
+    double* A2 = A + (k + 1) * D + (k + 1);  // trailing n x n block, row stride D
+    double pv = 0.0;
+    for (int i = 0; i < n; ++i) {
+      const double* row = A2 + i * D;
+      double s = 0.0;
+#pragma omp simd reduction(+ : s)
+      for (int j = 0; j < n; ++j) s += row[j] * v[j];
+      p[i] = tau * s;
+      pv += p[i] * v[i];
+    }
+    const double kk = 0.5 * tau * pv;
+    for (int i = 0; i < n; ++i) p[i] -= kk * v[i];  // p <- w
+    for (int i = 0; i < n; ++i) {
+      double* row = A2 + i * D;
+      const double vi = v[i], wi = p[i];
+#pragma omp simd
+      for (int j = 0; j < n; ++j) row[j] -= vi * p[j] + wi * v[j];
+    }
+    for (int i = 1; i < n; ++i) x[i] = v[i];  // keep the reflector (v_0 = 1 implied)
+  }
+  if (D >= 2) {
+    d[D - 2] = A[(D - 2) * D + D - 2];
+    e[D - 2] = A[(D - 2) * D + D - 1];
+  }
+  d[D - 1] = A[(D - 1) * D + D - 1];
+  e[D - 1] = 0.0;
+
+  // 2. Q = H_0 ... H_{D-3}, built backwards (Q2 <- H_k Q2 on rows/columns k+1..D-1) in Qt's
+  //    storage, then transposed in place.
+  double* Q = Qt;
+  for (int i = 0; i < D * D; ++i) Q[i] = 0.0;
+  for (int i = 0; i < D; ++i) Q[i * D + i] = 1.0;
+  for (int k = D - 3; k >= 0; --k) {
+    const double tau = taus[k];
+    if (tau == 0.0) continue;
+    const int n = D - k - 1;
+    const double* x = A + k * D + k + 1;
+    v[0] = 1.0;
+    for (int i = 1; i < n; ++i) v[i] = x[i];
+    double* Q2 = Q + (k + 1) * D + (k + 1);
+    for (int j = 0; j < n; ++j) p[j] = 0.0;  // p = v^T Q2
+    for (int i = 0; i < n; ++i) {
+      const double vi = v[i];
+      const double* row = Q2 + i * D;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) p[j] += vi * row[j];
+    }
+    for (int i = 0; i < n; ++i) {
+      const double tvi = tau * v[i];
+      double* row = Q2 + i * D;
+#pragma omp simd
+      for (int j = 0; j < n; ++j) row[j] -= tvi * p[j];
+    }
+  }
+  for (int i = 0; i < D; ++i)  // in-place transpose: Qt rows = columns of Q
+    for (int j = i + 1; j < D; ++j) {
+      const double t = Q[i * D + j];
+      Q[i * D + j] = Q[j * D + i];
+      Q[j * D + i] = t;
+    }
+
+  // 3. Implicit QL on (d, e), rotations applied to rows of Qt.
+  const double eps = 2.220446049250313e-16;
+  for (int l0 = 0; l0 < D; ++l0) {
+    int iter = 0;
+    int m;
+    do {
+      for (m = l0; m < D - 1; ++m) {
+        const double dd = std::fabs(d[m]) + std::fabs(d[m + 1]);
+        if (std::fabs(e[m]) <= eps * dd) break;
+      }
+      if (m == l0) break;
+      if (++iter > 60) return false;
+      double g = (d[l0 + 1] - d[l0]) / (2.0 * e[l0]);
+      double r = fast_hypot(g, 1.0);
+      g = d[m] - d[l0] + e[l0] / (g + (g >= 0 ? r : -r));
+      double s = 1.0, c = 1.0, pp = 0.0;
+      int i;
+      bool deflated = false;
+      for (i = m - 1; i >= l0; --i) {
+        const double f = s * e[i], b = c * e[i];
+        r = fast_hypot(f, g);
+        e[i + 1] = r;
+        if (r == 0.0) {  // underflow: split here and restart
+          d[i + 1] -= pp;
+          e[m] = 0.0;
+          deflated = true;
+          break;
+        }
+        s = f / r;
+        c = g / r;
+        g = d[i + 1] - pp;
+        r = (d[i] - g) * s + 2.0 * c * b;
+        pp = s * r;
+        d[i + 1] = g + pp;
+        g = c * r - b;
+        double* zi = Qt + i * D;
+        double* zj = zi + D;
+#pragma omp simd
+        for (int k = 0; k < D; ++k) {
+          const double fk = zj[k];
+          zj[k] = s * zi[k] + c * fk;
+          zi[k] = c * zi[k] - s * fk;
+        }
+      }
+      if (deflated) continue;
+      d[l0] -= pp;
+      e[l0] = g;
+      e[m] = 0.0;
+    } while (true);
+  }
+
+  // 4. Sort ascending, unscale, U = Qt^T.
+  for (int i = 0; i < D; ++i) {
+    int best = i;
+    for (int j = i + 1; j < D; ++j)
+      if (d[j] < d[best]) best = j;
+    if (best != i) {
+      std::swap(d[i], d[best]);
+      double* a = Qt + i * D;
+      double* b = Qt + best * D;
+      for (int k = 0; k < D; ++k) std::swap(a[k], b[k]);
+    }
+  }
+  for (int i = 0; i < D; ++i) l[i] = std::ldexp(d[i], ex);
+  for (int i = 0; i < D; ++i)
+    for (int j = 0; j < D; ++j) U[i * D + j] = Qt[j * D + i];
+  return true;
+}
+
+#if defined(GNMX_DBN_SMALL_AVX2)
+__attribute__((target("avx2,fma"))) inline bool eigh_ql_avx2(const double* A, int D, double* U,
+                                                             double* l, double* work) {
+  return eigh_ql_body(A, D, U, l, work);
+}
+#endif
+
+inline bool eigh_ql(const double* A, int D, double* U, double* l, double* work) {
+#if defined(GNMX_DBN_SMALL_AVX2)
+  if (use_avx2()) return eigh_ql_avx2(A, D, U, l, work);
+#endif
+  return eigh_ql_body(A, D, U, l, work);
+}
+
+}  // namespace dbn_small
+}  // namespace gn_mx
