@@ -188,9 +188,8 @@ def test_inference_op_and_backward(ctx, dtype):
                          ids=["blas_path", "two_threads"])
 def test_kernel_paths_match_reference(env):
     """float32 panels use AVX2 kernels when the CPU has them; GNMX_CPU_ISA=generic forces the
-    BLAS path (as on other CPUs). MXNet's threaded engine gives library ops one OpenMP thread;
-    NaiveEngine runs them on the caller, so OMP_NUM_THREADS=2 covers the per-thread statistics
-    merge. Shapes include several column chunks per group. Fresh processes: both choices are
+    BLAS path (as on other CPUs). With OMP_NUM_THREADS=2 the ops run a team of two threads
+    (NaiveEngine: on the caller, deterministic), which covers the per-thread statistics merge. Shapes include several column chunks per group. Fresh processes: both choices are
     made once per process."""
     code = f"""
         import sys; sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
