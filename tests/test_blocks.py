@@ -132,6 +132,57 @@ def test_grad_req_add_accumulates(ctx, hybridize):
     np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-5, atol=1e-6)
 
 
+def _graph_ops(blk):
+    return [n["op"] for n in json.loads(blk._cached_graph[1].tojson())["nodes"]]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["hybridize", "static"])
+def test_grad_req_switch_after_hybridize_retraces(ctx, static):
+    """'write' graphs carry no identity; switching to 'add' after the graph was built re-traces
+    (MXNet itself would keep the old graph and overwrite), and switching back drops it again."""
+    net = _net()
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize(static_alloc=static, static_shape=static)
+    x = mx.nd.random.normal(shape=(2, 3, 6, 6), ctx=ctx)
+    y0, dx0, g0 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net) and "identity" not in _graph_ops(net)
+    net.collect_params().setattr("grad_req", "add")
+    for p in net.collect_params().values():
+        p.zero_grad()
+    _fwd_bwd(net, x, ctx)
+    y2, dx2, g2 = _fwd_bwd(net, x, ctx)
+    ops = _graph_ops(net)
+    assert ops.count("_copy") + ops.count("identity") == 4, ops  # gamma, beta of both layers
+    np.testing.assert_allclose(y2, y0, rtol=1e-5, atol=1e-5)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], 2 * g0[k], rtol=1e-4, atol=1e-4, err_msg=k)
+    net.collect_params().setattr("grad_req", "write")
+    y3, dx3, g3 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net)
+    for k in g0:
+        np.testing.assert_allclose(g3[k], g0[k], rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_grad_req_add_on_one_param_only(ctx):
+    blk = gn_mx.GroupNorm(num_groups=2)
+    blk.initialize(ctx=ctx)
+    blk.hybridize()
+    x = mx.nd.random.normal(shape=(2, 4, 5), ctx=ctx)
+    dy = mx.nd.random.normal(shape=(2, 4, 5), ctx=ctx)
+    blk(x)
+    blk.beta.grad_req = "add"
+    gs, bs = [], []
+    for _ in range(2):
+        with autograd.record():
+            y = blk(x)
+        y.backward(dy)
+        gs.append(blk.gamma.grad(ctx).asnumpy().copy())
+        bs.append(blk.beta.grad(ctx).asnumpy().copy())
+    np.testing.assert_allclose(gs[1], gs[0], rtol=1e-6)
+    np.testing.assert_allclose(bs[1], 2 * bs[0], rtol=1e-5, atol=1e-6)
+    assert _graph_ops(blk).count("_copy") + _graph_ops(blk).count("identity") == 1
+
+
 def test_trainer_step_changes_params_and_lowers_loss(ctx):
     net = _net()
     net.initialize(mx.init.Xavier(), ctx=ctx)

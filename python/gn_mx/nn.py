@@ -3,7 +3,7 @@ import numbers
 
 from mxnet.gluon import HybridBlock
 
-from . import _library
+from . import _gradreq, _library
 
 _library.load()
 
@@ -31,14 +31,23 @@ def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_in
     return gamma, beta
 
 
-def accumulating_params(F, *params):
-    """Route parameters through `identity` so that grad_req='add' accumulates.
+def accumulating_params(F, *params, block=None):
+    """Route parameters through `identity` where grad_req='add' needs it.
 
     MXNet's lib_api passes no `req` to library ops: their backward always overwrites the gradient
     buffer it is given. A built-in identity between the parameter and the op receives the library's
-    gradient in a temporary and honours 'add' (and 'write') itself, at the cost of copying C values.
+    gradient in a temporary and honours 'add' itself, at the cost of one more op per parameter and
+    call. With ``block`` given, only parameters whose ``grad_req`` is 'add' (``block.gamma``,
+    ``block.beta``, in the order of ``params``) get the identity; the choice is made when the graph
+    is traced and re-made when a grad_req changes later (``_gradreq``). Without ``block`` every
+    parameter gets it (the old, always-correct behaviour).
     """
-    return tuple(F.identity(p) for p in params)
+    if block is None:
+        return tuple(F.identity(p) for p in params)
+    owners = (block.gamma, block.beta)[:len(params)]
+    if not isinstance(params[0], _nd_type()):
+        _gradreq.note_traced(owners)
+    return tuple(F.identity(p) if _gradreq.is_add(o) else p for p, o in zip(params, owners))
 
 
 class GroupNorm(HybridBlock):
@@ -79,7 +88,7 @@ class GroupNorm(HybridBlock):
                                                    beta_initializer, gamma_initializer)
 
     def hybrid_forward(self, F, x, gamma, beta):
-        gamma, beta = accumulating_params(F, gamma, beta)
+        gamma, beta = accumulating_params(F, gamma, beta, block=self)
         return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon)[0]
 
     def __repr__(self):
@@ -177,7 +186,7 @@ class DecorrelatedBatchNorm(HybridBlock):
                                       num_groups=self._num_groups)
         # The learnable affine is one native op: per-channel, any spatial rank, float32
         # gamma/beta with float16 data, and it sizes gamma/beta from xhat for deferred init.
-        gamma, beta = accumulating_params(F, gamma, beta)
+        gamma, beta = accumulating_params(F, gamma, beta, block=self)
         return F.gn_channel_affine(xhat, gamma, beta)
 
     def __repr__(self):
