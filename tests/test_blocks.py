@@ -341,3 +341,26 @@ def test_plain_block_exports_no_act_type(tmp_path):
     assert "act_type" not in gn["attrs"]
     with pytest.raises(ValueError, match="activation"):
         gn_mx.GroupNorm(num_groups=2, activation="tanh")
+
+
+def test_dbn_grad_req_switch_after_hybridize(ctx):
+    """The same trace-time identity choice for DecorrelatedBatchNorm (a mode-keyed graph)."""
+    net = gluon.nn.HybridSequential()
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(8, 3, padding=1, in_channels=3))
+        net.add(gn_mx.DecorrelatedBatchNorm(num_groups=2, momentum=1.0, in_channels=8))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize()
+    x = mx.nd.random.normal(shape=(4, 3, 5, 5), ctx=ctx)
+    y0, _, g0 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net)
+    net.collect_params().setattr("grad_req", "add")
+    for p in net.collect_params().values():
+        if p.grad_req != "null":
+            p.zero_grad()
+    _fwd_bwd(net, x, ctx)
+    y2, _, g2 = _fwd_bwd(net, x, ctx)
+    assert "_copy" in _graph_ops(net)
+    np.testing.assert_allclose(y2, y0, rtol=1e-5, atol=1e-5)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], 2 * g0[k], rtol=1e-4, atol=1e-4, err_msg=k)

@@ -323,10 +323,15 @@ struct FwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r;
+  bool single;     // one-element group: x - mean = 0, out = act(beta) exactly (a = 0, b = beta)
   __device__ __forceinline__ Coef coef(uint32_t c) const {
     Coef cf;
     gn_fwd_coeffs<A>(mu, r, static_cast<A>(to_acc(gamma[c])), static_cast<A>(to_acc(beta[c])),
                      &cf.a, &cf.b);
+    if (single) {
+      cf.a = A(0);
+      cf.b = static_cast<A>(to_acc(beta[c]));
+    }
     return cf;
   }
   __device__ __forceinline__ A operator()(const Coef& cf, A x, A) const {
@@ -367,7 +372,7 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
   }
   if (splits <= 1) __syncthreads();
   const int64_t g = ng % G;
-  FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, s_mu, s_r};
+  FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, s_mu, s_r, L == 1};
   const uint32_t begin = piece * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   map_group<T, V, 1>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
@@ -474,10 +479,11 @@ struct BwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r, c2, c3;
+  bool single;     // one-element group: d out / dx = 0 exactly (c1 = 0, c2 = 0, c3 = dmean)
   __device__ __forceinline__ Coef coef(uint32_t c) const {
     Coef cf;
     const A gm = static_cast<A>(to_acc(gamma[c]));
-    cf.c1 = r * gm;
+    cf.c1 = single ? A(0) : r * gm;
     cf.a = A(1);
     cf.b = A(0);
     if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
@@ -548,6 +554,11 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   op.r = rstd[ng];
   gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_o ? dmean_o[ng] : A(0),
                    drstd_o ? drstd_o[ng] : A(0), &op.c2, &op.c3);
+  op.single = L == 1;
+  if (op.single) {  // r gamma g and B r / m cancel only up to rounding: take the exact result
+    op.c2 = A(0);
+    op.c3 = dmean_o ? dmean_o[ng] : A(0);
+  }
   const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
