@@ -8,6 +8,7 @@ forward does nothing) with the installed mxnet's lib_api, loads it next to gn_mx
 process, interleaved round-robin (medians of repeated samples), on 1-element tensors:
   builtin_relu, builtin_identity     built-in ops (MXNet's own dispatch floor)
   lib_noop                           an EMPTY lib_api op: the floor of MXNet's lib_api path
+  lib_noop_2attrs                    the same with two (ignored) attributes, as gn_group_norm has
   gn_moments, gn_group_norm          gn_mx ops (the difference to lib_noop is gn_mx's own work plus
                                      MXNet allocating the extra outputs)
 and hybridized (static_alloc) gn_mx.GroupNorm blocks, forward only, grad_req 'write' (no identity on
@@ -56,6 +57,7 @@ def child():
         "builtin_relu": (lambda: mx.nd.relu(t1), W),
         "builtin_identity": (lambda: mx.nd.identity(t1), W),
         "lib_noop": (lambda: mx.nd.bench_noop(t1), W),
+        "lib_noop_2attrs": (lambda: mx.nd.bench_noop(t1, num_groups=1, eps=1e-5), W),
         "gn_moments": (lambda: mx.nd.gn_moments(t1, num_groups=1), W),
         "gn_group_norm": (lambda: mx.nd.gn_group_norm(t1, g1, b1, num_groups=1), W),
     }
