@@ -290,6 +290,7 @@ def main():
     ap.add_argument("--min-sample-ms", type=float, default=None)
     ap.add_argument("--max-cell-s", type=float, default=None)
     ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--suffix", default="", help="appended to the result file names")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rounds = args.rounds or (3 if args.quick else 7)
@@ -315,10 +316,10 @@ def main():
     print(text)
     os.makedirs(args.out, exist_ok=True)
     date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    with open(os.path.join(args.out, "in_network_cpu.md"), "w") as f:
+    with open(os.path.join(args.out, "in_network_cpu%s.md" % args.suffix), "w") as f:
         f.write("# Norm layers inside hybridized networks, CPU (`benchmarks/bench_in_network.py`)\n\n"
                 "%s UTC; fp32; times are medians of interleaved samples.\n%s\n" % (date, text))
-    with open(os.path.join(args.out, "in_network_cpu.json"), "w") as f:
+    with open(os.path.join(args.out, "in_network_cpu%s.json" % args.suffix), "w") as f:
         json.dump({"date_utc": date, "runs": runs, "report": text}, f, indent=1)
 
 
