@@ -12,6 +12,8 @@ Two networks, hybridized (static_alloc), fp32, each with every norm layer in tur
             32x32/16x16/8x8, stride 2 between stages, 1x1 projection shortcuts), global average
             pool, dense: 13 conv layers (+2 projections) + 1 dense, 13 norm layers. A training step =
             forward, softmax cross-entropy, backward, SGD(momentum) step; also forward alone.
+  resnet128 the same CNN's training step on (16, 3, 128, 128) (4 MB activations in the first stage),
+            gn_mx GroupNorm and BatchNorm only: where the allocator regime matters.
 Norm layers (G = 32 groups in the sandwich, 8 in the resnet):
   gn_mx       gn_mx.GroupNorm(G)                   (this package)
   gn_mx_relu  gn_mx.GroupNorm(G, activation='relu') replacing GroupNorm + ReLU (resnet only, where
@@ -49,6 +51,7 @@ RESULTS = os.path.join(HERE, "results")
 
 SANDWICH = ["gn_mx", "gluon_gn", "bn", "dbn", "relu", "lib_affine", "none"]
 RESNET = ["gn_mx", "gn_mx_relu", "gluon_gn", "bn", "dbn", "none"]
+RESNET_BIG = ["gn_mx", "bn"]
 G_SANDWICH, G_RESNET = 32, 8
 
 REGIMES = {
@@ -223,6 +226,24 @@ def child(args):
         step[kind] = (st, W)
         rf[kind] = (f, W)
     out["resnet"] = {"shape": [16, 3, 64, 64], "step_s": timer.run(step), "fwd_s": timer.run(rf)}
+    print(".", end="", file=sys.stderr, flush=True)
+
+    # --- the same CNN on 128x128 images (4 MB activations in the first stage): the allocator effect
+    xb = mx.nd.random.normal(shape=(16, 3, 128, 128))
+    big = {}
+    for kind in RESNET_BIG:
+        net = ResNet(kind)
+        net.initialize(mx.init.Xavier())
+        net.hybridize(static_alloc=True, static_shape=True)
+        tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9})
+
+        def st(net=net, tr=tr):
+            with autograd.record():
+                loss = lossf(net(xb), label)
+            loss.backward()
+            tr.step(16)
+        big[kind] = (st, W)
+    out["resnet128"] = {"shape": [16, 3, 128, 128], "step_s": timer.run(big)}
     out["loadavg_end"] = os.getloadavg()
     json.dump(out, sys.stdout)
 
@@ -259,6 +280,10 @@ def report(runs):
                 share = "%.0f%%" % (100 * (st[k] - st["none"]) / st[k])
             lines.append("| %s | %s | %s | %s | %s | %s |" % (k, ms(st.get(k)), ratio(st.get(k), st.get("bn")), share,
                                                          ms(rf.get(k)), ratio(rf.get(k), rf.get("bn"))))
+        if "resnet128" in r:
+            b = r["resnet128"]["step_s"]
+            lines += ["", "Same CNN on 16x3x128x128, training step (ms): " + ", ".join(
+                "%s %s" % (k, ms(v)) for k, v in b.items())]
     # targets
     tl = ["", "Targets (issue 13):"]
     for name, r in runs.items():
@@ -273,11 +298,15 @@ def report(runs):
                       "%.2f" % b if b else "-", "met" if b and b <= 1.1 else "NOT met",
                       "%.2f" % c if c else "-"))
     if "default" in runs and "kept" in runs:
-        d, k = runs["default"]["resnet"]["step_s"], runs["kept"]["resnet"]["step_s"]
-        for n in ("gn_mx", "bn"):
-            if isinstance(d.get(n), float) and isinstance(k.get(n), float):
-                tl.append("- allocator: the %s training step takes %.1f ms with glibc defaults, %.1f ms with "
-                          "freed memory kept (%.0f%% less)" % (n, d[n] * 1e3, k[n] * 1e3, 100 * (1 - k[n] / d[n])))
+        for net in ("resnet", "resnet128"):
+            if net not in runs["default"] or net not in runs["kept"]:
+                continue
+            d, k = runs["default"][net]["step_s"], runs["kept"][net]["step_s"]
+            for n in ("gn_mx", "bn"):
+                if isinstance(d.get(n), float) and isinstance(k.get(n), float):
+                    tl.append("- allocator, %s: the %s training step takes %.1f ms with glibc defaults, %.1f ms "
+                              "with freed memory kept (%.0f%% less)" % (net, n, d[n] * 1e3, k[n] * 1e3,
+                                                                        100 * (1 - k[n] / d[n])))
     return "\n".join(lines + tl)
 
 
