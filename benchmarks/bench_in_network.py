@@ -168,6 +168,10 @@ def child(args):
                                        "MXNET_MKLDNN_ENABLED")},
         "mkldnn": mx.runtime.Features().is_enabled("MKLDNN"), "loadavg_start": os.getloadavg()}
 
+    parts = args.parts.split(",")
+    lossf = gluon.loss.SoftmaxCrossEntropyLoss()
+    label = mx.nd.array(np.random.randint(0, 10, size=16))
+
     # --- sandwich
     xs = mx.nd.random.normal(shape=(16, 64, 32, 32))
     dys = mx.nd.random.normal(shape=(16, 64, 32, 32))
@@ -201,15 +205,15 @@ def child(args):
             y = mx.nd.gn_group_norm(xa, g1, b1, num_groups=G_SANDWICH)[0]
         y.backward(dys)
     fb["gn_mx_op_alone"] = (op_fb, W)
-    out["sandwich"] = {"shape": [16, 64, 32, 32], "fwd_s": timer.run(fwd), "fwdbwd_s": timer.run(fb)}
+    if "sandwich" in parts:
+        out["sandwich"] = {"shape": [16, 64, 32, 32], "fwd_s": timer.run(fwd), "fwdbwd_s": timer.run(fb)}
     print(".", end="", file=sys.stderr, flush=True)
+    del fwd, fb
 
     # --- resnet training step
     xr = mx.nd.random.normal(shape=(16, 3, 64, 64))
-    label = mx.nd.array(np.random.randint(0, 10, size=16))
-    lossf = gluon.loss.SoftmaxCrossEntropyLoss()
     step, rf = {}, {}
-    for kind in RESNET:
+    for kind in (RESNET if "resnet" in parts else []):
         net = ResNet(kind)
         net.initialize(mx.init.Xavier())
         net.hybridize(static_alloc=True, static_shape=True)
@@ -225,16 +229,19 @@ def child(args):
             net(xr)
         step[kind] = (st, W)
         rf[kind] = (f, W)
-    out["resnet"] = {"shape": [16, 3, 64, 64], "step_s": timer.run(step), "fwd_s": timer.run(rf)}
+    if "resnet" in parts:
+        out["resnet"] = {"shape": [16, 3, 64, 64], "step_s": timer.run(step), "fwd_s": timer.run(rf)}
     print(".", end="", file=sys.stderr, flush=True)
 
     # --- the same CNN on 128x128 images (4 MB activations in the first stage): the allocator effect
     xb = mx.nd.random.normal(shape=(16, 3, 128, 128))
     big = {}
-    for kind in RESNET_BIG:
+    for kind, static in [(k, s) for k in RESNET_BIG for s in (True, False)]:
+        if "resnet128" not in parts:
+            break
         net = ResNet(kind)
         net.initialize(mx.init.Xavier())
-        net.hybridize(static_alloc=True, static_shape=True)
+        net.hybridize(static_alloc=static, static_shape=static)
         tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9})
 
         def st(net=net, tr=tr):
@@ -242,8 +249,9 @@ def child(args):
                 loss = lossf(net(xb), label)
             loss.backward()
             tr.step(16)
-        big[kind] = (st, W)
-    out["resnet128"] = {"shape": [16, 3, 128, 128], "step_s": timer.run(big)}
+        big[kind + ("" if static else "_hybridize_plain")] = (st, W)
+    if "resnet128" in parts:
+        out["resnet128"] = {"shape": [16, 3, 128, 128], "step_s": timer.run(big)}
     out["loadavg_end"] = os.getloadavg()
     json.dump(out, sys.stdout)
 
@@ -261,7 +269,7 @@ def report(runs):
     for name, r in runs.items():
         lines += ["", "### %s (%s), %d threads, load average %.1f -> %.1f" % (
             name, REGIMES[name][1], r["threads"], r["loadavg_start"][0], r["loadavg_end"][0]), ""]
-        sw = r["sandwich"]
+        sw = r.get("sandwich", {"shape": [16, 64, 32, 32], "fwd_s": {}, "fwdbwd_s": {}})
         f, fb = sw["fwd_s"], sw["fwdbwd_s"]
         lines += ["Conv -> norm -> Conv on %s (ms; share = (t - t_none) / t):" % "x".join(map(str, sw["shape"])), "",
                   "| middle | fwd | fwd+bwd | fwd+bwd / bn | share of fwd+bwd |", "| --- | --- | --- | --- | --- |"]
@@ -270,7 +278,7 @@ def report(runs):
             if k not in ("none", "gn_mx_op_alone") and isinstance(fb.get(k), float) and isinstance(fb.get("none"), float):
                 share = "%.0f%%" % (100 * (fb[k] - fb["none"]) / fb[k])
             lines.append("| %s | %s | %s | %s | %s |" % (k, ms(f.get(k)), ms(fb.get(k)), ratio(fb.get(k), fb.get("bn")), share))
-        rn = r["resnet"]
+        rn = r.get("resnet", {"shape": [16, 3, 64, 64], "step_s": {}, "fwd_s": {}})
         st, rf = rn["step_s"], rn["fwd_s"]
         lines += ["", "ResNet-style CNN (13 conv + dense) on %s: training step and forward (ms):" % "x".join(map(str, rn["shape"])), "",
                   "| norm | step | step / bn | norm share of step | fwd | fwd / bn |", "| --- | --- | --- | --- | --- | --- |"]
@@ -287,6 +295,8 @@ def report(runs):
     # targets
     tl = ["", "Targets (issue 13):"]
     for name, r in runs.items():
+        if "sandwich" not in r or "resnet" not in r:
+            continue
         fb = r["sandwich"]["fwdbwd_s"]
         st = r["resnet"]["step_s"]
         a = fb.get("gn_mx") / fb.get("bn") if isinstance(fb.get("gn_mx"), float) else None
@@ -302,7 +312,7 @@ def report(runs):
             if net not in runs["default"] or net not in runs["kept"]:
                 continue
             d, k = runs["default"][net]["step_s"], runs["kept"][net]["step_s"]
-            for n in ("gn_mx", "bn"):
+            for n in sorted(d):
                 if isinstance(d.get(n), float) and isinstance(k.get(n), float):
                     tl.append("- allocator, %s: the %s training step takes %.1f ms with glibc defaults, %.1f ms "
                               "with freed memory kept (%.0f%% less)" % (net, n, d[n] * 1e3, k[n] * 1e3,
@@ -320,6 +330,7 @@ def main():
     ap.add_argument("--max-cell-s", type=float, default=None)
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--suffix", default="", help="appended to the result file names")
+    ap.add_argument("--parts", default="sandwich,resnet,resnet128")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     args.rounds = args.rounds or (3 if args.quick else 7)
@@ -336,7 +347,8 @@ def main():
         env["OMP_NUM_THREADS"] = str(args.threads)
         print("running %s ..." % name, file=sys.stderr)
         cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
-               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s)]
+               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s),
+               "--parts", args.parts]
         p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
         if p.returncode != 0:
             sys.exit("child %s failed" % name)
