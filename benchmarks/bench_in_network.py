@@ -271,18 +271,20 @@ def report(runs):
             name, REGIMES[name][1], r["threads"], r["loadavg_start"][0], r["loadavg_end"][0]), ""]
         sw = r.get("sandwich", {"shape": [16, 64, 32, 32], "fwd_s": {}, "fwdbwd_s": {}})
         f, fb = sw["fwd_s"], sw["fwdbwd_s"]
-        lines += ["Conv -> norm -> Conv on %s (ms; share = (t - t_none) / t):" % "x".join(map(str, sw["shape"])), "",
-                  "| middle | fwd | fwd+bwd | fwd+bwd / bn | share of fwd+bwd |", "| --- | --- | --- | --- | --- |"]
-        for k in SANDWICH + ["gn_mx_op_alone"]:
+        if "sandwich" in r:
+            lines += ["Conv -> norm -> Conv on %s (ms; share = (t - t_none) / t):" % "x".join(map(str, sw["shape"])), "",
+                      "| middle | fwd | fwd+bwd | fwd+bwd / bn | share of fwd+bwd |", "| --- | --- | --- | --- | --- |"]
+        for k in (SANDWICH + ["gn_mx_op_alone"]) if "sandwich" in r else []:
             share = "-"
             if k not in ("none", "gn_mx_op_alone") and isinstance(fb.get(k), float) and isinstance(fb.get("none"), float):
                 share = "%.0f%%" % (100 * (fb[k] - fb["none"]) / fb[k])
             lines.append("| %s | %s | %s | %s | %s |" % (k, ms(f.get(k)), ms(fb.get(k)), ratio(fb.get(k), fb.get("bn")), share))
         rn = r.get("resnet", {"shape": [16, 3, 64, 64], "step_s": {}, "fwd_s": {}})
         st, rf = rn["step_s"], rn["fwd_s"]
-        lines += ["", "ResNet-style CNN (13 conv + dense) on %s: training step and forward (ms):" % "x".join(map(str, rn["shape"])), "",
-                  "| norm | step | step / bn | norm share of step | fwd | fwd / bn |", "| --- | --- | --- | --- | --- | --- |"]
-        for k in RESNET:
+        if "resnet" in r:
+            lines += ["", "ResNet-style CNN (13 conv + dense) on %s: training step and forward (ms):" % "x".join(map(str, rn["shape"])), "",
+                      "| norm | step | step / bn | norm share of step | fwd | fwd / bn |", "| --- | --- | --- | --- | --- | --- |"]
+        for k in RESNET if "resnet" in r else []:
             share = "-"
             if k != "none" and isinstance(st.get(k), float) and isinstance(st.get("none"), float):
                 share = "%.0f%%" % (100 * (st[k] - st["none"]) / st[k])
