@@ -6,7 +6,9 @@
     python benchmarks/bench_group_norm.py --threads 1     # one thread count only
 
 Contenders (same shapes, dtypes, eps, thread count; each measured in the same process, interleaved):
-  gn_mx       mx.nd.gn_group_norm (this package; per-channel gamma/beta)
+  gn_mx       mx.nd.gn_group_norm (this package; per-channel gamma/beta), imperative
+  gn_mx_block gn_mx.GroupNorm hybridized with static_alloc (what a network runs: the CachedOp path,
+              no identity on the parameter path since grad_req is 'write'); forward = inference
   mx_builtin  mx.nd.GroupNorm (MXNet's op; per-*group* gamma/beta, so it cannot express the usual layer)
   composed    the Gluon HybridBlock the community writes (reshape, mean, broadcast ops, per-channel affine),
               hybridized; for fp16 also `composed_f32`: the same block with casts to fp32 and back
@@ -17,14 +19,17 @@ Contenders (same shapes, dtypes, eps, thread count; each measured in the same pr
 Also reported: the per-call dispatch floor (a trivial MXNet op, a trivial gn_mx op, a trivial torch op)
 and peak extra memory of one forward+backward (--memory; fresh process per contender, VmHWM).
 
-Each thread count runs in its own process with OMP_NUM_THREADS=t (MXNet sets its OpenMP team size
-process-wide from it). Times are medians of repeated samples; each sample times a loop long enough
-to be well above the timer resolution. The children run with glibc's malloc told to keep freed memory
-(MALLOC_ARENA_MAX=1, MALLOC_MMAP_MAX_=0, MALLOC_TRIM_THRESHOLD_): otherwise every framework's fresh
-output tensors are page-faulted in from the kernel at each call (MXNet allocates them on its engine
-threads, in per-thread arenas capped at 64 MB), which costs more than the normalization itself on
-large shapes (e.g. 8x128x128x128 fp32: any MXNet op 90-110 ms instead of 15-25 ms) and hits every
-contender; pass --system-malloc to measure that regime instead.
+Each (allocator regime, thread count) runs in its own process with OMP_NUM_THREADS=t (MXNet sets its
+OpenMP team size process-wide from it). Times are medians of repeated samples; each sample times a
+loop long enough to be well above the timer resolution. Two allocator regimes (--regimes, default
+both):
+  kept    glibc's malloc told to keep freed memory (MALLOC_ARENA_MAX=1, MALLOC_MMAP_MAX_=0,
+          MALLOC_TRIM_THRESHOLD_): freed tensors are reused warm, as with a caching allocator;
+  system  glibc defaults, what users get out of the box: every framework's fresh output tensors are
+          page-faulted in from the kernel at each call (MXNet allocates them on its engine threads,
+          in per-thread arenas capped at 64 MB), which costs more than the normalization itself on
+          large shapes (e.g. 8x128x128x128 fp32: any MXNet op 90-110 ms instead of 15-25 ms) and
+          hits every contender. (--system-malloc = --regimes system.)
 
 Outputs: a table on stdout, benchmarks/results/group_norm_cpu.{json,md,png}.
 """
@@ -180,6 +185,13 @@ def child_main(args):
             g, b = mx.nd.ones((C,), dtype=pdt), mx.nd.zeros((C,), dtype=pdt)
             fwd = lambda: mx.nd.gn_group_norm(x, g, b, num_groups=G, eps=EPS)[0]
             params = [g, b]
+        elif which == "gn_mx_block":
+            blk = gn_mx.GroupNorm(G, epsilon=EPS, in_channels=C)
+            blk.initialize(ctx=mx.cpu())
+            blk.cast(dtype)
+            blk.hybridize(static_alloc=True, static_shape=True)
+            fwd = lambda: blk(x)
+            params = []
         elif which == "mx_builtin":
             g, b = mx.nd.ones((G,), dtype=dtype), mx.nd.zeros((G,), dtype=dtype)
             fwd = lambda: mx.nd.GroupNorm(x, g, b, num_groups=G, eps=EPS)
@@ -271,7 +283,7 @@ def child_main(args):
         for dtype in DTYPES:
             for mode in MODES:
                 fns = {}
-                for which in ["gn_mx", "mx_builtin", "composed"] + (["composed_f32"] if dtype == "float16" else []):
+                for which in ["gn_mx", "gn_mx_block", "mx_builtin", "composed"] + (["composed_f32"] if dtype == "float16" else []):
                     fns[which] = mx_case(shape, G, dtype, mode, which)
                 if torch is not None:
                     fns["torch"] = torch_case(shape, G, dtype, mode)
@@ -438,7 +450,7 @@ def machine_info():
             "system": platform.platform()}
 
 
-CONTENDERS = ["gn_mx", "torch", "mx_builtin", "composed", "composed_f32", "bound"]
+CONTENDERS = ["gn_mx", "gn_mx_block", "torch", "mx_builtin", "composed", "composed_f32", "bound"]
 
 
 def fmt_ms(v):
@@ -455,13 +467,15 @@ def print_table(all_runs):
         t = run["threads"]
         bw = run["bandwidth"]
         lines.append("")
-        lines.append("threads=%d  copy %.1f GB/s, read %.1f GB/s (%s, 256 MB); load average %.1f -> %.1f" % (
-            t, bw["copy_GBps"], bw["read_GBps"], bw["tool"], run["loadavg_start"][0], run["loadavg_end"][0]))
+        lines.append("allocator=%s threads=%d  copy %.1f GB/s, read %.1f GB/s (%s, 256 MB); load average %.1f -> %.1f" % (
+            run.get("regime", "kept"), t, bw["copy_GBps"], bw["read_GBps"], bw["tool"], run["loadavg_start"][0],
+            run["loadavg_end"][0]))
         lines.append("dispatch floor per call: " + ", ".join(
             "%s %s us" % (k, ("%.1f" % (v * 1e6)) if not isinstance(v, str) else v)
             for k, v in run["floor"].items()))
         hdr = "%-26s %-7s %-6s %8s |" % ("shape", "dtype", "mode", "MB") + "".join(
-            " %11s" % c for c in CONTENDERS) + " | %9s %9s %9s" % ("torch/ours", "builtin/ou", "ours/bound")
+            " %11s" % c for c in CONTENDERS) + " | %9s %9s %9s %9s" % ("torch/ours", "torch/blk", "builtin/ou",
+                                                                       "ours/bound")
         lines.append(hdr)
         lines.append("-" * len(hdr))
         for r in run["results"]:
@@ -475,12 +489,13 @@ def print_table(all_runs):
                 if isinstance(a, (int, float)) and isinstance(b, (int, float)) and b > 0:
                     return "%9.2f" % (a / b)
                 return "%9s" % "-"
-            row += " | %9s %9s %9s" % (ratio(ts.get("torch"), ours), ratio(ts.get("mx_builtin"), ours),
-                                       ratio(ours, ts.get("bound")))
+            row += " | %9s %9s %9s %9s" % (ratio(ts.get("torch"), ours), ratio(ts.get("torch"), ts.get("gn_mx_block")),
+                                           ratio(ts.get("mx_builtin"), ours), ratio(ours, ts.get("bound")))
             lines.append(row)
     lines.append("")
     lines.append("times in ms (median); bound = memory-bandwidth bound at that size; ratios > 1 in the")
-    lines.append("first two columns mean gn_mx is faster; ours/bound = 1 means at the bandwidth limit.")
+    lines.append("first three columns mean gn_mx is faster (torch/blk: the hybridized block);")
+    lines.append("ours/bound = 1 means at the bandwidth limit.")
     text = "\n".join(lines)
     print(text)
     return text
@@ -496,6 +511,7 @@ def targets(all_runs):
     MB = 2 ** 20
     for run in all_runs:
         t = run["threads"]
+        tag = "%s t=%d" % (run.get("regime", "kept"), t)
         rs = run["results"]
         key = {(tuple(r["shape"]), r["G"], r["dtype"], r["mode"]): r for r in rs}
 
@@ -510,19 +526,22 @@ def targets(all_runs):
         f32 = [r for r in rs if r["dtype"] == "float32"]
         big = [r for r in f32 if r["bytes"] >= MB]
         w = worst(big, "gn_mx", "torch")
-        out.append(("t=%d fp32 >= 1 MB: ours/torch <= 1.0" % t, w[0] is not None and w[0] <= 1.0,
+        out.append(("%s fp32 >= 1 MB: ours/torch <= 1.0" % tag, w[0] is not None and w[0] <= 1.0,
                     "worst %.2f (%s)" % w if w[0] else "n/a"))
+        w = worst([r for r in big if r["mode"] == "fwd"], "gn_mx_block", "torch")
+        out.append(("%s fp32 >= 1 MB forward: hybridized block/torch <= 1.0" % tag,
+                    w[0] is not None and w[0] <= 1.0, "worst %.2f (%s)" % w if w[0] else "n/a"))
         small = [r for r in f32 if r["bytes"] < MB]
         w = worst(small, "gn_mx", "torch")
-        out.append(("t=%d fp32 < 1 MB: ours/torch <= 1.5" % t, w[0] is not None and w[0] <= 1.5,
+        out.append(("%s fp32 < 1 MB: ours/torch <= 1.5" % tag, w[0] is not None and w[0] <= 1.5,
                     "worst %.2f (%s)" % w if w[0] else "n/a"))
         large = [r for r in f32 if r["bytes"] >= 32 * MB]
         w = worst(large, "gn_mx", "bound")
-        out.append(("t=%d fp32 >= 32 MB: ours/bound <= 1.3" % t, w[0] is not None and w[0] <= 1.3,
+        out.append(("%s fp32 >= 32 MB: ours/bound <= 1.3" % tag, w[0] is not None and w[0] <= 1.3,
                     "worst %.2f (%s)" % w if w[0] else "n/a"))
         f16 = [r for r in rs if r["dtype"] == "float16"]
         w = worst([r for r in f16 if 2 * r["bytes"] >= MB], "gn_mx", "torch")
-        out.append(("t=%d fp16: torch/ours >= 3 (shapes >= 1 MB in fp32)" % t,
+        out.append(("%s fp16: torch/ours >= 3 (shapes >= 1 MB in fp32)" % tag,
                     w[0] is not None and 1 / w[0] >= 3.0,
                     "worst torch/ours %.2f (%s)" % (1 / w[0], w[1]) if w[0] else "n/a"))
         vals = []
@@ -534,10 +553,11 @@ def targets(all_runs):
             if a and b:
                 vals.append((a / b, shape_str(r["shape"], r["G"]) + " " + r["mode"]))
         w = max(vals) if vals else (None, "")
-        out.append(("t=%d fp16 faster than our fp32 on >= 32 MB (fp32) shapes" % t,
+        out.append(("%s fp16 faster than our fp32 on >= 32 MB (fp32) shapes" % tag,
                     w[0] is not None and w[0] < 1.0, "worst fp16/fp32 %.2f (%s)" % w if w[0] else "n/a"))
-    if len(all_runs) >= 2:
-        r1, r2 = all_runs[0], all_runs[-1]
+    kept = [r for r in all_runs if r.get("regime", "kept") == all_runs[0].get("regime", "kept")]
+    if len(kept) >= 2:
+        r1, r2 = kept[0], kept[-1]
         k2 = {(tuple(r["shape"]), r["G"], r["dtype"], r["mode"]): r for r in r2["results"]}
         vals = []
         for r in r1["results"]:
@@ -561,9 +581,10 @@ def plot(all_runs, path):
     except ImportError:
         print("matplotlib not importable: no chart", file=sys.stderr)
         return None
-    run = all_runs[-1]
+    kept = [r for r in all_runs if r.get("regime", "kept") == "kept"]
+    run = kept[-1] if kept else all_runs[-1]
     fig, axes = plt.subplots(2, 2, figsize=(13, 8))
-    colors = {"gn_mx": "#1b9e77", "torch": "#d95f02", "mx_builtin": "#7570b3", "composed": "#e7298a",
+    colors = {"gn_mx": "#1b9e77", "gn_mx_block": "#a6761d", "torch": "#d95f02", "mx_builtin": "#7570b3", "composed": "#e7298a",
               "composed_f32": "#66a61e", "bound": "#666666"}
     for ax, (dtype, mode) in zip(axes.flat, [(d, m) for d in DTYPES for m in MODES]):
         rows = [r for r in run["results"] if r["dtype"] == dtype and r["mode"] == mode]
@@ -578,8 +599,9 @@ def plot(all_runs, path):
         ax.set_xticklabels([shape_str(r["shape"], r["G"]) for r in rows], rotation=30, ha="right",
                            fontsize=7)
         ax.set_ylabel("ms per call (log)")
-        ax.set_title("%s %s, %d thread(s)" % (dtype, "forward" if mode == "fwd" else "forward+backward",
-                                               run["threads"]), fontsize=9)
+        ax.set_title("%s %s, %d thread(s), %s allocator" % (
+            dtype, "forward" if mode == "fwd" else "forward+backward", run["threads"],
+            run.get("regime", "kept")), fontsize=9)
         ax.legend(fontsize=7, ncol=3)
     fig.tight_layout()
     fig.savefig(path, dpi=70)
@@ -624,7 +646,8 @@ def main():
     ap.add_argument("--min-sample-ms", type=float, default=None)
     ap.add_argument("--max-cell-s", type=float, default=None, help="time cap per table row")
     ap.add_argument("--no-memory", action="store_true", help="skip the extra-memory measurement")
-    ap.add_argument("--system-malloc", action="store_true")
+    ap.add_argument("--system-malloc", action="store_true", help="= --regimes system")
+    ap.add_argument("--regimes", default="kept,system", help="allocator regimes: kept, system")
     ap.add_argument("--out", default=RESULTS)
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
@@ -646,24 +669,30 @@ def main():
 
     os.makedirs(args.out, exist_ok=True)
     all_runs = []
-    for t in [int(s) for s in args.threads.split(",") if s]:
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
-               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s)]
-        if args.quick:
-            cmd.append("--quick")
-        print("running %d thread(s) ..." % t, file=sys.stderr)
-        p = subprocess.run(cmd, env=child_env(t, args.system_malloc), stdout=subprocess.PIPE, text=True)
-        if p.returncode != 0:
-            sys.exit("benchmark child (threads=%d) failed" % t)
-        all_runs.append(json.loads(p.stdout))
+    regimes = ["system"] if args.system_malloc else [r for r in args.regimes.split(",") if r]
+    for regime in regimes:
+        for t in [int(s) for s in args.threads.split(",") if s]:
+            cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
+                   "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s)]
+            if args.quick:
+                cmd.append("--quick")
+            print("running %s allocator, %d thread(s) ..." % (regime, t), file=sys.stderr)
+            p = subprocess.run(cmd, env=child_env(t, regime == "system"), stdout=subprocess.PIPE, text=True)
+            if p.returncode != 0:
+                sys.exit("benchmark child (%s, threads=%d) failed" % (regime, t))
+            run = json.loads(p.stdout)
+            run["regime"] = regime
+            all_runs.append(run)
     text = print_table(all_runs)
     tg = targets(all_runs)
     tlines = ["targets:"] + ["  [%s] %s: %s" % ("met" if ok else "NOT met", n, d) for n, ok, d in tg]
     print("\n".join(tlines))
     text += "\n" + "\n".join(tlines)
     memory = [] if args.no_memory else run_memory(args)
-    doc = {"machine": machine_info(), "allocator": "system" if args.system_malloc else
-           "glibc, MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2^40 (freed memory reused)",
+    doc = {"machine": machine_info(), "allocator": ", ".join(
+               {"system": "system: glibc defaults",
+                "kept": "kept: glibc, MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=2^40 "
+                        "(freed memory reused)"}[r] for r in regimes),
            "eps": EPS, "runs": all_runs, "memory_fwdbwd": memory, "table": text,
            "targets": [{"target": n, "met": ok, "detail": d} for n, ok, d in tg],
            "date_utc": time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())}

@@ -17,8 +17,33 @@ def moments_ref(x, G):
     return xg.mean(axis=2), xg.var(axis=2)
 
 
-def group_norm_ref(x, gamma, beta, G, eps):
-    """Returns out (float64, x's shape), mean (N, G), rstd (N, G)."""
+def act_ref(z, act):
+    """The fused activations of gn_group_norm (act_type), float64."""
+    z = np.asarray(z, np.float64)
+    if act in (None, "none"):
+        return z
+    if act == "relu":
+        return np.maximum(z, 0.0)
+    if act == "silu":
+        return z / (1.0 + np.exp(-z))
+    raise ValueError(act)
+
+
+def act_grad_ref(z, act):
+    """d act / d z (relu: 0 at z = 0, as MXNet's relu)."""
+    z = np.asarray(z, np.float64)
+    if act in (None, "none"):
+        return np.ones_like(z)
+    if act == "relu":
+        return (z > 0).astype(np.float64)
+    if act == "silu":
+        s = 1.0 / (1.0 + np.exp(-z))
+        return s * (1.0 + z * (1.0 - s))
+    raise ValueError(act)
+
+
+def group_norm_ref(x, gamma, beta, G, eps, act=None):
+    """Returns out (float64, x's shape), mean (N, G), rstd (N, G); out = act(affine(xhat))."""
     x = np.asarray(x, dtype=np.float64)
     N, C = x.shape[:2]
     xg = _groups(x, G)
@@ -28,13 +53,19 @@ def group_norm_ref(x, gamma, beta, G, eps):
     xhat = ((xg - mean[..., None]) * rstd[..., None]).reshape(x.shape)
     bshape = (1, C) + (1,) * (x.ndim - 2)
     out = xhat * np.asarray(gamma, np.float64).reshape(bshape) + np.asarray(beta, np.float64).reshape(bshape)
-    return out, mean, rstd
+    return act_ref(out, act), mean, rstd
 
 
-def group_norm_bwd_ref(x, gamma, dy, G, eps, dmean=None, drstd=None):
-    """Gradients (dx, dgamma, dbeta) of sum(out*dy) + sum(mean*dmean) + sum(rstd*drstd)."""
+def group_norm_bwd_ref(x, gamma, dy, G, eps, dmean=None, drstd=None, act=None, beta=None):
+    """Gradients (dx, dgamma, dbeta) of sum(out*dy) + sum(mean*dmean) + sum(rstd*drstd).
+
+    With an activation (out = act(z), z the affine output; needs beta) the chain rule turns dy into
+    dz = dy * act'(z) and the rest is the plain GroupNorm backward of dz."""
     x = np.asarray(x, dtype=np.float64)
     dy = np.asarray(dy, dtype=np.float64)
+    if act not in (None, "none"):
+        z, _, _ = group_norm_ref(x, gamma, beta, G, eps)
+        dy = dy * act_grad_ref(z, act)
     N, C = x.shape[:2]
     bshape = (1, C) + (1,) * (x.ndim - 2)
     g = np.asarray(gamma, np.float64).reshape(bshape)

@@ -132,6 +132,57 @@ def test_grad_req_add_accumulates(ctx, hybridize):
     np.testing.assert_allclose(grads[1], 2 * grads[0], rtol=1e-5, atol=1e-6)
 
 
+def _graph_ops(blk):
+    return [n["op"] for n in json.loads(blk._cached_graph[1].tojson())["nodes"]]
+
+
+@pytest.mark.parametrize("static", [False, True], ids=["hybridize", "static"])
+def test_grad_req_switch_after_hybridize_retraces(ctx, static):
+    """'write' graphs carry no identity; switching to 'add' after the graph was built re-traces
+    (MXNet itself would keep the old graph and overwrite), and switching back drops it again."""
+    net = _net()
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize(static_alloc=static, static_shape=static)
+    x = mx.nd.random.normal(shape=(2, 3, 6, 6), ctx=ctx)
+    y0, dx0, g0 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net) and "identity" not in _graph_ops(net)
+    net.collect_params().setattr("grad_req", "add")
+    for p in net.collect_params().values():
+        p.zero_grad()
+    _fwd_bwd(net, x, ctx)
+    y2, dx2, g2 = _fwd_bwd(net, x, ctx)
+    ops = _graph_ops(net)
+    assert ops.count("_copy") + ops.count("identity") == 4, ops  # gamma, beta of both layers
+    np.testing.assert_allclose(y2, y0, rtol=1e-5, atol=1e-5)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], 2 * g0[k], rtol=1e-4, atol=1e-4, err_msg=k)
+    net.collect_params().setattr("grad_req", "write")
+    y3, dx3, g3 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net)
+    for k in g0:
+        np.testing.assert_allclose(g3[k], g0[k], rtol=1e-4, atol=1e-4, err_msg=k)
+
+
+def test_grad_req_add_on_one_param_only(ctx):
+    blk = gn_mx.GroupNorm(num_groups=2)
+    blk.initialize(ctx=ctx)
+    blk.hybridize()
+    x = mx.nd.random.normal(shape=(2, 4, 5), ctx=ctx)
+    dy = mx.nd.random.normal(shape=(2, 4, 5), ctx=ctx)
+    blk(x)
+    blk.beta.grad_req = "add"
+    gs, bs = [], []
+    for _ in range(2):
+        with autograd.record():
+            y = blk(x)
+        y.backward(dy)
+        gs.append(blk.gamma.grad(ctx).asnumpy().copy())
+        bs.append(blk.beta.grad(ctx).asnumpy().copy())
+    np.testing.assert_allclose(gs[1], gs[0], rtol=1e-6)
+    np.testing.assert_allclose(bs[1], 2 * bs[0], rtol=1e-5, atol=1e-6)
+    assert _graph_ops(blk).count("_copy") + _graph_ops(blk).count("identity") == 1
+
+
 def test_trainer_step_changes_params_and_lowers_loss(ctx):
     net = _net()
     net.initialize(mx.init.Xavier(), ctx=ctx)
@@ -222,3 +273,94 @@ def test_import_is_idempotent():
     assert p.returncode == 0, p.stderr[-2000:]
     # Loading is quiet: the only output is the script's own print.
     assert p.stdout.strip() == "(1, 2, 3)", p.stdout
+
+
+@pytest.mark.parametrize("activation", ["relu", "silu"])
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_fused_activation_block(ctx, activation, hybridize):
+    """GroupNorm(activation=...) equals GroupNorm followed by the activation layer (values and all
+    gradients); the exported symbol carries act_type and reloads in a fresh process."""
+    def build(fused):
+        net = gluon.nn.HybridSequential()
+        with net.name_scope():
+            net.add(gluon.nn.Conv2D(8, 3, padding=1, in_channels=3))
+            if fused:
+                net.add(gn_mx.GroupNorm(num_groups=4, activation=activation, in_channels=8,
+                                        beta_initializer=mx.init.Uniform(0.5)))
+            else:
+                net.add(gn_mx.GroupNorm(num_groups=4, in_channels=8,
+                                        beta_initializer=mx.init.Uniform(0.5)))
+                net.add(gluon.nn.Activation("relu") if activation == "relu" else gluon.nn.Swish())
+        return net
+    fused, plain = build(True), build(False)
+    fused.initialize(mx.init.Xavier(), ctx=ctx)
+    plain.initialize(ctx=ctx)
+    for (_, pf), (_, pp) in zip(fused.collect_params().items(), plain.collect_params().items()):
+        pp.set_data(pf.data(ctx))
+    if hybridize:
+        fused.hybridize()
+        plain.hybridize()
+    x = mx.nd.random.normal(shape=(2, 3, 6, 6), ctx=ctx)
+    yf, dxf, gf = _fwd_bwd(fused, x, ctx)
+    yp, dxp, gp = _fwd_bwd(plain, x, ctx)
+    np.testing.assert_allclose(yf, yp, rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(dxf, dxp, rtol=1e-4, atol=1e-5)
+    for kf, kp in zip(sorted(gf), sorted(gp)):
+        np.testing.assert_allclose(gf[kf], gp[kp], rtol=1e-4, atol=1e-4, err_msg=kf)
+    assert f"activation='{activation}'" in repr(fused[1])
+    if hybridize:
+        import tempfile
+        with tempfile.TemporaryDirectory() as d:
+            prefix = os.path.join(d, "fused")
+            fused.export(prefix)
+            nodes = json.load(open(prefix + "-symbol.json"))["nodes"]
+            gn = [n for n in nodes if n["op"] == "gn_group_norm"]
+            assert gn and gn[0]["attrs"]["act_type"] == activation
+            np.save(os.path.join(d, "x.npy"), x.asnumpy())
+            p = run_python(f"""
+                import numpy as np, mxnet as mx
+                import gn_mx
+                from mxnet import gluon
+                blk = gluon.SymbolBlock.imports({prefix + '-symbol.json'!r}, ['data'],
+                                                {prefix + '-0000.params'!r})
+                y = blk(mx.nd.array(np.load({os.path.join(d, 'x.npy')!r}))).asnumpy()
+                print('Y', repr(y.ravel()[:5].tolist()))
+            """)
+            assert p.returncode == 0, p.stderr[-3000:]
+            np.testing.assert_allclose(eval(p.stdout.split("Y", 1)[1]), yf.ravel()[:5], rtol=1e-5)
+
+
+def test_plain_block_exports_no_act_type(tmp_path):
+    blk = gn_mx.GroupNorm(num_groups=2)
+    blk.initialize()
+    blk.hybridize()
+    blk(mx.nd.ones((1, 4, 3)))
+    blk.export(str(tmp_path / "gn"))
+    nodes = json.load(open(str(tmp_path / "gn-symbol.json")))["nodes"]
+    gn = [n for n in nodes if n["op"] == "gn_group_norm"][0]
+    assert "act_type" not in gn["attrs"]
+    with pytest.raises(ValueError, match="activation"):
+        gn_mx.GroupNorm(num_groups=2, activation="tanh")
+
+
+def test_dbn_grad_req_switch_after_hybridize(ctx):
+    """The same trace-time identity choice for DecorrelatedBatchNorm (a mode-keyed graph)."""
+    net = gluon.nn.HybridSequential()
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(8, 3, padding=1, in_channels=3))
+        net.add(gn_mx.DecorrelatedBatchNorm(num_groups=2, momentum=1.0, in_channels=8))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize()
+    x = mx.nd.random.normal(shape=(4, 3, 5, 5), ctx=ctx)
+    y0, _, g0 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net)
+    net.collect_params().setattr("grad_req", "add")
+    for p in net.collect_params().values():
+        if p.grad_req != "null":
+            p.zero_grad()
+    _fwd_bwd(net, x, ctx)
+    y2, _, g2 = _fwd_bwd(net, x, ctx)
+    assert "_copy" in _graph_ops(net)
+    np.testing.assert_allclose(y2, y0, rtol=1e-5, atol=1e-5)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], 2 * g0[k], rtol=1e-4, atol=1e-4, err_msg=k)

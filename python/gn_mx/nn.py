@@ -4,7 +4,7 @@ import numbers
 
 from mxnet.gluon import HybridBlock
 
-from . import _library
+from . import _gradreq, _library
 from . import _np
 
 _library.load()
@@ -57,14 +57,23 @@ def _check_nonempty(block, x):
                          f"need at least one sample and one element per channel")
 
 
-def accumulating_params(F, *params):
-    """Route parameters through `identity` so that grad_req='add' accumulates.
+def accumulating_params(F, *params, block=None):
+    """Route parameters through `identity` where grad_req='add' needs it.
 
     MXNet's lib_api passes no `req` to library ops: their backward always overwrites the gradient
     buffer it is given. A built-in identity between the parameter and the op receives the library's
-    gradient in a temporary and honours 'add' (and 'write') itself, at the cost of copying C values.
+    gradient in a temporary and honours 'add' itself, at the cost of one more op per parameter and
+    call. With ``block`` given, only parameters whose ``grad_req`` is 'add' (``block.gamma``,
+    ``block.beta``, in the order of ``params``) get the identity; the choice is made when the graph
+    is traced and re-made when a grad_req changes later (``_gradreq``). Without ``block`` every
+    parameter gets it (the old, always-correct behaviour).
     """
-    return tuple(F.identity(p) for p in params)
+    if block is None:
+        return tuple(F.identity(p) for p in params)
+    owners = (block.gamma, block.beta)[:len(params)]
+    if not isinstance(params[0], _nd_type()):
+        _gradreq.note_traced(owners)
+    return tuple(F.identity(p) if _gradreq.is_add(o) else p for p, o in zip(params, owners))
 
 
 class GroupNorm(HybridBlock):
@@ -89,12 +98,19 @@ class GroupNorm(HybridBlock):
     beta_initializer, gamma_initializer : str or Initializer
     in_channels : int, default 0
         Number of channels; 0 infers it from the first input (deferred initialization).
+    activation : None, 'relu' or 'silu', default None
+        Apply the activation inside the op (``gn_group_norm``'s ``act_type``): saves the separate
+        activation layer's read and write of the tensor in forward and in backward. 'silu' is
+        x * sigmoid(x) (``gluon.nn.Swish()``, 'swish' is accepted as a synonym).
     """
 
     def __init__(self, num_groups=32, epsilon=1e-5, center=True, scale=True,
-                 beta_initializer="zeros", gamma_initializer="ones", in_channels=0, **kwargs):
+                 beta_initializer="zeros", gamma_initializer="ones", in_channels=0,
+                 activation=None, **kwargs):
         super().__init__(**kwargs)
         _check_groups("GroupNorm", num_groups, epsilon, in_channels)
+        from .ops import _act_type
+        self._act = _act_type(activation)
         self._num_groups = int(num_groups)
         self._epsilon = float(epsilon)
         self._center = bool(center)
@@ -110,13 +126,16 @@ class GroupNorm(HybridBlock):
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta):
-        gamma, beta = accumulating_params(F, gamma, beta)
-        return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon)[0]
+        gamma, beta = accumulating_params(F, gamma, beta, block=self)
+        kw = {} if self._act == "none" else {"act_type": self._act}
+        return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon,
+                               **kw)[0]
 
     def __repr__(self):
         c = self.gamma.shape[0] if self.gamma.shape else 0
+        act = "" if self._act == "none" else f", activation={self._act!r}"
         return (f"{self.__class__.__name__}(num_groups={self._num_groups}, eps={self._epsilon}, "
-                f"center={self._center}, scale={self._scale}, in_channels={c or None})")
+                f"center={self._center}, scale={self._scale}, in_channels={c or None}{act})")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -226,7 +245,7 @@ class DecorrelatedBatchNorm(HybridBlock):
                                       num_groups=num_groups)
         # The learnable affine is one native op: per-channel, any spatial rank, float32
         # gamma/beta with float16 data, and it sizes gamma/beta from xhat for deferred init.
-        gamma, beta = accumulating_params(F, gamma, beta)
+        gamma, beta = accumulating_params(F, gamma, beta, block=self)
         return F.gn_channel_affine(xhat, gamma, beta)
 
     def _groups_of(self, x):

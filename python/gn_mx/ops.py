@@ -41,14 +41,31 @@ def moments(data, num_groups=1):
     return out[0], out[1]
 
 
+_ACTS = {None: "none", "none": "none", "relu": "relu", "silu": "silu", "swish": "silu"}
+
+
+def _act_type(activation):
+    try:
+        return _ACTS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"activation must be None, 'relu' or 'silu' ('swish' = 'silu'), "
+                         f"got {activation!r}") from None
+
+
 @_both_kinds
-def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False):
-    """Group normalization with per-channel affine (Wu & He, 2018).
+def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False, act_type=None):
+    """Group normalization with per-channel affine (Wu & He, 2018), optionally fused with an
+    activation.
 
     data: (N, C, *spatial); gamma, beta: (C,), same dtype as data or float32 with float16 data.
-    Returns out (data's dtype); with return_stats=True also mean and rstd, (N, num_groups).
+    act_type: None/'none', 'relu' or 'silu' (x * sigmoid(x), MXNet's swish with beta=1), applied
+    after the affine inside the op (attribute ``act_type``; left out of the symbol when None).
+    Returns out (data's dtype); with return_stats=True also mean and rstd, (N, num_groups): the
+    normalization statistics (before the activation).
     """
-    out = _F(data).gn_group_norm(data, gamma, beta, num_groups=num_groups, eps=eps)
+    act = _act_type(act_type)
+    kw = {} if act == "none" else {"act_type": act}
+    out = _F(data).gn_group_norm(data, gamma, beta, num_groups=num_groups, eps=eps, **kw)
     return (out[0], out[1], out[2]) if return_stats else out[0]
 
 

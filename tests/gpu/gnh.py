@@ -38,6 +38,11 @@ _SIGS = {
                    [c_int, c_int] + [c_vp] * 6 + [c_i64] * 4 + [c_dbl, c_vp, c_vp]),
     "gnh_gn_bwd_workspace": (c_size, [c_int, c_int, c_vp, c_vp, c_vp] + [c_i64] * 4),
     "gnh_gn_bwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 11 + [c_i64] * 4 + [c_vp]),
+    # fused activation (act: 0 none, 1 relu, 2 silu)
+    "gnh_gn_fwd_act": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 6 + [c_i64] * 4
+                       + [c_dbl, c_int, c_vp, c_vp]),
+    "gnh_gn_bwd_act": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 12 + [c_i64] * 4
+                       + [c_dbl, c_int, c_vp]),
     # DBN (present when src/operator/kernels/dbn_cuda.cu is built in)
     "gnh_dbn_fwd_workspace": (c_size, [c_int, c_int] + [c_i64] * 4),
     "gnh_dbn_fwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 8 + [c_i64] * 4
@@ -152,10 +157,14 @@ def moments_bwd(dmean, dvar, x, mean, G):
     return dx
 
 
+ACT_CODE = {None: 0, "none": 0, "relu": 1, "silu": 2}
+
+
 class GroupNormFwd:
-    def __init__(self, x, gamma, beta, G, eps=1e-5, use_workspace=True, y=None):
+    def __init__(self, x, gamma, beta, G, eps=1e-5, use_workspace=True, y=None, act=None):
         lib = load()
         self.x, self.gamma, self.beta, self.eps = x, gamma, beta, eps
+        self.act = ACT_CODE[act]
         self.dims = _dims(x, G)
         self.y = torch.empty_like(x) if y is None else y
         N = x.shape[0]
@@ -166,20 +175,27 @@ class GroupNormFwd:
         self.ws = workspace(n, x.device) if use_workspace else None
 
     def __call__(self):
+        if self.act:
+            _check(load().gnh_gn_fwd_act(*self.codes, _p(self.x), _p(self.gamma), _p(self.beta),
+                                         _p(self.y), _p(self.mean), _p(self.rstd), *self.dims,
+                                         float(self.eps), self.act, _p(self.ws), _stream()),
+                   "gnh_gn_fwd_act")
+            return self.y, self.mean, self.rstd
         _check(load().gnh_gn_fwd(*self.codes, _p(self.x), _p(self.gamma), _p(self.beta),
                                  _p(self.y), _p(self.mean), _p(self.rstd), *self.dims,
                                  float(self.eps), _p(self.ws), _stream()), "gnh_gn_fwd")
         return self.y, self.mean, self.rstd
 
 
-def group_norm_fwd(x, gamma, beta, G, eps=1e-5, use_workspace=True, y=None):
-    return GroupNormFwd(x, gamma, beta, G, eps, use_workspace, y)()
+def group_norm_fwd(x, gamma, beta, G, eps=1e-5, use_workspace=True, y=None, act=None):
+    return GroupNormFwd(x, gamma, beta, G, eps, use_workspace, y, act)()
 
 
 class GroupNormBwd:
     def __init__(self, dy, x, mean, rstd, gamma, G, dmean=None, drstd=None, param_grads=True,
-                 dx=None):
+                 dx=None, beta=None, eps=1e-5, act=None):
         lib = load()
+        self.beta, self.eps, self.act = beta, eps, ACT_CODE[act]
         self.dy, self.x, self.mean, self.rstd, self.gamma = dy, x, mean, rstd, gamma
         self.dmean, self.drstd = dmean, drstd
         self.dims = _dims(x, G)
@@ -191,6 +207,13 @@ class GroupNormBwd:
         self.ws = workspace(n, x.device)
 
     def __call__(self):
+        if self.act:
+            _check(load().gnh_gn_bwd_act(*self.codes, _p(self.dy), _p(self.x), _p(self.mean),
+                                         _p(self.rstd), _p(self.gamma), _p(self.beta), _p(self.dx),
+                                         _p(self.dgamma), _p(self.dbeta), _p(self.dmean),
+                                         _p(self.drstd), _p(self.ws), *self.dims, float(self.eps),
+                                         self.act, _stream()), "gnh_gn_bwd_act")
+            return self.dx, self.dgamma, self.dbeta
         _check(load().gnh_gn_bwd(*self.codes, _p(self.dy), _p(self.x), _p(self.mean),
                                  _p(self.rstd), _p(self.gamma), _p(self.dx), _p(self.dgamma),
                                  _p(self.dbeta), _p(self.dmean), _p(self.drstd), _p(self.ws),
@@ -199,8 +222,9 @@ class GroupNormBwd:
 
 
 def group_norm_bwd(dy, x, mean, rstd, gamma, G, dmean=None, drstd=None, param_grads=True,
-                   dx=None):
-    return GroupNormBwd(dy, x, mean, rstd, gamma, G, dmean, drstd, param_grads, dx)()
+                   dx=None, beta=None, eps=1e-5, act=None):
+    return GroupNormBwd(dy, x, mean, rstd, gamma, G, dmean, drstd, param_grads, dx, beta, eps,
+                        act)()
 
 
 # -------------------------------------------------------------------------------------------------

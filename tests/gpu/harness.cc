@@ -100,6 +100,36 @@ GNH_API const char* gnh_gn_bwd(int dtype, int param_dtype, const void* dy, const
                              stream);
 }
 
+// GroupNorm with a fused activation (act: gn_mx::Act, 0 none, 1 relu, 2 silu); the backward reads
+// beta to recompute the pre-activation.
+GNH_API const char* gnh_gn_fwd_act(int dtype, int param_dtype, const void* x, const void* gamma,
+                                   const void* beta, void* y, void* mean, void* rstd, int64_t N,
+                                   int64_t C, int64_t G, int64_t S, double eps, int act,
+                                   void* workspace, void* stream) {
+  GroupNormFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.rstd = rstd;
+  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.eps = eps;
+  a.act = static_cast<Act>(act);
+  return workspace ? group_norm_fwd_cuda(a, workspace, stream) : group_norm_fwd_cuda(a, stream);
+}
+
+GNH_API const char* gnh_gn_bwd_act(int dtype, int param_dtype, const void* dy, const void* x,
+                                   const void* mean, const void* rstd, const void* gamma,
+                                   const void* beta, void* dx, void* dgamma, void* dbeta,
+                                   const void* dmean, const void* drstd, void* workspace, int64_t N,
+                                   int64_t C, int64_t G, int64_t S, double eps, int act,
+                                   void* stream) {
+  GroupNormBwdArgs a = bwd_args(dtype, param_dtype, dy, x, mean, rstd, gamma, dx, dgamma, dbeta,
+                                dmean, drstd, workspace, N, C, G, S);
+  a.beta = beta;
+  a.eps = eps;
+  a.act = static_cast<Act>(act);
+  return group_norm_bwd_cuda(a, stream);
+}
+
 // ---- Decorrelated BN -----------------------------------------------------------------------------
 
 GNH_API size_t gnh_dbn_fwd_workspace(int dtype, int stat_dtype, int64_t N, int64_t C, int64_t G,

@@ -261,3 +261,75 @@ def test_bad_dims_return_error():
     x, gamma, beta = make((2, 6, 4), torch.float32)
     with pytest.raises(RuntimeError, match="divisible"):
         gnh.group_norm_fwd(x, gamma, beta, 4)
+
+
+# -------------------------------------------------------------------------------------------------
+# Fused activation (act_type): forward act(z), backward through the recomputed pre-activation
+
+ACT_SHAPES = [((3, 8, 7), 4), ((2, 12, 5, 6), 3), ((4, 6), 6), ((1, 32, 64, 64), 2),
+              ((2, 64, 16, 16), 32)]
+
+
+def ref_act(z, act):
+    return torch.relu(z) if act == "relu" else z * torch.sigmoid(z)
+
+
+@pytest.mark.parametrize("act", ["relu", "silu"])
+@pytest.mark.parametrize("dtype,pdtype", dtype_pairs(), ids=ids)
+@pytest.mark.parametrize("shape,G", ACT_SHAPES, ids=ids)
+def test_fused_activation(shape, G, dtype, pdtype, act):
+    eps = 1e-5
+    x, gamma, beta = make(shape, dtype, pdtype)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, G, eps, act=act)
+    g = torch.Generator(device="cpu").manual_seed(3)
+    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    dmean = torch.randn(mean.shape, generator=g, dtype=torch.float64).to(mean.dtype).to(DEV)
+    drstd = torch.randn(mean.shape, generator=g, dtype=torch.float64).to(mean.dtype).to(DEV)
+    dx, dgamma, dbeta = gnh.group_norm_bwd(dy, x, mean, rstd, gamma, G, dmean, drstd, True,
+                                           beta=beta, eps=eps, act=act)
+    gnh.sync()
+    xd = x.detach().to(torch.float64, copy=True).requires_grad_(True)
+    gd = gamma.detach().to(torch.float64, copy=True).requires_grad_(True)
+    bd = beta.detach().to(torch.float64, copy=True).requires_grad_(True)
+    rz, rm, rr = ref_gn(xd, gd, bd, G, eps)
+    ry = ref_act(rz, act)
+    ftol, btol = TOL[dtype]
+    assert rel_err(y, ry) < ftol, f"y error {rel_err(y, ry)}"
+    assert rel_err(mean, rm) < ftol and rel_err(rstd, rr) < ftol  # the normalization statistics
+    (((ry * dy.double()).sum() + (rm * dmean.double()).sum() + (rr * drstd.double()).sum())
+     .backward())
+    if act == "relu" and dtype == torch.float16:
+        btol *= 2  # z within fp16 rounding of relu's kink
+    assert rel_err(dx, xd.grad) < btol, f"dx error {rel_err(dx, xd.grad)}"
+    assert rel_err(dgamma, gd.grad) < btol, f"dgamma error {rel_err(dgamma, gd.grad)}"
+    assert rel_err(dbeta, bd.grad) < btol, f"dbeta error {rel_err(dbeta, bd.grad)}"
+
+
+def test_fused_activation_needs_beta():
+    x, gamma, beta = make((2, 8, 5), torch.float32)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, 4, act="silu")
+    with pytest.raises(RuntimeError, match="needs beta"):
+        gnh.group_norm_bwd(torch.ones_like(x), x, mean, rstd, gamma, 4, act="silu")
+
+
+@pytest.mark.parametrize("act", [None, "relu", "silu"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
+def test_single_element_groups_exact(dtype, act):
+    """num_groups = C on (N, C) data: out = act(beta) exactly and dx = 0 exactly (x - mean = 0)."""
+    g = torch.Generator(device="cpu").manual_seed(5)
+    x = (torch.randn(3, 6, generator=g, dtype=torch.float64) - 300).to(dtype).to(DEV)
+    gamma = torch.randn(6, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    beta = torch.randn(6, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    y, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, 6, act=act)
+    dy = torch.randn(3, 6, generator=g, dtype=torch.float64).to(dtype).to(DEV)
+    dx, dgamma, dbeta = gnh.group_norm_bwd(dy, x, mean, rstd, gamma, 6, beta=beta, act=act)
+    gnh.sync()
+    b = beta.double()
+    expect = b if act is None else (torch.relu(b) if act == "relu" else b * torch.sigmoid(b))
+    expect = expect.to(dtype).expand(3, 6)
+    if act == "silu":
+        assert rel_err(y, expect) < 4 * torch.finfo(dtype).eps
+    else:
+        assert torch.equal(y, expect)
+    assert torch.equal(dx, torch.zeros_like(dx))
+    assert torch.equal(dgamma, torch.zeros_like(dgamma))

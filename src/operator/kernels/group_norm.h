@@ -5,7 +5,10 @@
  *   mean[n,g] = 1/(D*S) sum_{c in g, s} x[n,c,s]
  *   var[n,g]  = 1/(D*S) sum (x - mean)^2                      (population variance)
  *   rstd[n,g] = 1 / sqrt(var + eps)
- *   y[n,c,s]  = (x - mean) * rstd * gamma[c] + beta[c]        (per-channel affine)
+ *   y[n,c,s]  = act((x - mean) * rstd * gamma[c] + beta[c])   (per-channel affine, optional fused
+ *               activation act = identity | relu | silu(z) = z * sigmoid(z); mean/rstd stay the
+ *               normalization statistics; backward recomputes the pre-activation from x, mean,
+ *               rstd, gamma, beta, so nothing extra is saved)
  * Statistics are AccT (fp32 for fp16/fp32 data, fp64 for fp64 data). gamma/beta/dgamma/dbeta have
  * `param_dtype`, which is either the data dtype or fp32 (fp32 master parameters with fp16 data).
  *
@@ -19,6 +22,9 @@
 #include "../common/acc_type.h"
 
 namespace gn_mx {
+
+// Fused activation of gn_group_norm (attribute act_type: 'none', 'relu', 'silu').
+enum class Act : int { kNone = 0, kRelu = 1, kSilu = 2 };
 
 struct MomentsArgs {
   DType dtype = DType::kFloat32;    // x dtype
@@ -50,6 +56,7 @@ struct GroupNormFwdArgs {
   void* rstd = nullptr;                 // (N, G) AccT
   int64_t N = 0, C = 0, G = 1, S = 1;
   double eps = 1e-5;
+  Act act = Act::kNone;
 };
 
 struct GroupNormBwdArgs {
@@ -60,6 +67,7 @@ struct GroupNormBwdArgs {
   const void* mean = nullptr;           // (N, G) AccT, saved by forward
   const void* rstd = nullptr;           // (N, G) AccT, saved by forward
   const void* gamma = nullptr;          // (C,)
+  const void* beta = nullptr;           // (C,), read only when act != kNone
   void* dx = nullptr;                   // (N, C, S)
   void* dgamma = nullptr;               // (C,) param_dtype
   void* dbeta = nullptr;                // (C,) param_dtype, nullptr = not needed
@@ -69,6 +77,8 @@ struct GroupNormBwdArgs {
   const void* drstd = nullptr;
   void* workspace = nullptr;            // scratch of group_norm_bwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
+  double eps = 1e-5;                    // the forward's eps (groups the CPU recomputes exactly)
+  Act act = Act::kNone;                 // the forward's activation; dy is the activated output's grad
 };
 
 // Scratch bytes the backward needs (0 allowed); the caller passes at least that much, 64-B aligned.

@@ -23,6 +23,10 @@
  * dx = c1_c dy + c2 (x - mu) + c3 over their chunk, and C/256 extra blocks that reduce dgamma/dbeta
  * over n from the same row sums. Two launches.
  *
+ * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
+ * z = x * a_c + b_c; both backward kernels recompute z from x, mean, rstd, gamma, beta and use
+ * g = dy * act'(z) in place of dy (same formulas as the CPU twin; nothing extra is saved).
+ *
  * fp16 is read as __half (8 per 16-byte load), widened in registers, accumulated in fp32; statistics
  * are always AccT. Every entry point returns nullptr or a static error string (cudaGetErrorString), and
  * checks cudaGetLastError after every launch. No lib_api.h here.
@@ -32,6 +36,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <type_traits>
 
 #include "group_norm.h"
 #include "group_norm_cuda.h"
@@ -310,7 +315,7 @@ __device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __
   }
 }
 
-template <typename P, typename A>
+template <typename P, typename A, int ACT>
 struct FwdOp {
   struct Coef {
     A a, b;
@@ -318,18 +323,25 @@ struct FwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r;
+  bool single;     // one-element group: x - mean = 0, out = act(beta) exactly (a = 0, b = beta)
   __device__ __forceinline__ Coef coef(uint32_t c) const {
     Coef cf;
     gn_fwd_coeffs<A>(mu, r, static_cast<A>(to_acc(gamma[c])), static_cast<A>(to_acc(beta[c])),
                      &cf.a, &cf.b);
+    if (single) {
+      cf.a = A(0);
+      cf.b = static_cast<A>(to_acc(beta[c]));
+    }
     return cf;
   }
-  __device__ __forceinline__ A operator()(const Coef& cf, A x, A) const { return x * cf.a + cf.b; }
+  __device__ __forceinline__ A operator()(const Coef& cf, A x, A) const {
+    return gn_act<ACT>(x * cf.a + cf.b);
+  }
 };
 
 // Grid (N*G, chunks). With splits > 1 the block first merges the group's partial states (and the
 // chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them.
-template <typename T, typename P, int V>
+template <typename T, typename P, int V, int ACT>
 __global__ void __launch_bounds__(kBlock)
 fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* __restrict__ beta,
                  T* __restrict__ y, AccT<T>* __restrict__ mean, AccT<T>* __restrict__ rstd,
@@ -360,7 +372,7 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
   }
   if (splits <= 1) __syncthreads();
   const int64_t g = ng % G;
-  FwdOp<P, A> op{gamma + g * D, beta + g * D, s_mu, s_r};
+  FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, s_mu, s_r, L == 1};
   const uint32_t begin = piece * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   map_group<T, V, 1>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
@@ -392,11 +404,15 @@ moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
 
 // Backward kernel 1. Rows (n, c) of S elements, kTeam threads per row (1, 32 or kBlock), rows split
 // into gridDim.y pieces of `chunk` elements. Writes part[(row*splits + k)*2 + {0, 1}] = (dsc, db).
-template <typename T, int V, int kTeam>
+// With an activation, g = dy * act'(x * a_c + b_c) replaces dy (gamma, beta, rstd, C are read only
+// then).
+template <typename T, typename P, int V, int kTeam, int ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                    const AccT<T>* __restrict__ mean, AccT<T>* __restrict__ part, int64_t rows,
-                    uint32_t S, uint32_t D, uint32_t chunk) {
+                    const AccT<T>* __restrict__ mean, const AccT<T>* __restrict__ rstd,
+                    const P* __restrict__ gamma, const P* __restrict__ beta,
+                    AccT<T>* __restrict__ part, int64_t rows, int64_t C, uint32_t S, uint32_t D,
+                    uint32_t chunk) {
   using A = AccT<T>;
   constexpr int kRowsPerBlock = kBlock / kTeam;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kTeam;
@@ -404,6 +420,12 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   Pair<A> acc{A(0), A(0)};
   if (row < rows) {
     const A mu = mean[row / D];  // row = n*C + c, so row / D = n*G + g
+    A ca = A(1), cb = A(0);
+    if (ACT != kActNone) {
+      const int64_t c = row % C;
+      gn_fwd_coeffs<A>(mu, rstd[row / D], static_cast<A>(to_acc(gamma[c])),
+                       static_cast<A>(to_acc(beta[c])), &ca, &cb);
+    }
     const T* dyr = dy + row * S;
     const T* xr = x + row * S;
     const uint32_t begin = blockIdx.y * chunk;
@@ -417,15 +439,17 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
         const VT v = px[i];
 #pragma unroll
         for (int k = 0; k < V; ++k) {
-          const A g = to_acc(d.v[k]);
-          acc.a += g * (to_acc(v.v[k]) - mu);
+          const A xv = to_acc(v.v[k]);
+          const A g = gn_act_grad<ACT>(xv * ca + cb, to_acc(d.v[k]));
+          acc.a += g * (xv - mu);
           acc.b += g;
         }
       }
     } else {
       for (uint32_t i = begin + lane; i < end; i += kTeam) {
-        const A g = to_acc(dyr[i]);
-        acc.a += g * (to_acc(xr[i]) - mu);
+        const A xv = to_acc(xr[i]);
+        const A g = gn_act_grad<ACT>(xv * ca + cb, to_acc(dyr[i]));
+        acc.a += g * (xv - mu);
         acc.b += g;
       }
     }
@@ -447,28 +471,37 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   }
 }
 
-template <typename P, typename A>
+template <typename P, typename A, int ACT>
 struct BwdOp {
   struct Coef {
-    A c1;
+    A c1, a, b;  // a, b: the forward's z = x * a + b (ACT != kActNone only)
   };
   const P* gamma;  // this group's D channels
+  const P* beta;
   A mu, r, c2, c3;
+  bool single;     // one-element group: d out / dx = 0 exactly (c1 = 0, c2 = 0, c3 = dmean)
   __device__ __forceinline__ Coef coef(uint32_t c) const {
-    return Coef{r * static_cast<A>(to_acc(gamma[c]))};
+    Coef cf;
+    const A gm = static_cast<A>(to_acc(gamma[c]));
+    cf.c1 = single ? A(0) : r * gm;
+    cf.a = A(1);
+    cf.b = A(0);
+    if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
+    return cf;
   }
   __device__ __forceinline__ A operator()(const Coef& cf, A dy, A x) const {
-    return gn_bwd_dx<A>(cf.c1, c2, c3, mu, dy, x);
+    return gn_bwd_dx<A>(cf.c1, c2, c3, mu, gn_act_grad<ACT>(x * cf.a + cf.b, dy), x);
   }
 };
 
 // Backward kernel 2. Grid (param_blocks + N*G, chunks): blocks x < param_blocks (y == 0 only) reduce
 // dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group.
-template <typename T, typename P, int V>
+template <typename T, typename P, int V, int ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
               const AccT<T>* __restrict__ rstd, const AccT<T>* __restrict__ dmean_o,
               const AccT<T>* __restrict__ drstd_o, const P* __restrict__ gamma,
+              const P* __restrict__ beta,
               const AccT<T>* __restrict__ part, int rsplits, T* __restrict__ dx,
               P* __restrict__ dgamma, P* __restrict__ dbeta, int64_t N, int64_t C, int64_t G,
               uint32_t D, uint32_t S, uint32_t chunk) {
@@ -514,12 +547,18 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   }
   ab = block_sum_all(ab);
   const int64_t L = int64_t(D) * S;
-  BwdOp<P, A> op;
+  BwdOp<P, A, ACT> op;
   op.gamma = gg;
+  op.beta = beta + g * D;
   op.mu = mean[ng];
   op.r = rstd[ng];
   gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_o ? dmean_o[ng] : A(0),
                    drstd_o ? drstd_o[ng] : A(0), &op.c2, &op.c3);
+  op.single = L == 1;
+  if (op.single) {  // r gamma g and B r / m cancel only up to rounding: take the exact result
+    op.c2 = A(0);
+    op.c3 = dmean_o ? dmean_o[ng] : A(0);
+  }
   const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
@@ -527,6 +566,16 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
 
 // ------------------------------------------------------------------------------------------------
 // Host side: launch plans
+
+// Calls f(std::integral_constant<int, ACT>{}) for the activation code.
+template <typename F>
+void dispatch_act(Act act, F&& f) {
+  switch (act) {
+    case Act::kRelu: f(std::integral_constant<int, kActRelu>{}); return;
+    case Act::kSilu: f(std::integral_constant<int, kActSilu>{}); return;
+    default: f(std::integral_constant<int, kActNone>{}); return;
+  }
+}
 
 // DType -> device storage type.
 template <DType> struct DevType;
@@ -662,14 +711,17 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   const P* gamma = static_cast<const P*>(a.gamma);
   const P* beta = static_cast<const P*>(a.beta);
   const int splits = static_cast<int>(p.splits);
-  if (p.V > 1)
-    fwd_apply_kernel<T, P, vec_width<T>()><<<grid, kBlock, 0, st>>>(
-        x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
-        static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
-  else
-    fwd_apply_kernel<T, P, 1><<<grid, kBlock, 0, st>>>(
-        x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
-        static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
+  dispatch_act(a.act, [&](auto act) {
+    constexpr int ACT = decltype(act)::value;
+    if (p.V > 1)
+      fwd_apply_kernel<T, P, vec_width<T>(), ACT><<<grid, kBlock, 0, st>>>(
+          x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
+          static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
+    else
+      fwd_apply_kernel<T, P, 1, ACT><<<grid, kBlock, 0, st>>>(
+          x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
+          static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
+  });
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -741,30 +793,36 @@ size_t bwd_workspace(const GroupNormBwdArgs& a) {
   return static_cast<size_t>(a.N * a.C * p.splits * 2) * sizeof(AccT<T>);
 }
 
-template <typename T, int V>
+template <typename T, typename P, int V, int ACT>
 const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>* part,
                             cudaStream_t st) {
   using A = AccT<T>;
-  const int64_t rows = a.N * a.C;
+  const int64_t rows = a.N * a.C, C = a.C;
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
   const A* mean = static_cast<const A*>(a.mean);
+  const A* rstd = static_cast<const A*>(a.rstd);
+  const P* gamma = static_cast<const P*>(a.gamma);
+  const P* beta = static_cast<const P*>(a.beta);
   const uint32_t S = static_cast<uint32_t>(a.S), D = static_cast<uint32_t>(a.C / a.G);
   const uint32_t chunk = static_cast<uint32_t>(p.chunk);
   const int rpb = kBlock / p.team;
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, rpb)), static_cast<unsigned>(p.splits));
   if (p.team == 1)
-    bwd_row_sums_kernel<T, 1, 1><<<grid, kBlock, 0, st>>>(dy, x, mean, part, rows, S, D, chunk);
+    bwd_row_sums_kernel<T, P, 1, 1, ACT><<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, gamma, beta,
+                                                                 part, rows, C, S, D, chunk);
   else if (p.team == kWarp)
-    bwd_row_sums_kernel<T, V, kWarp><<<grid, kBlock, 0, st>>>(dy, x, mean, part, rows, S, D, chunk);
+    bwd_row_sums_kernel<T, P, V, kWarp, ACT><<<grid, kBlock, 0, st>>>(
+        dy, x, mean, rstd, gamma, beta, part, rows, C, S, D, chunk);
   else
-    bwd_row_sums_kernel<T, V, kBlock><<<grid, kBlock, 0, st>>>(dy, x, mean, part, rows, S, D, chunk);
+    bwd_row_sums_kernel<T, P, V, kBlock, ACT><<<grid, kBlock, 0, st>>>(
+        dy, x, mean, rstd, gamma, beta, part, rows, C, S, D, chunk);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
 
-template <typename T, typename P>
-const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
+template <typename T, typename P, int ACT>
+const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
   int sms = 1;
   if (const char* e = sm_count(&sms)) return e;
@@ -772,8 +830,8 @@ const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
   if (!aligned16(a.workspace)) return "gn_mx: group_norm CUDA backward workspace must be 16-byte aligned";
   const RowPlan rp = plan_rows<T>(a, sms);
   A* part = static_cast<A*>(a.workspace);
-  const char* e = rp.V > 1 ? launch_row_sums<T, vec_width<T>()>(a, rp, part, st)
-                           : launch_row_sums<T, 1>(a, rp, part, st);
+  const char* e = rp.V > 1 ? launch_row_sums<T, P, vec_width<T>(), ACT>(a, rp, part, st)
+                           : launch_row_sums<T, P, 1, ACT>(a, rp, part, st);
   if (e) return e;
 
   const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
@@ -790,6 +848,7 @@ const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
   const A* dmean_o = static_cast<const A*>(a.dmean);
   const A* drstd_o = static_cast<const A*>(a.drstd);
   const P* gamma = static_cast<const P*>(a.gamma);
+  const P* beta = static_cast<const P*>(a.beta);
   T* dx = static_cast<T*>(a.dx);
   P* dgamma = static_cast<P*>(a.dgamma);
   P* dbeta = static_cast<P*>(a.dbeta);
@@ -797,15 +856,24 @@ const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
   const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.S),
                  ch32 = static_cast<uint32_t>(chunk);
   if (V > 1)
-    bwd_dx_kernel<T, P, vec_width<T>()><<<grid, kBlock, 0, st>>>(
-        dy, x, mean, rstd, dmean_o, drstd_o, gamma, part, rs, dx, dgamma, dbeta, a.N, a.C, a.G,
-        D32, S32, ch32);
+    bwd_dx_kernel<T, P, vec_width<T>(), ACT><<<grid, kBlock, 0, st>>>(
+        dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx, dgamma, dbeta, a.N, a.C,
+        a.G, D32, S32, ch32);
   else
-    bwd_dx_kernel<T, P, 1><<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma,
-                                                    part, rs, dx, dgamma, dbeta, a.N, a.C, a.G,
-                                                    D32, S32, ch32);
+    bwd_dx_kernel<T, P, 1, ACT><<<grid, kBlock, 0, st>>>(
+        dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx, dgamma, dbeta, a.N, a.C,
+        a.G, D32, S32, ch32);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
+}
+
+template <typename T, typename P>
+const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
+  if (a.act != Act::kNone && a.beta == nullptr)
+    return "gn_mx: group_norm backward with an activation needs beta";
+  const char* e = nullptr;
+  dispatch_act(a.act, [&](auto act) { e = bwd_impl_act<T, P, decltype(act)::value>(a, st); });
+  return e;
 }
 
 // ------------------------------------------------------------------------------------------------

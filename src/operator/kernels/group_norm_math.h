@@ -12,6 +12,12 @@
  *   dgamma_c = sum_n dsc_c r,  dbeta_c = sum_n db_c.
  * Moments backward (mean, population var): dx = dmean / m + 2 dvar / m (x - mu).
  * Products are centred at the mean (dsc, not sum dy x) so |mean| >> std loses no precision.
+ *
+ * Fused activation (act_type): out = act(z), z = x * a_c + b_c. Backward first turns the incoming
+ * gradient into the pre-activation gradient g = dy * act'(z) (z recomputed with the forward's
+ * coefficients) and then applies the formulas above with g in place of dy.
+ *   relu(z) = z > 0 ? z : 0,  relu'(z) = z > 0 ? 1 : 0   (0 at z = 0, as MXNet's relu)
+ *   silu(z) = z * s,  s = sigmoid(z) = 1 / (1 + exp(-z)),  silu'(z) = s * (1 + z * (1 - s))
  */
 #pragma once
 #include <cmath>
@@ -33,6 +39,47 @@ GN_INLINE double gn_sqrt(double v) {
 #else
   return std::sqrt(v);
 #endif
+}
+
+GN_INLINE float gn_exp(float v) {
+#if defined(__CUDA_ARCH__)
+  return expf(v);
+#else
+  return std::exp(v);
+#endif
+}
+GN_INLINE double gn_exp(double v) {
+#if defined(__CUDA_ARCH__)
+  return ::exp(v);
+#else
+  return std::exp(v);
+#endif
+}
+
+// Activation codes (values of gn_mx::Act).
+constexpr int kActNone = 0, kActRelu = 1, kActSilu = 2;
+
+template <typename A>
+GN_INLINE A gn_sigmoid(A z) {
+  return A(1) / (A(1) + gn_exp(-z));
+}
+
+template <int ACT, typename A>
+GN_INLINE A gn_act(A z) {
+  if (ACT == kActRelu) return z > A(0) ? z : A(0);
+  if (ACT == kActSilu) return z * gn_sigmoid(z);
+  return z;
+}
+
+// g = dy * act'(z).
+template <int ACT, typename A>
+GN_INLINE A gn_act_grad(A z, A dy) {
+  if (ACT == kActRelu) return z > A(0) ? dy : A(0);
+  if (ACT == kActSilu) {
+    const A s = gn_sigmoid(z);
+    return dy * (s * (A(1) + z * (A(1) - s)));
+  }
+  return dy;
 }
 
 template <typename A>

@@ -17,8 +17,10 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 #include "../common/acc_type.h"
+#include "group_norm_math.h"
 
 #if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
 #define GNMX_X86_DISPATCH 1
@@ -43,12 +45,48 @@ struct Prims {
   // thread that used them calls fence() before its results are read by others.
   void (*affine_nt)(const T* x, T* y, int64_t n, A a, A b);
   void (*bwd_dx_nt)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
+  // With a fused activation (act = kActNone/kActRelu/kActSilu of group_norm_math.h), indexed
+  // [act][streaming]:
+  //   act_affine: y = act(x * a + b)
+  //   act_sums:   g = act'(x * a + b) dy;  *s1 += sum g (x - mu), *s2 += sum g
+  //   act_dx:     dx = c1 g + c2 (x - mu) + c3
+  void (*act_affine[3][2])(const T* x, T* y, int64_t n, A a, A b);
+  void (*act_sums[3])(const T* x, const T* dy, int64_t n, A mu, A a, A b, A* s1, A* s2);
+  void (*act_dx[3][2])(const T* x, const T* dy, T* dx, int64_t n, A mu, A a, A b, A c1, A c2, A c3);
   void (*fence)();
   // Widen / narrow a short run through an AccT buffer (small-spatial paths).
   void (*load)(const T* x, A* out, int64_t n);
   void (*store)(const A* in, T* out, int64_t n);
   const char* isa;
 };
+
+// Fills the tables of a Prims from templates Affine<ACT, NT>::f, Sums<ACT>::f, Dx<ACT, NT>::f; the
+// plain (no activation) entries are the ACT = kActNone instances behind the older signatures.
+template <typename T, template <int, bool> class Affine, template <int> class Sums,
+          template <int, bool> class Dx>
+void fill_act_tables(Prims<T>* p) {
+  using A = AccT<T>;
+  p->act_affine[0][0] = Affine<kActNone, false>::f;  p->act_affine[0][1] = Affine<kActNone, true>::f;
+  p->act_affine[1][0] = Affine<kActRelu, false>::f;  p->act_affine[1][1] = Affine<kActRelu, true>::f;
+  p->act_affine[2][0] = Affine<kActSilu, false>::f;  p->act_affine[2][1] = Affine<kActSilu, true>::f;
+  p->act_sums[0] = Sums<kActNone>::f;
+  p->act_sums[1] = Sums<kActRelu>::f;
+  p->act_sums[2] = Sums<kActSilu>::f;
+  p->act_dx[0][0] = Dx<kActNone, false>::f;  p->act_dx[0][1] = Dx<kActNone, true>::f;
+  p->act_dx[1][0] = Dx<kActRelu, false>::f;  p->act_dx[1][1] = Dx<kActRelu, true>::f;
+  p->act_dx[2][0] = Dx<kActSilu, false>::f;  p->act_dx[2][1] = Dx<kActSilu, true>::f;
+  p->affine = Affine<kActNone, false>::f;
+  p->affine_nt = Affine<kActNone, true>::f;
+  p->bwd_sums = [](const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2) {
+    Sums<kActNone>::f(x, dy, n, mu, A(1), A(0), s1, s2);
+  };
+  p->bwd_dx = [](const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3) {
+    Dx<kActNone, false>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
+  };
+  p->bwd_dx_nt = [](const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3) {
+    Dx<kActNone, true>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
+  };
+}
 
 // ------------------------------------------------------------------------------------------------
 // Portable versions.
@@ -70,32 +108,38 @@ void moments_generic(const T* x, int64_t n, AccT<T>* mean, AccT<T>* m2) {
   *m2 = q;
 }
 
-template <typename T>
+template <typename T, int ACT>
 void affine_generic(const T* x, T* y, int64_t n, AccT<T> a, AccT<T> b) {
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i) y[i] = from_acc<T>(to_acc(x[i]) * a + b);
+  for (int64_t i = 0; i < n; ++i) y[i] = from_acc<T>(gn_act<ACT>(to_acc(x[i]) * a + b));
 }
 
-template <typename T>
-void bwd_sums_generic(const T* x, const T* dy, int64_t n, AccT<T> mu, AccT<T>* s1, AccT<T>* s2) {
+template <typename T, int ACT>
+void bwd_sums_generic(const T* x, const T* dy, int64_t n, AccT<T> mu, AccT<T> a, AccT<T> b,
+                      AccT<T>* s1, AccT<T>* s2) {
   using A = AccT<T>;
   A a1 = 0, a2 = 0;
 #pragma omp simd reduction(+ : a1, a2)
   for (int64_t i = 0; i < n; ++i) {
-    const A g = to_acc(dy[i]);
-    a1 += g * (to_acc(x[i]) - mu);
+    const A xv = to_acc(x[i]);
+    const A g = gn_act_grad<ACT>(xv * a + b, to_acc(dy[i]));
+    a1 += g * (xv - mu);
     a2 += g;
   }
   *s1 += a1;
   *s2 += a2;
 }
 
-template <typename T>
-void bwd_dx_generic(const T* x, const T* dy, T* dx, int64_t n, AccT<T> mu, AccT<T> c1, AccT<T> c2,
-                    AccT<T> c3) {
+template <typename T, int ACT>
+void bwd_dx_generic(const T* x, const T* dy, T* dx, int64_t n, AccT<T> mu, AccT<T> a, AccT<T> b,
+                    AccT<T> c1, AccT<T> c2, AccT<T> c3) {
+  using A = AccT<T>;
 #pragma omp simd
-  for (int64_t i = 0; i < n; ++i)
-    dx[i] = from_acc<T>(c1 * to_acc(dy[i]) + c2 * (to_acc(x[i]) - mu) + c3);
+  for (int64_t i = 0; i < n; ++i) {
+    const A xv = to_acc(x[i]);
+    const A g = gn_act_grad<ACT>(xv * a + b, to_acc(dy[i]));
+    dx[i] = from_acc<T>(c1 * g + c2 * (xv - mu) + c3);
+  }
 }
 
 template <typename T>
@@ -112,12 +156,25 @@ void store_generic(const AccT<T>* in, T* out, int64_t n) {
 
 inline void fence_none() {}
 
+template <typename T> struct GenericOps {
+  template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_generic<T, ACT>; };
+  template <int ACT> struct Sums { static constexpr auto f = bwd_sums_generic<T, ACT>; };
+  template <int ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_generic<T, ACT>; };
+};
+
 template <typename T>
 const Prims<T>& generic_prims() {
-  static const Prims<T> p = {moments_generic<T>, affine_generic<T>, bwd_sums_generic<T>,
-                             bwd_dx_generic<T>,  affine_generic<T>, bwd_dx_generic<T>,
-                             fence_none,         load_generic<T>,   store_generic<T>,
-                             "generic"};
+  static const Prims<T> p = [] {
+    Prims<T> q{};
+    q.moments = moments_generic<T>;
+    fill_act_tables<T, GenericOps<T>::template Affine, GenericOps<T>::template Sums,
+                    GenericOps<T>::template Dx>(&q);
+    q.fence = fence_none;
+    q.load = load_generic<T>;
+    q.store = store_generic<T>;
+    q.isa = "generic";
+    return q;
+  }();
   return p;
 }
 
@@ -199,69 +256,126 @@ GNMX_AVX2 void moments_avx2(const T* x, int64_t n, float* mean, float* m2) {
   *m2 = q;
 }
 
-template <typename T, bool NT>
+// exp(x) for 8 floats: x = n ln2 + r, |r| <= ln2/2, exp(r) by a degree-6 polynomial (Cephes
+// expf coefficients, ~2 ulp), 2^n through the exponent bits. Inputs are clamped to [-87.3, 88.3]
+// (exp saturates at ~1e-38 / ~2e38), which is all sigmoid needs.
+GNMX_AVX2_INLINE __m256 exp8(__m256 x) {
+  x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3f)), _mm256_set1_ps(88.3f));
+  const __m256 fx = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(0.693359375f), x);
+  x = _mm256_fnmadd_ps(fx, _mm256_set1_ps(-2.12194440e-4f), x);
+  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
+  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(fx), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+GNMX_AVX2_INLINE __m256 sigmoid8(__m256 z) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
+template <int ACT>
+GNMX_AVX2_INLINE __m256 act8(__m256 z) {
+  if (ACT == kActRelu) return _mm256_max_ps(z, _mm256_setzero_ps());
+  if (ACT == kActSilu) return _mm256_mul_ps(z, sigmoid8(z));
+  return z;
+}
+// dy * act'(z).
+template <int ACT>
+GNMX_AVX2_INLINE __m256 act_grad8(__m256 z, __m256 dy) {
+  if (ACT == kActRelu) return _mm256_and_ps(dy, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GT_OQ));
+  if (ACT == kActSilu) {
+    const __m256 one = _mm256_set1_ps(1.0f), s = sigmoid8(z);
+    return _mm256_mul_ps(dy, _mm256_mul_ps(s, _mm256_fmadd_ps(z, _mm256_sub_ps(one, s), one)));
+  }
+  return dy;
+}
+
+template <typename T, int ACT, bool NT>
 GNMX_AVX2 void affine_avx2(const T* x, T* y, int64_t n, float a, float b) {
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   int64_t i = 0;
   if (NT) {
-    for (; i < n && !nt_aligned(y + i); ++i) st1(y + i, ld1(x + i) * a + b);
+    for (; i < n && !nt_aligned(y + i); ++i) st1(y + i, gn_act<ACT>(ld1(x + i) * a + b));
   }
   for (; i + 16 <= n; i += 16) {
-    st8x<NT>(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
-    st8x<NT>(y + i + 8, _mm256_fmadd_ps(ld8(x + i + 8), va, vb));
+    st8x<NT>(y + i, act8<ACT>(_mm256_fmadd_ps(ld8(x + i), va, vb)));
+    st8x<NT>(y + i + 8, act8<ACT>(_mm256_fmadd_ps(ld8(x + i + 8), va, vb)));
   }
-  for (; i + 8 <= n; i += 8) st8x<NT>(y + i, _mm256_fmadd_ps(ld8(x + i), va, vb));
-  for (; i < n; ++i) st1(y + i, ld1(x + i) * a + b);
+  for (; i + 8 <= n; i += 8) st8x<NT>(y + i, act8<ACT>(_mm256_fmadd_ps(ld8(x + i), va, vb)));
+  for (; i < n; ++i) st1(y + i, gn_act<ACT>(ld1(x + i) * a + b));
 }
 
-template <typename T>
-GNMX_AVX2 void bwd_sums_avx2(const T* x, const T* dy, int64_t n, float mu, float* s1, float* s2) {
-  const __m256 vmu = _mm256_set1_ps(mu);
+template <typename T, int ACT>
+GNMX_AVX2 void bwd_sums_avx2(const T* x, const T* dy, int64_t n, float mu, float a, float b,
+                             float* s1, float* s2) {
+  const __m256 vmu = _mm256_set1_ps(mu), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   __m256 p0 = _mm256_setzero_ps(), p1 = p0, q0 = p0, q1 = p0;
   int64_t i = 0;
   for (; i + 16 <= n; i += 16) {
-    const __m256 g0 = ld8(dy + i), g1 = ld8(dy + i + 8);
-    p0 = _mm256_fmadd_ps(g0, _mm256_sub_ps(ld8(x + i), vmu), p0);
-    p1 = _mm256_fmadd_ps(g1, _mm256_sub_ps(ld8(x + i + 8), vmu), p1);
+    const __m256 x0 = ld8(x + i), x1 = ld8(x + i + 8);
+    const __m256 g0 = act_grad8<ACT>(_mm256_fmadd_ps(x0, va, vb), ld8(dy + i));
+    const __m256 g1 = act_grad8<ACT>(_mm256_fmadd_ps(x1, va, vb), ld8(dy + i + 8));
+    p0 = _mm256_fmadd_ps(g0, _mm256_sub_ps(x0, vmu), p0);
+    p1 = _mm256_fmadd_ps(g1, _mm256_sub_ps(x1, vmu), p1);
     q0 = _mm256_add_ps(q0, g0);
     q1 = _mm256_add_ps(q1, g1);
   }
   for (; i + 8 <= n; i += 8) {
-    const __m256 g0 = ld8(dy + i);
-    p0 = _mm256_fmadd_ps(g0, _mm256_sub_ps(ld8(x + i), vmu), p0);
+    const __m256 x0 = ld8(x + i);
+    const __m256 g0 = act_grad8<ACT>(_mm256_fmadd_ps(x0, va, vb), ld8(dy + i));
+    p0 = _mm256_fmadd_ps(g0, _mm256_sub_ps(x0, vmu), p0);
     q0 = _mm256_add_ps(q0, g0);
   }
   float a1 = hsum8(_mm256_add_ps(p0, p1)), a2 = hsum8(_mm256_add_ps(q0, q1));
   for (; i < n; ++i) {
-    const float g = ld1(dy + i);
-    a1 += g * (ld1(x + i) - mu);
+    const float xv = ld1(x + i);
+    const float g = gn_act_grad<ACT>(xv * a + b, ld1(dy + i));
+    a1 += g * (xv - mu);
     a2 += g;
   }
   *s1 += a1;
   *s2 += a2;
 }
 
-template <typename T, bool NT>
-GNMX_AVX2 void bwd_dx_avx2(const T* x, const T* dy, T* dx, int64_t n, float mu, float c1, float c2,
-                           float c3) {
+template <typename T, int ACT>
+GNMX_AVX2_INLINE void bwd_dx1(const T* x, const T* dy, T* dx, float mu, float a, float b, float c1,
+                              float c2, float c3) {
+  const float xv = ld1(x);
+  st1(dx, c1 * gn_act_grad<ACT>(xv * a + b, ld1(dy)) + c2 * (xv - mu) + c3);
+}
+
+template <typename T, int ACT, bool NT>
+GNMX_AVX2 void bwd_dx_avx2(const T* x, const T* dy, T* dx, int64_t n, float mu, float a, float b,
+                           float c1, float c2, float c3) {
   const __m256 vmu = _mm256_set1_ps(mu), v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2),
-               v3 = _mm256_set1_ps(c3);
+               v3 = _mm256_set1_ps(c3), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
+#define one(j) bwd_dx1<T, ACT>(x + (j), dy + (j), dx + (j), mu, a, b, c1, c2, c3)
   int64_t i = 0;
   if (NT) {
-    for (; i < n && !nt_aligned(dx + i); ++i)
-      st1(dx + i, c1 * ld1(dy + i) + c2 * (ld1(x + i) - mu) + c3);
+    for (; i < n && !nt_aligned(dx + i); ++i) one(i);
   }
   for (; i + 16 <= n; i += 16) {
-    const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i), vmu), v3);
-    const __m256 t1 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i + 8), vmu), v3);
-    st8x<NT>(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
-    st8x<NT>(dx + i + 8, _mm256_fmadd_ps(v1, ld8(dy + i + 8), t1));
+    const __m256 x0 = ld8(x + i), x1 = ld8(x + i + 8);
+    const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(x0, vmu), v3);
+    const __m256 t1 = _mm256_fmadd_ps(v2, _mm256_sub_ps(x1, vmu), v3);
+    const __m256 g0 = act_grad8<ACT>(_mm256_fmadd_ps(x0, va, vb), ld8(dy + i));
+    const __m256 g1 = act_grad8<ACT>(_mm256_fmadd_ps(x1, va, vb), ld8(dy + i + 8));
+    st8x<NT>(dx + i, _mm256_fmadd_ps(v1, g0, t0));
+    st8x<NT>(dx + i + 8, _mm256_fmadd_ps(v1, g1, t1));
   }
   for (; i + 8 <= n; i += 8) {
-    const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(ld8(x + i), vmu), v3);
-    st8x<NT>(dx + i, _mm256_fmadd_ps(v1, ld8(dy + i), t0));
+    const __m256 x0 = ld8(x + i);
+    const __m256 t0 = _mm256_fmadd_ps(v2, _mm256_sub_ps(x0, vmu), v3);
+    st8x<NT>(dx + i, _mm256_fmadd_ps(v1, act_grad8<ACT>(_mm256_fmadd_ps(x0, va, vb), ld8(dy + i)), t0));
   }
-  for (; i < n; ++i) st1(dx + i, c1 * ld1(dy + i) + c2 * (ld1(x + i) - mu) + c3);
+  for (; i < n; ++i) one(i);
+#undef one
 }
 
 GNMX_AVX2 inline void fence_avx2() { _mm_sfence(); }
@@ -284,16 +398,19 @@ GNMX_AVX2 void store_avx2(const float* in, T* out, int64_t n) {
 GNMX_AVX2 inline void moments_avx2_d(const double* x, int64_t n, double* mean, double* m2) {
   moments_generic<double>(x, n, mean, m2);
 }
-GNMX_AVX2 inline void affine_avx2_d(const double* x, double* y, int64_t n, double a, double b) {
-  affine_generic<double>(x, y, n, a, b);
+template <int ACT>
+GNMX_AVX2 void affine_avx2_d(const double* x, double* y, int64_t n, double a, double b) {
+  affine_generic<double, ACT>(x, y, n, a, b);
 }
-GNMX_AVX2 inline void bwd_sums_avx2_d(const double* x, const double* dy, int64_t n, double mu,
-                                      double* s1, double* s2) {
-  bwd_sums_generic<double>(x, dy, n, mu, s1, s2);
+template <int ACT>
+GNMX_AVX2 void bwd_sums_avx2_d(const double* x, const double* dy, int64_t n, double mu, double a,
+                               double b, double* s1, double* s2) {
+  bwd_sums_generic<double, ACT>(x, dy, n, mu, a, b, s1, s2);
 }
-GNMX_AVX2 inline void bwd_dx_avx2_d(const double* x, const double* dy, double* dx, int64_t n,
-                                    double mu, double c1, double c2, double c3) {
-  bwd_dx_generic<double>(x, dy, dx, n, mu, c1, c2, c3);
+template <int ACT>
+GNMX_AVX2 void bwd_dx_avx2_d(const double* x, const double* dy, double* dx, int64_t n, double mu,
+                             double a, double b, double c1, double c2, double c3) {
+  bwd_dx_generic<double, ACT>(x, dy, dx, n, mu, a, b, c1, c2, c3);
 }
 
 inline bool cpu_has_avx2() {
@@ -307,40 +424,43 @@ inline bool cpu_has_avx2() {
   return ok;
 }
 
-template <typename T> struct Avx2Prims;
-template <> struct Avx2Prims<float> {
-  static const Prims<float>& get() {
-    static const Prims<float> p = {
-        moments_avx2<float>,         affine_avx2<float, false>, bwd_sums_avx2<float>,
-        bwd_dx_avx2<float, false>,   affine_avx2<float, true>,  bwd_dx_avx2<float, true>,
-        fence_avx2,                  load_avx2<float>,          store_avx2<float>,
-        "avx2"};
-    return p;
-  }
+template <typename T> struct Avx2Ops {
+  template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2<T, ACT, NT>; };
+  template <int ACT> struct Sums { static constexpr auto f = bwd_sums_avx2<T, ACT>; };
+  template <int ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx2<T, ACT, NT>; };
 };
-template <> struct Avx2Prims<Half> {
-  static const Prims<Half>& get() {
-    static const Prims<Half> p = {
-        moments_avx2<Half>,        affine_avx2<Half, false>, bwd_sums_avx2<Half>,
-        bwd_dx_avx2<Half, false>,  affine_avx2<Half, true>,  bwd_dx_avx2<Half, true>,
-        fence_avx2,                load_avx2<Half>,          store_avx2<Half>,
-        "avx2"};
-    return p;
-  }
-};
-template <> struct Avx2Prims<double> {
-  static const Prims<double>& get() {
-    static const Prims<double> p = {moments_avx2_d, affine_avx2_d,        bwd_sums_avx2_d,
-                                    bwd_dx_avx2_d,  affine_avx2_d,        bwd_dx_avx2_d,
-                                    fence_none,     load_generic<double>, store_generic<double>,
-                                    "avx2"};
-    return p;
-  }
+template <> struct Avx2Ops<double> {
+  template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2_d<ACT>; };
+  template <int ACT> struct Sums { static constexpr auto f = bwd_sums_avx2_d<ACT>; };
+  template <int ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx2_d<ACT>; };
 };
 
 template <typename T>
+const Prims<T>& avx2_prims() {
+  static const Prims<T> p = [] {
+    Prims<T> q{};
+    fill_act_tables<T, Avx2Ops<T>::template Affine, Avx2Ops<T>::template Sums,
+                    Avx2Ops<T>::template Dx>(&q);
+    if constexpr (std::is_same<T, double>::value) {
+      q.moments = moments_avx2_d;
+      q.fence = fence_none;
+      q.load = load_generic<double>;
+      q.store = store_generic<double>;
+    } else {
+      q.moments = moments_avx2<T>;
+      q.fence = fence_avx2;
+      q.load = load_avx2<T>;
+      q.store = store_avx2<T>;
+    }
+    q.isa = "avx2";
+    return q;
+  }();
+  return p;
+}
+
+template <typename T>
 const Prims<T>& prims() {
-  return cpu_has_avx2() ? Avx2Prims<T>::get() : generic_prims<T>();
+  return cpu_has_avx2() ? avx2_prims<T>() : generic_prims<T>();
 }
 #else
 template <typename T>

@@ -28,14 +28,26 @@ namespace {
 struct GnParams {
   int64_t num_groups = 1;
   double eps = 1e-5;
+  Act act = Act::kNone;
 };
+
+// gn_group_norm's optional act_type attribute (added after the first release: absent = 'none', so
+// older symbols load unchanged).
+Act parse_act(const char* op, const AttrMap& attrs) {
+  auto it = attrs.find("act_type");
+  if (it == attrs.end() || it->second == "none") return Act::kNone;
+  if (it->second == "relu") return Act::kRelu;
+  if (it->second == "silu") return Act::kSilu;
+  fail(op, ": attribute act_type must be one of 'none', 'relu', 'silu'; got '", it->second, "'");
+}
 
 GnParams parse_gn(const char* op, const AttrMap& attrs, bool has_eps) {
   GnParams p;
   if (has_eps) {
-    Attrs a(op, attrs, {"num_groups", "eps"});
+    Attrs a(op, attrs, {"num_groups", "eps", "act_type"});
     p.num_groups = a.get_int("num_groups", 1);
     p.eps = a.get_float("eps", 1e-5);
+    p.act = parse_act(op, attrs);
   } else {
     Attrs a(op, attrs, {"num_groups"});
     p.num_groups = a.get_int("num_groups", 1);
@@ -268,6 +280,7 @@ MXReturnValue gn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     a.rstd = (*out)[kRstd].data_ptr;
     fill_gn_dims(gs, &a.N, &a.C, &a.G, &a.S);
     a.eps = p.eps;
+    a.act = p.act;
     if (on_gpu(x)) return gpu_result(kGroupNorm, group_norm_fwd_gpu(a, res));
     const char* err = group_norm_fwd_cpu(a);
     if (err) fail(kGroupNorm, ": ", err);
@@ -295,10 +308,13 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     a.mean = (*in)[kBMean].data_ptr;
     a.rstd = (*in)[kBRstd].data_ptr;
     a.gamma = (*in)[kBGamma].data_ptr;
+    a.beta = (*in)[kBBeta].data_ptr;
     a.dx = (*out)[kData].data_ptr;
     a.dgamma = (*out)[kGamma].data_ptr;
     a.dbeta = (*out)[kBeta].data_ptr;
     fill_gn_dims(gs, &a.N, &a.C, &a.G, &a.S);
+    a.eps = p.eps;
+    a.act = p.act;
     if (on_gpu(x)) return gpu_result(kGroupNorm, group_norm_bwd_gpu(a, res));
     Workspace ws;
     const size_t off = ws.reserve(group_norm_bwd_workspace_cpu(a));

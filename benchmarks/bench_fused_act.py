@@ -1,0 +1,172 @@
+#!/usr/bin/env python
+"""Fused GroupNorm + activation vs GroupNorm followed by the activation layer, CPU.
+
+    python benchmarks/bench_fused_act.py               # ~3 min; 2 threads, both allocator regimes
+    python benchmarks/bench_fused_act.py --quick
+
+Per shape and activation, hybridized (static_alloc) blocks, timed interleaved in one process:
+  fused     gn_mx.GroupNorm(G, activation=act)                    (one op: gn_group_norm act_type)
+  separate  gn_mx.GroupNorm(G) -> gluon.nn.Activation('relu')      (act = relu; MXNet's relu)
+            gn_mx.GroupNorm(G) -> gluon.nn.Swish()                 (act = silu; x * sigmoid(x))
+  torch     torch group_norm + relu / silu (reference point; torch.set_num_threads(t))
+forward (inference) and forward+backward (autograd.record, backward with a fixed head gradient).
+Target (issue 13): fused fwd+bwd >= 1.3x faster than separate on shapes >= 1 MB.
+Regimes: glibc malloc defaults, and glibc keeping freed memory (MALLOC_ARENA_MAX=1
+MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11); one subprocess each.
+Outputs: stdout, benchmarks/results/fused_act_cpu.{md,json}.
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+RESULTS = os.path.join(HERE, "results")
+
+SHAPES = [((2, 64, 56, 56), 32), ((8, 256, 28, 28), 32), ((1, 320, 64, 64), 32),
+          ((2, 640, 32, 32), 32), ((16, 256, 56, 56), 32)]
+QUICK = SHAPES[:3]
+ACTS = ["relu", "silu"]
+KEPT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+def child(args):
+    sys.path.insert(0, HERE)
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import numpy as np
+    import mxnet as mx
+    from mxnet import autograd, gluon
+    import gn_mx
+    from bench_group_norm import Timer
+    threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
+    try:
+        import torch
+        torch.set_num_threads(threads)
+    except ImportError:
+        torch = None
+    timer = Timer(args.min_sample_ms / 1e3, args.rounds, args.max_cell_s)
+    W = mx.nd.waitall
+    rows = []
+    for shape, G in (QUICK if args.quick else SHAPES):
+        x = mx.nd.array(np.random.randn(*shape).astype(np.float32))
+        dy = mx.nd.array(np.random.randn(*shape).astype(np.float32))
+        for act in ACTS:
+            blocks = {}
+            fused = gn_mx.GroupNorm(G, activation=act, in_channels=shape[1])
+            sep = gluon.nn.HybridSequential()
+            sep.add(gn_mx.GroupNorm(G, in_channels=shape[1]))
+            sep.add(gluon.nn.Activation("relu") if act == "relu" else gluon.nn.Swish())
+            for name, b in (("fused", fused), ("separate", sep)):
+                b.initialize()
+                b.hybridize(static_alloc=True, static_shape=True)
+                blocks[name] = b
+            fwd, fb = {}, {}
+            for name, b in blocks.items():
+                xx = x.copy()
+                xx.attach_grad()
+
+                def bw(b=b, xx=xx):
+                    with autograd.record():
+                        y = b(xx)
+                    y.backward(dy)
+                fwd[name] = ((lambda b=b: b(x)), W)
+                fb[name] = (bw, W)
+            if torch is not None:
+                tx = torch.randn(shape)
+                tdy = torch.randn(shape)
+                tw = torch.ones(shape[1], requires_grad=True)
+                tb = torch.zeros(shape[1], requires_grad=True)
+                tf = torch.relu if act == "relu" else torch.nn.functional.silu
+
+                def t_fwd():
+                    with torch.no_grad():
+                        tf(torch.nn.functional.group_norm(tx, G, tw, tb))
+                txg = tx.clone().requires_grad_(True)
+
+                def t_fb():
+                    y = tf(torch.nn.functional.group_norm(txg, G, tw, tb))
+                    torch.autograd.grad(y, (txg, tw, tb), tdy)
+                fwd["torch"] = (t_fwd, lambda: None)
+                fb["torch"] = (t_fb, lambda: None)
+            rows.append({"shape": list(shape), "G": G, "act": act, "bytes": 4 * int(np.prod(shape)),
+                         "fwd_s": timer.run(fwd), "fwdbwd_s": timer.run(fb)})
+            print(".", end="", file=sys.stderr, flush=True)
+    print("", file=sys.stderr)
+    json.dump({"threads": threads, "rows": rows, "env": {k: os.environ.get(k) for k in KEPT},
+               "loadavg": os.getloadavg()}, sys.stdout)
+
+
+def fmt(v):
+    return "%.3f" % (v * 1e3) if isinstance(v, float) else "-"
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--regimes", default="default,kept")
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--min-sample-ms", type=float, default=None)
+    ap.add_argument("--max-cell-s", type=float, default=None)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    args.rounds = args.rounds or (5 if args.quick else 9)
+    args.min_sample_ms = args.min_sample_ms or (20.0 if args.quick else 40.0)
+    args.max_cell_s = args.max_cell_s or (5.0 if args.quick else 10.0)
+    if args.child:
+        return child(args)
+    runs = {}
+    for reg in args.regimes.split(","):
+        env = dict(os.environ)
+        for k in KEPT:
+            env.pop(k, None)
+        if reg == "kept":
+            env.update(KEPT)
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
+               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s)]
+        if args.quick:
+            cmd.append("--quick")
+        print("running %s ..." % reg, file=sys.stderr)
+        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
+        if p.returncode != 0:
+            sys.exit("child failed")
+        runs[reg] = json.loads(p.stdout)
+    lines = []
+    worst = {}
+    for reg, r in runs.items():
+        lines += ["", "### allocator: %s, %d threads, load average %.1f" % (
+            "glibc defaults" if reg == "default" else "glibc keeps freed memory", r["threads"], r["loadavg"][0]), "",
+            "| shape | act | MB | fwd fused | fwd separate | fwd torch | fwd+bwd fused | fwd+bwd separate | "
+            "fwd+bwd torch | separate/fused fwd | separate/fused fwd+bwd |",
+            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+        for row in r["rows"]:
+            f, fb = row["fwd_s"], row["fwdbwd_s"]
+            sf = f["separate"] / f["fused"] if isinstance(f.get("fused"), float) else None
+            sfb = fb["separate"] / fb["fused"] if isinstance(fb.get("fused"), float) else None
+            if sfb is not None and row["bytes"] >= 2 ** 20:
+                worst[reg] = min(worst.get(reg, 1e9), sfb)
+            lines.append("| %s G%d | %s | %.1f | %s | %s | %s | %s | %s | %s | %s | %s |" % (
+                "x".join(map(str, row["shape"])), row["G"], row["act"], row["bytes"] / 2 ** 20,
+                fmt(f.get("fused")), fmt(f.get("separate")), fmt(f.get("torch")), fmt(fb.get("fused")),
+                fmt(fb.get("separate")), fmt(fb.get("torch")), "%.2f" % sf if sf else "-",
+                "%.2f" % sfb if sfb else "-"))
+    lines += ["", "Target: fused fwd+bwd >= 1.3x faster than separate on shapes >= 1 MB: " + "; ".join(
+        "%s worst %.2fx (%s)" % (k, v, "met" if v >= 1.3 else "NOT met") for k, v in worst.items())]
+    text = "\n".join(lines)
+    print(text)
+    os.makedirs(args.out, exist_ok=True)
+    date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    with open(os.path.join(args.out, "fused_act_cpu.md"), "w") as f:
+        f.write("# Fused GroupNorm + activation, CPU (`benchmarks/bench_fused_act.py`)\n\n"
+                "%s UTC; fp32; times in ms (medians of interleaved samples).\n%s\n" % (date, text))
+    with open(os.path.join(args.out, "fused_act_cpu.json"), "w") as f:
+        json.dump({"date_utc": date, "runs": runs}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
