@@ -1,78 +1,58 @@
 /*
- * errors.cc: ErrorList (see errors.h), the one place that edits lib_api's error-message list.
+ * errors.cc: the error messages MXNet shows for failing gn_mx callbacks (see errors.h).
+ *
+ * MXNet 1.9 fetches a library's messages with _msgSize/_msgGet right after every call into it, on
+ * the thread that made the call. lib_api's own versions read one process-wide list that nothing
+ * ever clears, and _msgGet allocates a std::string per fetch that nobody frees. This file exports
+ * replacements (lib_api.cc's are compiled under other names, see CMakeLists.txt) backed by ONE
+ * message per thread: set when a callback on this thread fails, dropped when the next callback on
+ * this thread starts. So
+ *  - each MXNetError carries exactly its own message (no stale text from earlier errors);
+ *  - a successful call leaves nothing to fetch, and a fetch allocates nothing;
+ *  - threads never see each other's messages, and nothing is shared, so nothing races.
+ * (lib_api.cc's MX_ERROR_MSG paths, its JSON parser for graph passes, are not used by gn_mx.)
  */
 #include "errors.h"
 
-#include <chrono>
-#include <mutex>
-#include <sstream>
-#include <thread>
-#include <unordered_map>
-#include <vector>
+#include <string>
 
 namespace gn_mx {
 namespace mxa {
 namespace {
 
-using MsgVec = std::vector<std::stringstream*>;
-
-// MXerrorMsgs::messages is private. An explicit instantiation may name a private member
-// ([temp.spec]); the friend it defines hands the member pointer out. Instantiated once, here.
-template <MsgVec mxnet::ext::MXerrorMsgs::*M>
-struct ErrorListAccess {
-  friend MsgVec& error_list(mxnet::ext::MXerrorMsgs& e) { return e.*M; }
-};
-MsgVec& error_list(mxnet::ext::MXerrorMsgs& e);
-template struct ErrorListAccess<&mxnet::ext::MXerrorMsgs::messages>;
-
-constexpr int kStaleSeconds = 2;
-
-struct Owner {
-  std::thread::id thread;
-  std::chrono::steady_clock::time_point born;
+struct ThreadMessage {
+  std::string text;
+  bool set = false;
 };
 
-std::mutex& list_mutex() {
-  static std::mutex m;
+ThreadMessage& this_thread_message() {
+  thread_local ThreadMessage m;
   return m;
-}
-
-// The messages gn_mx stored, by owner thread; entries lib_api added itself have none.
-std::unordered_map<std::stringstream*, Owner>& owners() {
-  static std::unordered_map<std::stringstream*, Owner> o;
-  return o;
 }
 
 }  // namespace
 
 void ErrorList::clear() {
-  std::lock_guard<std::mutex> lock(list_mutex());
-  MsgVec& list = error_list(*mxnet::ext::MXerrorMsgs::get());
-  if (list.empty()) return;
-  auto& own = owners();
-  const auto me = std::this_thread::get_id();
-  const auto now = std::chrono::steady_clock::now();
-  size_t keep = 0;
-  for (std::stringstream* m : list) {
-    auto it = own.find(m);
-    const bool drop = it == own.end() || it->second.thread == me ||
-                      now - it->second.born > std::chrono::seconds(kStaleSeconds);
-    if (drop) {
-      if (it != own.end()) own.erase(it);
-      delete m;
-    } else {
-      list[keep++] = m;
-    }
-  }
-  list.resize(keep);
+  ThreadMessage& m = this_thread_message();
+  m.set = false;
+  m.text.clear();  // keeps its capacity: no allocation per call
 }
 
 void ErrorList::set(const std::string& msg) {
-  std::lock_guard<std::mutex> lock(list_mutex());
-  auto* m = new std::stringstream(msg);
-  error_list(*mxnet::ext::MXerrorMsgs::get()).push_back(m);
-  owners()[m] = Owner{std::this_thread::get_id(), std::chrono::steady_clock::now()};
+  ThreadMessage& m = this_thread_message();
+  m.text = msg;
+  m.set = true;
 }
 
 }  // namespace mxa
 }  // namespace gn_mx
+
+// The lib_api entry points MXNet's loader looks up by name (exported through src/link/gn_mx.map).
+extern "C" __attribute__((visibility("default"))) int _msgSize() {
+  return gn_mx::mxa::this_thread_message().set ? 1 : 0;
+}
+
+extern "C" __attribute__((visibility("default"))) void _msgGet(int idx, const char** msg) {
+  const auto& m = gn_mx::mxa::this_thread_message();
+  *msg = (m.set && idx == 0) ? m.text.c_str() : "";
+}

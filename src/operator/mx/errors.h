@@ -1,26 +1,12 @@
 /*
  * errors.h: how a failure inside a gn_mx callback reaches the user as one clean MXNetError.
  *
- * lib_api hands errors to MXNet through a process-wide list (mxnet::ext::MXerrorMsgs) that it
- * never clears: MXNet 1.9 copies the WHOLE list into every error it raises and, after each
- * library call, fetches every entry through _msgGet, which allocates a std::string per entry that
- * nobody frees. Left alone, K caught errors make every later call allocate K strings (~10 KB per
- * forward+backward per error) and every later MXNetError repeats all K stale messages.
- *
- * guarded() therefore
- *  - empties the list when a callback starts (the previous call's message was already read: MXNet
- *    reads it right after the failing call returns, on the same thread), so a successful call
- *    leaves the list empty and MXNet fetches nothing;
- *  - on failure stores exactly one message, the op's own text, without MX_ERROR_MSG's
- *    "<build path>/file.h[line]: " prefix.
- * The list is a private member of lib_api's class; ErrorList (errors.cc) reaches it through the
- * standard explicit-instantiation access rule (no layout assumptions, no patched lib_api).
- * Callbacks run on MXNet's worker threads and on the calling threads at once. A mutex serializes
- * our edits; a callback clears only its own thread's messages (MXNet on that thread has read them),
- * so a message another thread is about to read survives; other threads' messages go once they are
- * a few seconds old (a thread that failed and never called again). lib_api's own reads are not
- * synchronized (its design): under concurrent failures an error may, rarely, show a message of a
- * simultaneous failure on another thread as well.
+ * guarded() wraps every lib_api callback: a C++ exception (a bad attribute, a failed check)
+ * becomes one message, the op's own text (no "<build path>/file.h[line]: " prefix of lib_api's
+ * MX_ERROR_MSG), and MX_FAIL, which MXNet raises as MXNetError at the call site. Messages live in
+ * ErrorList, one per thread, which errors.cc serves to MXNet through its own _msgSize/_msgGet
+ * (lib_api's versions read a process-wide list that is never cleared: K caught errors made every
+ * later call fetch, and leak, K strings, and every later error repeat all K stale messages).
  */
 #pragma once
 #include <sstream>
@@ -48,11 +34,10 @@ inline void require(bool ok, const std::string& msg) {
   if (!ok) throw OpError(msg);
 }
 
-// lib_api's message list, emptied and filled per thread (errors.cc).
+// The calling thread's error message, as MXNet fetches it after each call (errors.cc).
 class ErrorList {
  public:
-  // Drop this thread's messages (called when a callback starts), and other threads' messages once
-  // they are a few seconds old (a thread that failed and never called again).
+  // Drop this thread's message (a callback starts: MXNet has read the previous one).
   static void clear();
   // Store `msg` as the one message MXNet will show for this thread's failing call.
   static void set(const std::string& msg);
