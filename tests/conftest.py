@@ -59,6 +59,12 @@ def run_python(code, timeout=300, cwd=None):
                           text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
 
 
+def rounded(a, dtype):
+    """The array as the op sees it (rounded to dtype) and as float64 for the reference."""
+    r = np.asarray(a).astype(dtype)
+    return r, r.astype(np.float64)
+
+
 def dbn_data(shape, dtype, offset=0.5):
     """Correlated, well-conditioned data for DBN tests: channel c mixes channel c-1."""
     x = np.random.randn(*shape)

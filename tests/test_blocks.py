@@ -1,4 +1,5 @@
-"""gn_mx.GroupNorm as a Gluon block: imperative, hybridized, deferred init, export/reload."""
+"""gn_mx.GroupNorm as a Gluon block: imperative, hybridized, deferred init, grad_req, fused
+activation. Export and reload of the block are in test_export.py."""
 import json
 import os
 
@@ -213,52 +214,6 @@ def test_fp16_cast_net(ctx):
     np.testing.assert_allclose(y.asnumpy(), ref, rtol=rtol, atol=atol)
 
 
-def test_export_reload_in_fresh_process(tmp_path, ctx):
-    net = _net(gamma_initializer=mx.init.Uniform(1.0), beta_initializer=mx.init.Uniform(1.0))
-    net.initialize(mx.init.Xavier(), ctx=ctx)
-    net.hybridize()
-    x = mx.nd.random.normal(shape=(2, 3, 6, 6), ctx=ctx)
-    y = net(x).asnumpy()
-    prefix = str(tmp_path / "gnnet")
-    net.export(prefix, epoch=0)
-    np.save(str(tmp_path / "x.npy"), x.asnumpy())
-    np.save(str(tmp_path / "y.npy"), y)
-    ops = {n["op"] for n in json.load(open(prefix + "-symbol.json"))["nodes"]}
-    assert "gn_group_norm" in ops
-    p = run_python(f"""
-        import numpy as np, mxnet as mx
-        import gn_mx
-        from mxnet import gluon
-        blk = gluon.SymbolBlock.imports({prefix + '-symbol.json'!r}, ['data'],
-                                        {prefix + '-0000.params'!r})
-        y = blk(mx.nd.array(np.load({str(tmp_path / 'x.npy')!r}))).asnumpy()
-        err = np.abs(y - np.load({str(tmp_path / 'y.npy')!r})).max()
-        print('MAXERR', err)
-        assert err < 1e-5, err
-    """)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "MAXERR" in p.stdout
-
-
-def test_reload_without_import_fails_clearly(tmp_path):
-    """Documented behaviour: a process must `import gn_mx` before loading a gn_mx symbol."""
-    blk = gn_mx.GroupNorm(num_groups=2)
-    blk.initialize()
-    blk.hybridize()
-    blk(mx.nd.ones((1, 4, 3)))
-    prefix = str(tmp_path / "gn")
-    blk.export(prefix)
-    p = run_python(f"""
-        import mxnet as mx
-        try:
-            mx.sym.load({prefix + '-symbol.json'!r})
-            print('LOADED')
-        except mx.base.MXNetError as e:
-            print('MXNetError', 'gn_group_norm' in str(e))
-    """)
-    assert p.returncode == 0 and "MXNetError True" in p.stdout, p.stdout + p.stderr[-2000:]
-
-
 def test_import_is_idempotent():
     p = run_python("""
         import importlib, mxnet as mx
@@ -330,37 +285,3 @@ def test_fused_activation_block(ctx, activation, hybridize):
             np.testing.assert_allclose(eval(p.stdout.split("Y", 1)[1]), yf.ravel()[:5], rtol=1e-5)
 
 
-def test_plain_block_exports_no_act_type(tmp_path):
-    blk = gn_mx.GroupNorm(num_groups=2)
-    blk.initialize()
-    blk.hybridize()
-    blk(mx.nd.ones((1, 4, 3)))
-    blk.export(str(tmp_path / "gn"))
-    nodes = json.load(open(str(tmp_path / "gn-symbol.json")))["nodes"]
-    gn = [n for n in nodes if n["op"] == "gn_group_norm"][0]
-    assert "act_type" not in gn["attrs"]
-    with pytest.raises(ValueError, match="activation"):
-        gn_mx.GroupNorm(num_groups=2, activation="tanh")
-
-
-def test_dbn_grad_req_switch_after_hybridize(ctx):
-    """The same trace-time identity choice for DecorrelatedBatchNorm (a mode-keyed graph)."""
-    net = gluon.nn.HybridSequential()
-    with net.name_scope():
-        net.add(gluon.nn.Conv2D(8, 3, padding=1, in_channels=3))
-        net.add(gn_mx.DecorrelatedBatchNorm(num_groups=2, momentum=1.0, in_channels=8))
-    net.initialize(mx.init.Xavier(), ctx=ctx)
-    net.hybridize()
-    x = mx.nd.random.normal(shape=(4, 3, 5, 5), ctx=ctx)
-    y0, _, g0 = _fwd_bwd(net, x, ctx)
-    assert "_copy" not in _graph_ops(net)
-    net.collect_params().setattr("grad_req", "add")
-    for p in net.collect_params().values():
-        if p.grad_req != "null":
-            p.zero_grad()
-    _fwd_bwd(net, x, ctx)
-    y2, _, g2 = _fwd_bwd(net, x, ctx)
-    assert "_copy" in _graph_ops(net)
-    np.testing.assert_allclose(y2, y0, rtol=1e-5, atol=1e-5)
-    for k in g0:
-        np.testing.assert_allclose(g2[k], 2 * g0[k], rtol=1e-4, atol=1e-4, err_msg=k)

@@ -1,7 +1,8 @@
-"""gn_mx.DecorrelatedBatchNorm: training/inference modes, hybridization, export and reload.
+"""gn_mx.DecorrelatedBatchNorm: training/inference modes, hybridization, grad_req, float16.
 
 References are float64 numpy (tests/reference.py). The ops themselves are tested in
-test_dbn_ops.py; the block's options (group_size, use_global_stats) in test_dbn_options.py.
+test_dbn_ops.py; the block's options (group_size, use_global_stats) in test_dbn_options.py;
+export and reload in test_export.py.
 """
 import json
 import os
@@ -15,8 +16,9 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 import gn_mx
-from conftest import ROOT, dbn_data as _data, run_python, tol
+from conftest import ROOT, dbn_data as _data, tol
 from reference import dbn_bwd_ref, dbn_inference_ref, dbn_ref
+from test_blocks import _fwd_bwd, _graph_ops
 
 CPU = mx.cpu()
 EPS = 1e-5
@@ -191,71 +193,6 @@ def test_grad_through_eval_mode_hybridized():
     np.testing.assert_allclose(x.grad.asnumpy(), 1.0, rtol=1e-6)  # P = I, gamma = 1
 
 
-def test_export_writes_inference_graph_and_reloads(tmp_path):
-    net = _net()
-    net.initialize(mx.init.Xavier(), ctx=CPU)
-    net.hybridize()
-    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
-    for _ in range(3):
-        _train_step(net, x)  # the last call before export is a training call
-    expected = net(x).asnumpy()
-    _train_step(net, x)
-    expected_after = net(x).asnumpy()
-    assert np.abs(expected - expected_after).max() > 0
-    prefix = str(tmp_path / "dbn_net")
-    # Export straight after a training call: the block must still write the inference graph.
-    _train_step(net, x)
-    stats = _stats_of(net)
-    net.export(prefix)
-    expected = net(x).asnumpy()
-    graph = json.load(open(prefix + "-symbol.json"))
-    ops = [n["op"] for n in graph["nodes"]]
-    assert "gn_dbn_inference" in ops and "gn_dbn" not in ops
-    sym = mx.sym.load(prefix + "-symbol.json")
-    aux = sym.list_auxiliary_states()
-    assert any(a.endswith("running_mean") for a in aux)
-    assert any(a.endswith("running_projection") for a in aux)
-    for a, b in zip(_stats_of(net), stats):  # exporting touched no statistics
-        np.testing.assert_array_equal(a, b)
-    np.save(str(tmp_path / "x.npy"), x.asnumpy())
-    np.save(str(tmp_path / "y.npy"), expected)
-    p = run_python(f"""
-        import numpy as np, mxnet as mx
-        import gn_mx
-        from mxnet import gluon, autograd
-        net = gluon.SymbolBlock.imports({prefix!r} + "-symbol.json", ["data"],
-                                        {prefix!r} + "-0000.params")
-        x = mx.nd.array(np.load({str(tmp_path / "x.npy")!r}))
-        y = net(x).asnumpy()
-        np.testing.assert_allclose(y, np.load({str(tmp_path / "y.npy")!r}), rtol=1e-5, atol=1e-5)
-        print("RELOAD_OK")
-    """)
-    assert p.returncode == 0 and "RELOAD_OK" in p.stdout, p.stdout + p.stderr
-
-
-def test_export_static_alloc_after_training_steps(tmp_path):
-    """static_alloc: the last training step's running-statistics update must be in the file."""
-    net = gluon.nn.HybridSequential()
-    with net.name_scope():
-        net.add(gluon.nn.Conv2D(8, 3), gn_mx.DecorrelatedBatchNorm(num_groups=2),
-                gluon.nn.Dense(3))
-    net.initialize(ctx=CPU)
-    net.hybridize(static_alloc=True, static_shape=True)
-    x = mx.nd.random.normal(shape=(4, 3, 8, 8))
-    net(x)
-    trainer = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.1})
-    for _ in range(3):
-        with autograd.record():
-            loss = net(x).sum()
-        loss.backward()
-        trainer.step(4)
-    expected = net(x)  # no sync before export: the update may still be pending
-    prefix = str(tmp_path / "static")
-    net.export(prefix)
-    reloaded = gluon.SymbolBlock.imports(prefix + "-symbol.json", ["data"], prefix + "-0000.params")
-    np.testing.assert_allclose(reloaded(x).asnumpy(), expected.asnumpy(), rtol=1e-5, atol=1e-5)
-
-
 def test_static_alloc_running_stats_visible_and_saved(tmp_path):
     """static_alloc CachedOps push library ops with their inputs as read-only dependencies, so
     gn_dbn's in-place update would be invisible to later readers; the block orders them after
@@ -272,43 +209,6 @@ def test_static_alloc_running_stats_visible_and_saved(tmp_path):
     saved = {k: v for k, v in mx.nd.load(f).items() if "running_projection" in k}
     np.testing.assert_allclose(list(saved.values())[0].asnumpy(), _stats_of(imp)[1],
                                rtol=1e-6, atol=1e-6)
-
-
-def test_export_after_eval_then_training_continues(tmp_path):
-    net = _net()
-    net.initialize(mx.init.Xavier(), ctx=CPU)
-    net.hybridize()
-    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
-    net(x)
-    net.export(str(tmp_path / "m"))
-    y1, _, _ = _train_step(net, x)  # training still uses batch statistics after export
-    blk = _dbn_layer(net)
-    assert np.abs(blk.running_mean.data().asnumpy()).max() > 0
-
-
-def test_export_when_only_training_ran(tmp_path):
-    """No inference call before export: the inference graph is traced for the export."""
-    net = _net()
-    net.initialize(mx.init.Xavier(), ctx=CPU)
-    net.hybridize()
-    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
-    for _ in range(2):
-        _train_step(net, x)
-    prefix = str(tmp_path / "train_only")
-    net.export(prefix)
-    ops = [n["op"] for n in json.load(open(prefix + "-symbol.json"))["nodes"]]
-    assert "gn_dbn_inference" in ops and "gn_dbn" not in ops
-    expected = net(x).asnumpy()
-    reloaded = gluon.SymbolBlock.imports(prefix + "-symbol.json", ["data"], prefix + "-0000.params")
-    np.testing.assert_allclose(reloaded(x).asnumpy(), expected, rtol=1e-5, atol=1e-5)
-    y_train, _, _ = _train_step(net, x)  # and training continues with batch statistics
-    imp = _net()
-    imp.initialize(ctx=CPU)
-    f = str(tmp_path / "p.params")
-    net.save_parameters(f)
-    imp.load_parameters(f, ctx=CPU)
-    with autograd.train_mode():
-        np.testing.assert_allclose(net(x).asnumpy(), imp(x).asnumpy(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("hybridize", [False, True])
@@ -401,3 +301,26 @@ def test_block_constructor_errors():
         gn_mx.DecorrelatedBatchNorm(momentum=1.5)
     with pytest.raises(ValueError, match="divisible"):
         gn_mx.DecorrelatedBatchNorm(num_groups=4, in_channels=6)
+
+
+def test_dbn_grad_req_switch_after_hybridize(ctx):
+    """The same trace-time identity choice for DecorrelatedBatchNorm (a mode-keyed graph)."""
+    net = gluon.nn.HybridSequential()
+    with net.name_scope():
+        net.add(gluon.nn.Conv2D(8, 3, padding=1, in_channels=3))
+        net.add(gn_mx.DecorrelatedBatchNorm(num_groups=2, momentum=1.0, in_channels=8))
+    net.initialize(mx.init.Xavier(), ctx=ctx)
+    net.hybridize()
+    x = mx.nd.random.normal(shape=(4, 3, 5, 5), ctx=ctx)
+    y0, _, g0 = _fwd_bwd(net, x, ctx)
+    assert "_copy" not in _graph_ops(net)
+    net.collect_params().setattr("grad_req", "add")
+    for p in net.collect_params().values():
+        if p.grad_req != "null":
+            p.zero_grad()
+    _fwd_bwd(net, x, ctx)
+    y2, _, g2 = _fwd_bwd(net, x, ctx)
+    assert "_copy" in _graph_ops(net)
+    np.testing.assert_allclose(y2, y0, rtol=1e-5, atol=1e-5)
+    for k in g0:
+        np.testing.assert_allclose(g2[k], 2 * g0[k], rtol=1e-4, atol=1e-4, err_msg=k)

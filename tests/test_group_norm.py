@@ -1,23 +1,17 @@
-"""gn_group_norm and gn_moments against float64 numpy references and finite differences."""
+"""gn_group_norm (op level, with the fused act_type) against float64 numpy references and
+finite differences; gn_moments is tested in test_moments.py."""
 import numpy as np
 import pytest
 
 import mxnet as mx
 from mxnet import autograd
 
-from conftest import DTYPES, GRAD_TOL, run_python, tol
-from reference import (act_ref, group_norm_bwd_ref, group_norm_ref, moments_bwd_ref, moments_ref,
-                       numeric_grad)
+from conftest import DTYPES, GRAD_TOL, rounded as _rounded, run_python, tol
+from reference import act_ref, group_norm_bwd_ref, group_norm_ref, numeric_grad
 
 SPATIAL = [(), (5,), (3, 4), (2, 3, 2)]
 C = 8
 GROUPS = [1, 4, C]
-
-
-def _rounded(a, dtype):
-    """The array as the op sees it (rounded to dtype) and as float64 for the reference."""
-    r = np.asarray(a).astype(dtype)
-    return r, r.astype(np.float64)
 
 
 def _run_gn(x, gamma, beta, G, eps, ctx, dy=None, dmean=None, drstd=None, act=None):
@@ -189,51 +183,7 @@ def test_default_attributes():
 
 
 # ------------------------------------------------------------------------------------------
-# gn_moments
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("spatial", SPATIAL, ids=lambda s: f"{len(s)}d")
-@pytest.mark.parametrize("G", GROUPS)
-def test_moments(ctx, dtype, spatial, G):
-    shape = (3, C) + spatial
-    x, x64 = _rounded(np.random.randn(*shape) * 3 - 2, dtype)
-    xs = mx.nd.array(x, ctx=ctx, dtype=dtype)
-    xs.attach_grad()
-    with autograd.record():
-        mean, var = mx.nd.gn_moments(xs, num_groups=G)
-    acc = np.float64 if dtype == np.float64 else np.float32
-    assert mean.dtype == acc and var.dtype == acc and mean.shape == (3, G)
-    rm, rv = moments_ref(x64, G)
-    t = 1e-12 if dtype == np.float64 else 1e-5
-    np.testing.assert_allclose(mean.asnumpy(), rm, rtol=t, atol=t)
-    np.testing.assert_allclose(var.asnumpy(), rv, rtol=t, atol=t)
-
-    dmean, dvar = np.random.randn(3, G), np.random.randn(3, G)
-    autograd.backward([mean, var], [mx.nd.array(dmean, ctx=ctx, dtype=acc),
-                                    mx.nd.array(dvar, ctx=ctx, dtype=acc)])
-    rdx = moments_bwd_ref(x64, G, dmean.astype(acc), dvar.astype(acc))
-    rtol, atol = tol(dtype, GRAD_TOL)
-    np.testing.assert_allclose(xs.grad.asnumpy(), rdx, rtol=rtol, atol=atol * np.abs(rdx).max())
-
-
-def test_moments_gradient_matches_finite_differences(ctx):
-    x = np.random.randn(2, 4, 3)
-    dmean, dvar = np.random.randn(2, 2), np.random.randn(2, 2)
-
-    def loss(x_):
-        m, v = mx.nd.gn_moments(mx.nd.array(x_, ctx=ctx, dtype=np.float64), num_groups=2)
-        return float((m.asnumpy() * dmean).sum() + (v.asnumpy() * dvar).sum())
-
-    np.testing.assert_allclose(moments_bwd_ref(x, 2, dmean, dvar), numeric_grad(loss, x),
-                               rtol=1e-6, atol=1e-8)
-
-
-def test_moments_large_offset_fp16(ctx):
-    x, x64 = _rounded(1000 + np.random.randn(2, 8, 64, 64), np.float16)
-    mean, var = mx.nd.gn_moments(mx.nd.array(x, ctx=ctx, dtype=np.float16), num_groups=2)
-    rm, rv = moments_ref(x64, 2)
-    np.testing.assert_allclose(mean.asnumpy(), rm, rtol=1e-6)
-    np.testing.assert_allclose(var.asnumpy(), rv, rtol=1e-4)
+# gn_mx.ops functional wrappers (group_norm and moments)
 
 
 def test_functional_wrappers(ctx):
