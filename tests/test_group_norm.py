@@ -175,11 +175,12 @@ def test_matches_builtin_groupnorm_with_groupwise_affine(ctx):
     np.testing.assert_allclose(ours.asnumpy(), theirs.asnumpy(), rtol=1e-4, atol=1e-5)
 
 
-def test_default_attributes():
-    x = np.random.randn(2, 4, 3).astype(np.float32)
-    out = mx.nd.gn_group_norm(mx.nd.array(x), mx.nd.ones(4), mx.nd.zeros(4))[0]
-    ref, _, _ = group_norm_ref(x, np.ones(4), np.zeros(4), 1, 1e-5)
-    np.testing.assert_allclose(out.asnumpy(), ref, rtol=1e-4, atol=1e-5)
+def test_default_attributes(ctx):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = np.random.randn(2, 4, 3).astype(np.float32)
+        out = mx.nd.gn_group_norm(mx.nd.array(x), mx.nd.ones(4), mx.nd.zeros(4))[0]
+        ref, _, _ = group_norm_ref(x, np.ones(4), np.zeros(4), 1, 1e-5)
+        np.testing.assert_allclose(out.asnumpy(), ref, rtol=1e-4, atol=1e-5)
 
 
 # ------------------------------------------------------------------------------------------
@@ -326,18 +327,20 @@ def test_fused_activation_equals_composed_mxnet_ops(ctx, act):
         np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-5)
 
 
-def test_act_type_attribute_validation():
-    x, g, b = mx.nd.ones((2, 4, 3)), mx.nd.ones(4), mx.nd.zeros(4)
-    with pytest.raises(mx.base.MXNetError, match="act_type must be one of"):
-        mx.nd.gn_group_norm(x, g, b, num_groups=2, act_type="tanh")[0].wait_to_read()
-    y = mx.nd.gn_group_norm(x, g, b, num_groups=2, act_type="none")[0]
-    np.testing.assert_array_equal(y.asnumpy(), mx.nd.gn_group_norm(x, g, b, num_groups=2)[0].asnumpy())
-    import gn_mx
-    with pytest.raises(ValueError, match="activation must be"):
-        gn_mx.ops.group_norm(x, g, b, num_groups=2, act_type="gelu")
-    y = gn_mx.ops.group_norm(mx.nd.array(np.random.randn(2, 4, 3)), g, b, num_groups=2,
-                             act_type="silu")
-    assert y.shape == (2, 4, 3)
+def test_act_type_attribute_validation(ctx):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x, g, b = mx.nd.ones((2, 4, 3)), mx.nd.ones(4), mx.nd.zeros(4)
+        with pytest.raises(mx.base.MXNetError, match="act_type must be one of"):
+            mx.nd.gn_group_norm(x, g, b, num_groups=2, act_type="tanh")[0].wait_to_read()
+        y = mx.nd.gn_group_norm(x, g, b, num_groups=2, act_type="none")[0]
+        np.testing.assert_array_equal(y.asnumpy(),
+                                      mx.nd.gn_group_norm(x, g, b, num_groups=2)[0].asnumpy())
+        import gn_mx
+        with pytest.raises(ValueError, match="activation must be"):
+            gn_mx.ops.group_norm(x, g, b, num_groups=2, act_type="gelu")
+        y = gn_mx.ops.group_norm(mx.nd.array(np.random.randn(2, 4, 3)), g, b, num_groups=2,
+                                 act_type="silu")
+        assert y.shape == (2, 4, 3)
 
 
 # ------------------------------------------------------------------------------------------

@@ -237,91 +237,96 @@ BAD = [np.nan, np.inf, -np.inf]
 
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nonfinite_stays_in_its_group_group_norm_and_moments(bad, dtype):
-    N, C, G, S = 3, 6, 3, 4
-    x = np.random.randn(N, C, S).astype(dtype)
-    x[1, 2, 3] = bad  # sample 1, group 1 (channels 2, 3)
-    g, b = np.random.rand(C).astype(dtype) + 0.5, np.random.randn(C).astype(dtype)
-    (y, mean, rstd), (dx, dg, db) = _fwd_bwd(
-        lambda x_, g_, b_: mx.nd.gn_group_norm(x_, g_, b_, num_groups=G), [x, g, b])
-    poisoned = np.zeros((N, C), bool)
-    poisoned[1, 2:4] = True
-    assert not np.isfinite(y[poisoned]).any()  # group 1 of sample 1, all of it
-    assert np.isfinite(y[~poisoned]).all() and np.isfinite(dx[~poisoned]).all()
-    assert np.isfinite(np.delete(mean, 1, axis=0)).all() and np.isfinite(mean[1, [0, 2]]).all()
-    assert np.isfinite(rstd[1, [0, 2]]).all() and np.isfinite(np.delete(rstd, 1, axis=0)).all()
-    # the other samples / groups are exactly what clean data gives
-    ref = group_norm_ref(x, g, b, G, 1e-5)[0]
-    np.testing.assert_allclose(y[~poisoned], ref[~poisoned], rtol=1e-4, atol=1e-5)
-    # dgamma/dbeta sum over samples: only the two channels of group 1 can see it
-    assert np.isfinite(dg[[0, 1, 4, 5]]).all() and np.isfinite(db).all()
-    (mn, var), (dxm,) = _fwd_bwd(lambda x_: mx.nd.gn_moments(x_, num_groups=G), [x])
-    pos = np.zeros((N, G), bool)
-    pos[1, 1] = True
-    assert np.isfinite(mn[~pos]).all() and np.isfinite(var[~pos]).all()
-    assert not np.isfinite(var[1, 1])
-    assert np.isfinite(dxm[~poisoned]).all()
+def test_nonfinite_stays_in_its_group_group_norm_and_moments(ctx, bad, dtype):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        N, C, G, S = 3, 6, 3, 4
+        x = np.random.randn(N, C, S).astype(dtype)
+        x[1, 2, 3] = bad  # sample 1, group 1 (channels 2, 3)
+        g, b = np.random.rand(C).astype(dtype) + 0.5, np.random.randn(C).astype(dtype)
+        (y, mean, rstd), (dx, dg, db) = _fwd_bwd(
+            lambda x_, g_, b_: mx.nd.gn_group_norm(x_, g_, b_, num_groups=G), [x, g, b])
+        poisoned = np.zeros((N, C), bool)
+        poisoned[1, 2:4] = True
+        assert not np.isfinite(y[poisoned]).any()  # group 1 of sample 1, all of it
+        assert np.isfinite(y[~poisoned]).all() and np.isfinite(dx[~poisoned]).all()
+        assert np.isfinite(np.delete(mean, 1, axis=0)).all() and np.isfinite(mean[1, [0, 2]]).all()
+        assert np.isfinite(rstd[1, [0, 2]]).all() and np.isfinite(np.delete(rstd, 1, axis=0)).all()
+        # the other samples / groups are exactly what clean data gives
+        ref = group_norm_ref(x, g, b, G, 1e-5)[0]
+        np.testing.assert_allclose(y[~poisoned], ref[~poisoned], rtol=1e-4, atol=1e-5)
+        # dgamma/dbeta sum over samples: only the two channels of group 1 can see it
+        assert np.isfinite(dg[[0, 1, 4, 5]]).all() and np.isfinite(db).all()
+        (mn, var), (dxm,) = _fwd_bwd(lambda x_: mx.nd.gn_moments(x_, num_groups=G), [x])
+        pos = np.zeros((N, G), bool)
+        pos[1, 1] = True
+        assert np.isfinite(mn[~pos]).all() and np.isfinite(var[~pos]).all()
+        assert not np.isfinite(var[1, 1])
+        assert np.isfinite(dxm[~poisoned]).all()
 
 
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
-def test_nonfinite_stays_in_its_element_channel_affine(bad, dtype):
-    x = np.array([[1, bad, 3, 4], [5, 6, 7, 8]], dtype=dtype).reshape(2, 2, 2)
-    g = np.array([2, 3], dtype=dtype)
-    b = np.array([0.5, -1], dtype=dtype)
-    (y,), (dx, dg, db) = _fwd_bwd(mx.nd.gn_channel_affine, [x, g, b])
-    mask = ~np.isfinite(x)
-    assert (np.isnan(y[mask]) | np.isinf(y[mask])).all() and np.isfinite(y[~mask]).all()
-    # dx = gamma * dy whatever x holds (the issue: [2, nan, nan, nan] before the fix)
-    np.testing.assert_array_equal(dx, np.broadcast_to(g.reshape(1, 2, 1), x.shape))
-    assert np.isfinite(db).all() and np.isfinite(dg[1]) and not np.isfinite(dg[0])
+def test_nonfinite_stays_in_its_element_channel_affine(ctx, bad, dtype):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = np.array([[1, bad, 3, 4], [5, 6, 7, 8]], dtype=dtype).reshape(2, 2, 2)
+        g = np.array([2, 3], dtype=dtype)
+        b = np.array([0.5, -1], dtype=dtype)
+        (y,), (dx, dg, db) = _fwd_bwd(mx.nd.gn_channel_affine, [x, g, b])
+        mask = ~np.isfinite(x)
+        assert (np.isnan(y[mask]) | np.isinf(y[mask])).all() and np.isfinite(y[~mask]).all()
+        # dx = gamma * dy whatever x holds (the issue: [2, nan, nan, nan] before the fix)
+        np.testing.assert_array_equal(dx, np.broadcast_to(g.reshape(1, 2, 1), x.shape))
+        assert np.isfinite(db).all() and np.isfinite(dg[1]) and not np.isfinite(dg[0])
 
 
-def test_channel_affine_backward_issue_example():
-    x = mx.nd.array([1, np.nan, np.inf, -np.inf]).reshape(1, 1, 4)
-    g, b = mx.nd.array([2]), mx.nd.array([0])
-    x.attach_grad()
-    with mx.autograd.record():
-        y = mx.nd.gn_channel_affine(x, g, b)
-    y.backward()
-    np.testing.assert_array_equal(x.grad.asnumpy().ravel(), [2, 2, 2, 2])
+def test_channel_affine_backward_issue_example(ctx):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = mx.nd.array([1, np.nan, np.inf, -np.inf]).reshape(1, 1, 4)
+        g, b = mx.nd.array([2]), mx.nd.array([0])
+        x.attach_grad()
+        with mx.autograd.record():
+            y = mx.nd.gn_channel_affine(x, g, b)
+        y.backward()
+        np.testing.assert_array_equal(x.grad.asnumpy().ravel(), [2, 2, 2, 2])
 
 
 @pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_nonfinite_stays_in_its_group_dbn(bad, dtype):
-    N, C, G, S = 4, 6, 3, 3
-    x = np.random.randn(N, C, S).astype(dtype)
-    x[2, 3, 1] = bad  # group 1 (channels 2, 3); DBN's statistics span the batch
-    rm, rp = np.zeros(C, dtype), np.tile(np.eye(2, dtype=dtype), (G, 1, 1))
-    outs, grads = _fwd_bwd(
-        lambda x_, m_, p_: mx.nd.gn_dbn(x_, m_, p_, num_groups=G, eps=1e-3), [x, rm, rp])
-    y, dx = outs[0], grads[0]
-    grp = np.zeros(C, bool)
-    grp[2:4] = True
-    assert np.isfinite(y[:, ~grp]).all() and np.isfinite(dx[:, ~grp]).all()
-    assert not np.isfinite(y[:, grp]).all()
-    ref = dbn_ref(x[:, ~grp], G - 1, 1e-3)[0]
-    np.testing.assert_allclose(y[:, ~grp], ref, rtol=1e-3, atol=1e-4)
-    # running statistics: only group 1 is touched
-    rmn, rpn = mx.nd.array(rm, dtype=dtype), mx.nd.array(rp, dtype=dtype)
-    mx.nd.gn_dbn(mx.nd.array(x, dtype=dtype), rmn, rpn, num_groups=G, eps=1e-3)[0].wait_to_read()
-    assert np.isfinite(rmn.asnumpy()[~grp]).all() and np.isfinite(rpn.asnumpy()[[0, 2]]).all()
-    # inference: a non-finite x element reaches only its own group at its own position,
-    # and dx = P^T dy never sees x
-    P = np.tile(np.array([[1.5, 0.5], [0.5, 1.0]], dtype), (G, 1, 1))
-    (yi,), (dxi, _, _) = _fwd_bwd(
-        lambda x_, m_, p_: mx.nd.gn_dbn_inference(x_, m_, p_, num_groups=G), [x, rm, P])
-    pos = np.zeros_like(x, bool)
-    pos[2, 2:4, 1] = True
-    assert np.isfinite(yi[~pos]).all() and not np.isfinite(yi[pos]).all()
-    assert np.isfinite(dxi).all()
-    # a non-finite running projection of group 0 stays in group 0
-    Pb = P.copy()
-    Pb[0, 1, 0] = bad
-    yb = mx.nd.gn_dbn_inference(mx.nd.array(np.nan_to_num(x, nan=0, posinf=0, neginf=0)),
-                                mx.nd.array(rm), mx.nd.array(Pb), num_groups=G).asnumpy()
-    assert np.isfinite(yb[:, 2:]).all()
+def test_nonfinite_stays_in_its_group_dbn(ctx, bad, dtype):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        N, C, G, S = 4, 6, 3, 3
+        x = np.random.randn(N, C, S).astype(dtype)
+        x[2, 3, 1] = bad  # group 1 (channels 2, 3); DBN's statistics span the batch
+        rm, rp = np.zeros(C, dtype), np.tile(np.eye(2, dtype=dtype), (G, 1, 1))
+        outs, grads = _fwd_bwd(
+            lambda x_, m_, p_: mx.nd.gn_dbn(x_, m_, p_, num_groups=G, eps=1e-3), [x, rm, rp])
+        y, dx = outs[0], grads[0]
+        grp = np.zeros(C, bool)
+        grp[2:4] = True
+        assert np.isfinite(y[:, ~grp]).all() and np.isfinite(dx[:, ~grp]).all()
+        assert not np.isfinite(y[:, grp]).all()
+        ref = dbn_ref(x[:, ~grp], G - 1, 1e-3)[0]
+        np.testing.assert_allclose(y[:, ~grp], ref, rtol=1e-3, atol=1e-4)
+        # running statistics: only group 1 is touched
+        rmn, rpn = mx.nd.array(rm, dtype=dtype), mx.nd.array(rp, dtype=dtype)
+        mx.nd.gn_dbn(mx.nd.array(x, dtype=dtype), rmn, rpn, num_groups=G,
+                     eps=1e-3)[0].wait_to_read()
+        assert np.isfinite(rmn.asnumpy()[~grp]).all() and np.isfinite(rpn.asnumpy()[[0, 2]]).all()
+        # inference: a non-finite x element reaches only its own group at its own position,
+        # and dx = P^T dy never sees x
+        P = np.tile(np.array([[1.5, 0.5], [0.5, 1.0]], dtype), (G, 1, 1))
+        (yi,), (dxi, _, _) = _fwd_bwd(
+            lambda x_, m_, p_: mx.nd.gn_dbn_inference(x_, m_, p_, num_groups=G), [x, rm, P])
+        pos = np.zeros_like(x, bool)
+        pos[2, 2:4, 1] = True
+        assert np.isfinite(yi[~pos]).all() and not np.isfinite(yi[pos]).all()
+        assert np.isfinite(dxi).all()
+        # a non-finite running projection of group 0 stays in group 0
+        Pb = P.copy()
+        Pb[0, 1, 0] = bad
+        yb = mx.nd.gn_dbn_inference(mx.nd.array(np.nan_to_num(x, nan=0, posinf=0, neginf=0)),
+                                    mx.nd.array(rm), mx.nd.array(Pb), num_groups=G).asnumpy()
+        assert np.isfinite(yb[:, 2:]).all()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,20 +335,21 @@ def test_nonfinite_stays_in_its_group_dbn(bad, dtype):
 
 @pytest.mark.parametrize("D, G", [(2, 3), (4, 2), (8, 1), (16, 1)])
 @pytest.mark.parametrize("scale", [1e-150, 1e-30, 1e30, 1e80, 1e100, 1e150])
-def test_dbn_extreme_scale_float64(D, G, scale):
-    C = D * G
-    x = np.random.randn(16, C, 3) * scale
-    rm, rp = mx.nd.zeros((C,), dtype="float64"), mx.nd.zeros((G, D, D), dtype="float64")
-    eps = 1e-5 * scale * scale  # the same relative eps at every scale (>= DBL_MIN here)
-    out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), rm, rp, num_groups=G, eps=eps)[0]
-    out = out.asnumpy()
-    ref = dbn_ref(x, G, eps)[0]
-    np.testing.assert_allclose(out, ref, rtol=1e-7, atol=1e-9 * np.abs(ref).max())
-    # whitened: each group's covariance is ~ identity (Sigma includes eps, relative 1e-5)
-    for g in range(G):
-        xg = out[:, g * D:(g + 1) * D].transpose(1, 0, 2).reshape(D, -1)
-        cov = np.cov(xg, bias=True)
-        np.testing.assert_allclose(cov, np.eye(D), atol=1e-3)
+def test_dbn_extreme_scale_float64(ctx, D, G, scale):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        C = D * G
+        x = np.random.randn(16, C, 3) * scale
+        rm, rp = mx.nd.zeros((C,), dtype="float64"), mx.nd.zeros((G, D, D), dtype="float64")
+        eps = 1e-5 * scale * scale  # the same relative eps at every scale (>= DBL_MIN here)
+        out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), rm, rp, num_groups=G, eps=eps)[0]
+        out = out.asnumpy()
+        ref = dbn_ref(x, G, eps)[0]
+        np.testing.assert_allclose(out, ref, rtol=1e-7, atol=1e-9 * np.abs(ref).max())
+        # whitened: each group's covariance is ~ identity (Sigma includes eps, relative 1e-5)
+        for g in range(G):
+            xg = out[:, g * D:(g + 1) * D].transpose(1, 0, 2).reshape(D, -1)
+            cov = np.cov(xg, bias=True)
+            np.testing.assert_allclose(cov, np.eye(D), atol=1e-3)
 
 
 def _nan_or_right(out, x, G, eps, rtol, atol):
@@ -355,29 +361,31 @@ def _nan_or_right(out, x, G, eps, rtol, atol):
                                atol=atol)
 
 
-def test_dbn_float64_beyond_covariance_range_is_nan_not_silent():
+def test_dbn_float64_beyond_covariance_range_is_nan_not_silent(ctx):
     """|x| > ~1e154: the covariance overflows float64: that group's output is NaN (today)."""
-    x = np.random.randn(8, 4, 2)
-    x[:, :2] *= 1e160
-    out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), mx.nd.zeros((4,), dtype="float64"),
-                       mx.nd.zeros((2, 2, 2), dtype="float64"), num_groups=2)[0].asnumpy()
-    _nan_or_right(out[:, :2], x[:, :2], 1, 1e-5, 1e-7, 1e-9)
-    np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=1e-7, atol=1e-9)
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = np.random.randn(8, 4, 2)
+        x[:, :2] *= 1e160
+        out = mx.nd.gn_dbn(mx.nd.array(x, dtype="float64"), mx.nd.zeros((4,), dtype="float64"),
+                           mx.nd.zeros((2, 2, 2), dtype="float64"), num_groups=2)[0].asnumpy()
+        _nan_or_right(out[:, :2], x[:, :2], 1, 1e-5, 1e-7, 1e-9)
+        np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=1e-7, atol=1e-9)
 
 
-def test_dbn_float32_large_values():
+def test_dbn_float32_large_values(ctx):
     """float32 data: correct to |x| ~ 1e18; beyond ~1e19 the float32 Gram matrix overflows and
     the group's output is NaN today (a kernel with a wider range may make it right instead: either
     passes, a silent finite wrong answer does not)."""
-    x = (np.random.randn(16, 4, 2) * 1e18).astype(np.float32)
-    out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
-                       num_groups=2)[0].asnumpy()
-    np.testing.assert_allclose(out, dbn_ref(x, 2, 1e-5)[0], rtol=2e-3, atol=2e-3)
-    x[:, :2] *= np.float32(1e19)
-    out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
-                       num_groups=2)[0].asnumpy()
-    _nan_or_right(out[:, :2], x[:, :2].astype(np.float64), 1, 1e-5, 2e-3, 2e-3)
-    np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=2e-3, atol=2e-3)
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = (np.random.randn(16, 4, 2) * 1e18).astype(np.float32)
+        out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
+                           num_groups=2)[0].asnumpy()
+        np.testing.assert_allclose(out, dbn_ref(x, 2, 1e-5)[0], rtol=2e-3, atol=2e-3)
+        x[:, :2] *= np.float32(1e19)
+        out = mx.nd.gn_dbn(mx.nd.array(x), mx.nd.zeros((4,)), mx.nd.zeros((2, 2, 2)),
+                           num_groups=2)[0].asnumpy()
+        _nan_or_right(out[:, :2], x[:, :2].astype(np.float64), 1, 1e-5, 2e-3, 2e-3)
+        np.testing.assert_allclose(out[:, 2:], dbn_ref(x[:, 2:], 1, 1e-5)[0], rtol=2e-3, atol=2e-3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -393,49 +401,52 @@ def _raises(fn, text):
 
 @pytest.mark.parametrize("dtype", ["float16", "float32"])
 @pytest.mark.parametrize("eps", ["1e-300", "1e-40", "5e-324"])
-def test_eps_below_float32_range_rejected_for_fp16_fp32_data(dtype, eps):
-    x = mx.nd.ones((2, 4, 1), dtype=dtype)
-    g = mx.nd.ones((4,), dtype=dtype)
-    _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=eps),
-            "below the smallest normal float32")
-    _raises(lambda: mx.nd.gn_dbn(x, mx.nd.zeros((4,), dtype=dtype),
-                                 mx.nd.zeros((1, 4, 4), dtype=dtype), eps=eps),
-            "below the smallest normal float32")
+def test_eps_below_float32_range_rejected_for_fp16_fp32_data(ctx, dtype, eps):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = mx.nd.ones((2, 4, 1), dtype=dtype)
+        g = mx.nd.ones((4,), dtype=dtype)
+        _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=eps),
+                "below the smallest normal float32")
+        _raises(lambda: mx.nd.gn_dbn(x, mx.nd.zeros((4,), dtype=dtype),
+                                     mx.nd.zeros((1, 4, 4), dtype=dtype), eps=eps),
+                "below the smallest normal float32")
 
 
-def test_eps_float64():
-    x = mx.nd.array(np.random.randn(2, 4, 1), dtype="float64")
-    g = mx.nd.ones((4,), dtype="float64")
-    # representable in float64 accumulation: accepted and used (single-element groups)
-    y = mx.nd.gn_group_norm(x, g, g * 0, num_groups=4, eps=1e-300)[0].asnumpy()
-    np.testing.assert_array_equal(y, 0)
-    _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=5e-324),
-            "below the smallest normal float64")
-    # eps = 0 is allowed for GroupNorm (documented: NaN-free only for non-constant groups)
-    mx.nd.gn_group_norm(x, g, g, num_groups=1, eps=0)[0].wait_to_read()
-    # float32 data: the smallest normal float32 is fine, with m = 1 groups too
-    x32 = mx.nd.array(np.random.randn(2, 4, 1))
-    y = mx.nd.gn_group_norm(x32, g.astype("float32"), g.astype("float32") * 0, num_groups=4,
-                            eps=1.2e-38)[0].asnumpy()
-    assert np.isfinite(y).all()
+def test_eps_float64(ctx):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = mx.nd.array(np.random.randn(2, 4, 1), dtype="float64")
+        g = mx.nd.ones((4,), dtype="float64")
+        # representable in float64 accumulation: accepted and used (single-element groups)
+        y = mx.nd.gn_group_norm(x, g, g * 0, num_groups=4, eps=1e-300)[0].asnumpy()
+        np.testing.assert_array_equal(y, 0)
+        _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=5e-324),
+                "below the smallest normal float64")
+        # eps = 0 is allowed for GroupNorm (documented: NaN-free only for non-constant groups)
+        mx.nd.gn_group_norm(x, g, g, num_groups=1, eps=0)[0].wait_to_read()
+        # float32 data: the smallest normal float32 is fine, with m = 1 groups too
+        x32 = mx.nd.array(np.random.randn(2, 4, 1))
+        y = mx.nd.gn_group_norm(x32, g.astype("float32"), g.astype("float32") * 0, num_groups=4,
+                                eps=1.2e-38)[0].asnumpy()
+        assert np.isfinite(y).all()
 
 
-def test_dbn_tiny_eps_m1_float32_finite_and_fp16_stats_bound():
-    x = mx.nd.array(np.random.randn(1, 4, 1))
-    rm, rp = mx.nd.zeros((4,)), mx.nd.zeros((1, 4, 4))
-    y = mx.nd.gn_dbn(x, rm, rp, eps=1e-30, momentum=0)[0].asnumpy()
-    assert np.isfinite(y).all() and np.isfinite(rp.asnumpy()).all()
-    x16 = x.astype("float16")
-    _raises(lambda: mx.nd.gn_dbn(x16, rm.astype("float16"), rp.astype("float16"), eps=1e-10),
-            "too small for float16 running statistics")
-    rp16 = mx.nd.zeros((1, 4, 4), dtype="float16")
-    mx.nd.gn_dbn(x16, mx.nd.zeros((4,), dtype="float16"), rp16, eps=2.4e-10,
-                 momentum=0)[0].wait_to_read()
-    assert np.isfinite(rp16.asnumpy()).all()
-    # float32 running statistics with float16 data: tiny eps is fine
-    rp32 = mx.nd.zeros((1, 4, 4))
-    mx.nd.gn_dbn(x16, mx.nd.zeros((4,)), rp32, eps=1e-12, momentum=0)[0].wait_to_read()
-    assert np.isfinite(rp32.asnumpy()).all()
+def test_dbn_tiny_eps_m1_float32_finite_and_fp16_stats_bound(ctx):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        x = mx.nd.array(np.random.randn(1, 4, 1))
+        rm, rp = mx.nd.zeros((4,)), mx.nd.zeros((1, 4, 4))
+        y = mx.nd.gn_dbn(x, rm, rp, eps=1e-30, momentum=0)[0].asnumpy()
+        assert np.isfinite(y).all() and np.isfinite(rp.asnumpy()).all()
+        x16 = x.astype("float16")
+        _raises(lambda: mx.nd.gn_dbn(x16, rm.astype("float16"), rp.astype("float16"), eps=1e-10),
+                "too small for float16 running statistics")
+        rp16 = mx.nd.zeros((1, 4, 4), dtype="float16")
+        mx.nd.gn_dbn(x16, mx.nd.zeros((4,), dtype="float16"), rp16, eps=2.4e-10,
+                     momentum=0)[0].wait_to_read()
+        assert np.isfinite(rp16.asnumpy()).all()
+        # float32 running statistics with float16 data: tiny eps is fine
+        rp32 = mx.nd.zeros((1, 4, 4))
+        mx.nd.gn_dbn(x16, mx.nd.zeros((4,)), rp32, eps=1e-12, momentum=0)[0].wait_to_read()
+        assert np.isfinite(rp32.asnumpy()).all()
 
 
 # ---------------------------------------------------------------------------------------------
