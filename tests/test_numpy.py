@@ -15,7 +15,7 @@ import mxnet as mx
 from mxnet import autograd, gluon, npx
 
 import gn_mx
-from conftest import run_python
+from conftest import run_python, tol
 from reference import group_norm_ref
 
 CPU = mx.cpu()
@@ -124,7 +124,7 @@ def test_group_norm_np_vs_float64_reference(np_mode):
     assert type(y) is mx.np.ndarray
     assert isinstance(blk.gamma.data(), mx.np.ndarray)
     out, _, _ = group_norm_ref(x, blk.gamma.data().asnumpy(), blk.beta.data().asnumpy(), 3, 1e-5)
-    onp.testing.assert_allclose(y.asnumpy(), out, rtol=1e-4, atol=1e-5)
+    onp.testing.assert_allclose(y.asnumpy(), out, *tol(onp.float32))
 
 
 def test_dbn_group_size_deferred_under_set_np(np_mode):

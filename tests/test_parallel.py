@@ -6,6 +6,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 import gn_mx
+from conftest import tol
 
 CTXS = [mx.cpu(0), mx.cpu(1)]
 
@@ -71,12 +72,12 @@ def test_group_norm_two_devices_match_one_device(kvstore):
     for ctx in CTXS:
         got = _params(net, ctx)
         for i in want:
-            np.testing.assert_allclose(got[i], want[i], rtol=1e-10, atol=1e-12)
+            np.testing.assert_allclose(got[i], want[i], *tol(np.float64))
             moved += not np.allclose(want[i], init[i])
     assert moved == 2 * len(want)  # every parameter was trained
     x = mx.nd.array(batches[0][0], dtype="float64")
     np.testing.assert_allclose(net(x.as_in_context(CTXS[1])).asnumpy(),
-                               ref(x).asnumpy(), rtol=1e-10, atol=1e-12)
+                               ref(x).asnumpy(), *tol(np.float64))
 
 
 def test_dbn_two_devices_and_sync_running_stats(tmp_path):

@@ -8,7 +8,7 @@ import mxnet as mx
 from mxnet import gluon
 
 import gn_mx
-from conftest import run_python
+from conftest import run_python, tol
 from reference import dbn_inference_ref, group_norm_ref
 
 CPU = mx.cpu()
@@ -47,7 +47,7 @@ def test_group_norm_symbol_creates_named_variables():
     b = np.random.randn(6).astype(np.float32)
     ex = s.bind(CPU, {"data": mx.nd.array(x), "gn_gamma": mx.nd.array(g), "gn_beta": mx.nd.array(b)})
     np.testing.assert_allclose(ex.forward()[0].asnumpy(), group_norm_ref(x, g, b, 2, 1e-5)[0],
-                               rtol=1e-4, atol=1e-5)
+                               *tol(np.float32))
     # auto names, existing gamma symbols, NumPy-interface symbols
     a = gn_mx.sym.group_norm(mx.sym.var("data"), num_groups=2)
     assert a.list_arguments()[1].endswith("_gamma") and a.list_arguments()[1].startswith("groupnorm")
@@ -78,7 +78,7 @@ def test_module_fit_and_predict_group_norm():
     h = x @ p["fc1_weight"].T + p["fc1_bias"]
     h = np.maximum(group_norm_ref(h, p["gn1_gamma"], p["gn1_beta"], 4, 1e-5)[0], 0)
     ref = _softmax(h @ p["fc2_weight"].T + p["fc2_bias"])
-    np.testing.assert_allclose(pred, ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(pred, ref, *tol(np.float32))
 
 
 def _dbn_net(training, head=True):
@@ -123,7 +123,7 @@ def test_module_fit_and_predict_dbn():
     h = x @ p["fc1_weight"].T + p["fc1_bias"]
     h = dbn_inference_ref(h, rm, rp, 2) * p["dbn1_gamma"] + p["dbn1_beta"]
     ref = _softmax(np.maximum(h, 0) @ p["fc2_weight"].T + p["fc2_bias"])
-    np.testing.assert_allclose(preds[0], ref, rtol=1e-4, atol=1e-5)
+    np.testing.assert_allclose(preds[0], ref, *tol(np.float32))
 
 
 def test_symbol_names_match_gluon_blocks():
