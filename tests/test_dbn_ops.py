@@ -100,6 +100,8 @@ def test_whitening_property(ctx, G):
         y = y.asnumpy()
         for g in range(G):
             Y = _dbn_group_matrix(y, G, g)
+            # float64 property checks: the mean is removed to rounding (1e-10 on O(1) values);
+            # the covariance is I - eps (Sigma + eps I)^-1, within 1e-7 of I for eps = 1e-9
             np.testing.assert_allclose(Y.mean(axis=1), 0, atol=1e-10)
             np.testing.assert_allclose(Y @ Y.T / Y.shape[1], np.eye(Y.shape[0]), atol=1e-7)
 
@@ -110,6 +112,8 @@ def test_large_offset_fp32(ctx):
         x = (_data((16, 8, 8), np.float64) + 1000.0).astype(np.float32)
         rm, rp = _stats(8, 2, np.float32)
         y = mx.nd.gn_dbn(mx.nd.array(x), rm, rp, num_groups=2)[0].asnumpy()
+        # float32 at offset 1000: the centred data keep ~1000 * 2^-24 absolute rounding, so this is
+        # looser than tol(float32)
         np.testing.assert_allclose(y, dbn_ref(x, 2, EPS)[0], rtol=1e-3, atol=2e-3)
 
 
@@ -121,6 +125,7 @@ def test_groups_equal_channels_is_batchnorm(ctx):
         y = mx.nd.gn_dbn(mx.nd.array(x, dtype=np.float64), rm, rp, num_groups=6)[0].asnumpy()
         mu = x.mean(axis=(0, 2), keepdims=True)
         var = x.var(axis=(0, 2), keepdims=True)
+        # float64 and D = 1 (the projection is 1 / sqrt(var + eps)): exact to rounding
         np.testing.assert_allclose(y, (x - mu) / np.sqrt(var + EPS), rtol=1e-12, atol=1e-12)
 
 
