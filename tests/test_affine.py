@@ -58,6 +58,7 @@ def test_affine_gradients_match_finite_differences(ctx):
     with autograd.record():
         y = mx.nd.gn_channel_affine(xs, gs, bs)
     y.backward(mx.nd.array(w, ctx=ctx, dtype=np.float64))
+    # float64 op against float64 central differences, whose own error is ~1e-9
     np.testing.assert_allclose(xs.grad.asnumpy(), numeric_grad(loss, x), rtol=1e-6, atol=1e-8)
     np.testing.assert_allclose(gs.grad.asnumpy(), numeric_grad(lambda g_: loss(x, g_=g_), g),
                                rtol=1e-6, atol=1e-8)

@@ -15,7 +15,7 @@ import pytest
 import mxnet as mx
 import gn_mx
 
-from conftest import run_python
+from conftest import run_python, tol
 from reference import dbn_ref, group_norm_ref, moments_ref
 
 # ---------------------------------------------------------------------------------------------
@@ -253,7 +253,8 @@ def test_nonfinite_stays_in_its_group_group_norm_and_moments(ctx, bad, dtype):
         assert np.isfinite(rstd[1, [0, 2]]).all() and np.isfinite(np.delete(rstd, 1, axis=0)).all()
         # the other samples / groups are exactly what clean data gives
         ref = group_norm_ref(x, g, b, G, 1e-5)[0]
-        np.testing.assert_allclose(y[~poisoned], ref[~poisoned], rtol=1e-4, atol=1e-5)
+        # float32's tolerance for float64 too: this checks containment, not precision
+        np.testing.assert_allclose(y[~poisoned], ref[~poisoned], *tol(np.float32))
         # dgamma/dbeta sum over samples: only the two channels of group 1 can see it
         assert np.isfinite(dg[[0, 1, 4, 5]]).all() and np.isfinite(db).all()
         (mn, var), (dxm,) = _fwd_bwd(lambda x_: mx.nd.gn_moments(x_, num_groups=G), [x])
