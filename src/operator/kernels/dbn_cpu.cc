@@ -26,9 +26,6 @@
  */
 #include <dlfcn.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <climits>
@@ -45,7 +42,9 @@
 #include "../common/carver.h"
 #include "../common/threads.h"
 #include "dbn_math.h"
+#include "cpu_isa.h"
 #include "dbn_small_cpu.h"
+#include "dispatch_cpu.h"
 
 // Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
 // hidden size_t arguments; LAPACK (compiled Fortran) gets them explicitly.
@@ -124,13 +123,13 @@ namespace {
 
 int resolve_threads(int t) { return t > 0 ? t : std::max(1, threads::max_threads()); }
 
-struct Geo {
+struct PanelGeo {
   int64_t N, C, G, D, S, m, K, nchunk;
   int64_t ld;  // panel row stride: K rounded up + 16, so panel rows are not 4 KiB apart (aliasing)
 };
 
-Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  Geo q;
+PanelGeo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
+  PanelGeo q;
   q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
   int64_t K = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(q.D, 1));
   K = (K + 15) / 16 * 16;
@@ -140,13 +139,15 @@ Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   return q;
 }
 
+// The CPU group-size limit keeps every int-indexed D x D and panel extent far below INT_MAX.
+static_assert(2 * kDbnMaxGroupSizeCpu * kDbnMaxGroupSizeCpu <= INT_MAX / 2 &&
+                  2 * kDbnMaxGroupSizeCpu * (kPanelElems + 64) <= INT_MAX / 2,
+              "kDbnMaxGroupSizeCpu overflows int indexing");
+
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
-  if (C % G != 0) return "dbn: C must be divisible by G";
-  const int64_t D = C / G;
-  if (2 * D * D > INT_MAX / 2 || 2 * D * (kPanelElems / D + 64) > INT_MAX / 2)
-    return "dbn: group size too large";
-  return nullptr;
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
+  if (C % G != 0) return "C must be divisible by G";
+  return dbn_group_size_error(C / G, kDbnMaxGroupSizeCpu, "cpu");
 }
 
 // ---- BLAS wrappers (column-major), with naive fallbacks -------------------------------------
@@ -195,8 +196,7 @@ inline void syrk_t(int n, int k, const double* a, int lda, double* c) {
 // float uses AVX2+FMA kernels when the CPU has them (OpenBLAS packs these thin operands at a loss:
 // measured 2-3x slower for D = 16..32, 1.2x at 64); double, other CPUs and GNMX_CPU_ISA=generic
 // use BLAS.
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define GNMX_DBN_AVX2 1
+#if defined(GNMX_CPU_X86)
 
 // Q rows [i, i+R) x 16 columns [c, c+16): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
 template <int R>
@@ -289,12 +289,6 @@ void apply_f32_avx2(const float* M, int Dout, int Din, const float* P, int64_t l
   }
 }
 
-// Four horizontal sums at once: {sum a, sum b, sum c, sum d}.
-__attribute__((target("avx2,fma"), always_inline)) inline __m128 hsum4_avx2(__m256 a, __m256 b,
-                                                                          __m256 c, __m256 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
 
 // C = X Y^T by dot products along the contiguous k axis, 4 rows of X x 3 rows of Y per block
 // (12 accumulators; per 8 columns 7 loads feed 12 FMAs). sym (X == Y): only blocks with j >= i
@@ -335,9 +329,9 @@ __attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const flo
         c32 = _mm256_fmadd_ps(x, y2, c32);
       }
       float s[3][4];  // s[u][r] = row i+r of X . row j+u of Y
-      _mm_storeu_ps(s[0], hsum4_avx2(c00, c10, c20, c30));
-      _mm_storeu_ps(s[1], hsum4_avx2(c01, c11, c21, c31));
-      _mm_storeu_ps(s[2], hsum4_avx2(c02, c12, c22, c32));
+      _mm_storeu_ps(s[0], hsum4(c00, c10, c20, c30));
+      _mm_storeu_ps(s[1], hsum4(c01, c11, c21, c31));
+      _mm_storeu_ps(s[2], hsum4(c02, c12, c22, c32));
       const float* b[3] = {b0, b1, b2};
       for (int r = 0; r < ni; ++r)
         for (int u = 0; u < nj; ++u) {
@@ -350,15 +344,6 @@ __attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const flo
   }
 }
 
-bool use_avx2() {
-  static const bool ok = [] {
-    const char* isa = std::getenv("GNMX_CPU_ISA");
-    if (isa && std::strcmp(isa, "generic") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-}
 #endif
 
 inline void panel_apply(const double* M, int Dout, int Din, const double* P, int64_t ld, int kc,
@@ -368,8 +353,8 @@ inline void panel_apply(const double* M, int Dout, int Din, const double* P, int
 }
 inline void panel_apply(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
                         float* Q) {
-#if defined(GNMX_DBN_AVX2)
-  if (use_avx2()) return apply_f32_avx2(M, Dout, Din, P, ld, kc, OutCols{Q, ld});
+#if defined(GNMX_CPU_X86)
+  if (cpu_has_avx2()) return apply_f32_avx2(M, Dout, Din, P, ld, kc, OutCols{Q, ld});
 #endif
   const int ldi = static_cast<int>(ld);
   gemm('N', 'N', kc, Dout, Din, 1.f, P, ldi, M, Din, 0.f, Q, ldi);
@@ -388,8 +373,8 @@ inline void panel_gram(const double* X, const double* Y, int64_t ld, int D, int 
 }
 inline void panel_gram(const float* X, const float* Y, int64_t ld, int D, int kc, float* C,
                        bool sym) {
-#if defined(GNMX_DBN_AVX2)
-  if (use_avx2()) return gram_f32_avx2(X, Y, ld, D, kc, C, sym);
+#if defined(GNMX_CPU_X86)
+  if (cpu_has_avx2()) return gram_f32_avx2(X, Y, ld, D, kc, C, sym);
 #endif
   panel_gram_blas(X, Y, ld, D, kc, C, sym);
 }
@@ -400,10 +385,10 @@ inline void panel_gram(const float* X, const float* Y, int64_t ld, int D, int kc
 // scatter pass was 15-20% of each apply pass.
 template <typename T, typename A>
 void apply_out(const A* M, int Dout, int Din, const A* P, int64_t ld, int kc, A* out,
-               const Geo& q, int64_t g, int64_t j0, T* y) {
-#if defined(GNMX_DBN_AVX2)
+               const PanelGeo& q, int64_t g, int64_t j0, T* y) {
+#if defined(GNMX_CPU_X86)
   if constexpr (std::is_same<T, float>::value) {
-    if (use_avx2() && q.S % 16 == 0)
+    if (cpu_has_avx2() && q.S % 16 == 0)
       return apply_f32_avx2(M, Dout, Din, P, ld, kc,
                             OutCols{y + g * q.D * q.S, q.S, q.S, q.C * q.S, j0});
   }
@@ -455,7 +440,7 @@ void eigh(const double* Sigma, int D, double* U, double* l, const EigScratch& s)
 // ---- Panel gather / scatter -------------------------------------------------------------------
 // P[d*ldp + k] = x[n, g*D + d, s] - shift[d] for the kc columns starting at j0 (j = n*S + s).
 template <typename T, typename A>
-void gather(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, const A* shift, A* P,
+void gather(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, const A* shift, A* P,
             int64_t ldp) {
   int64_t j = j0, k = 0;
   while (k < kc) {
@@ -476,7 +461,7 @@ void gather(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, const A
 // gather without shift that also returns the row sums of the panel: sum[d] = sum_k P[d*ldp + k]
 // (saves a pass over the panel where the caller needs them).
 template <typename T, typename A>
-void gather_sum(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, A* P, int64_t ldp,
+void gather_sum(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, A* P, int64_t ldp,
                 A* sum) {
   for (int64_t d = 0; d < q.D; ++d) sum[d] = A(0);
   int64_t j = j0, k = 0;
@@ -502,7 +487,7 @@ void gather_sum(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, A* 
 }
 
 template <typename T, typename A>
-void scatter(const A* P, int64_t ldp, const Geo& q, int64_t g, int64_t j0, int64_t kc, T* y) {
+void scatter(const A* P, int64_t ldp, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, T* y) {
   int64_t j = j0, k = 0;
   while (k < kc) {
     const int64_t n = j / q.S, s = j % q.S;
@@ -518,25 +503,6 @@ void scatter(const A* P, int64_t ldp, const Geo& q, int64_t g, int64_t j0, int64
   }
 }
 
-template <typename SrcT>
-double load_d(const void* p, int64_t i) {
-  return static_cast<double>(to_acc(static_cast<const SrcT*>(p)[i]));
-}
-double load_any(DType t, const void* p, int64_t i) {
-  switch (t) {
-    case DType::kFloat16: return load_d<Half>(p, i);
-    case DType::kFloat32: return load_d<float>(p, i);
-    default: return load_d<double>(p, i);
-  }
-}
-void store_any(DType t, void* p, int64_t i, double v) {
-  switch (t) {
-    case DType::kFloat16: static_cast<Half*>(p)[i] = from_acc<Half>(static_cast<float>(v)); break;
-    case DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    default: static_cast<double*>(p)[i] = v; break;
-  }
-}
-
 // ---- Group blocks -------------------------------------------------------------------------------
 // Training passes run block by block over the groups: statistics pass, D x D step, apply pass for
 // groups [g0, g0 + gb), then the next block. A block's data is read twice (x; dy and x in the
@@ -546,7 +512,7 @@ void store_any(DType t, void* p, int64_t i, double v) {
 // the tensor is small (then blocking only adds barriers).
 constexpr int64_t kBlockBytes = int64_t(4) << 20;
 
-int64_t group_block(const Geo& q, size_t elem, int nt) {
+int64_t group_block(const PanelGeo& q, size_t elem, int nt) {
 #if defined(GNMX_DBN_PROFILE)
   if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return q.G;
 #endif
@@ -561,7 +527,7 @@ int64_t group_block(const Geo& q, size_t elem, int nt) {
 // a block's) in flight per thread; measured on a Zen 4 at 2 threads: 128x256x8x8 G=4 forward
 // 3.6 vs 3.9-4.2 ms. Small tensors keep the chunk-parallel passes (there the per-group split was
 // 5-15% slower: 8x128x32x32 G=8).
-bool use_per_group(const Geo& q, size_t elem, int nt) {
+bool use_per_group(const PanelGeo& q, size_t elem, int nt) {
 #if defined(GNMX_DBN_PROFILE)
   if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return false;  // stage timestamps need the passes
 #endif
@@ -591,7 +557,7 @@ struct FwdLayout {
 };
 
 template <typename A>
-FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
+FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
   FwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -617,7 +583,7 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
 template <typename T>
 const char* fwd_impl(const DbnFwdArgs& a) {
   using A = AccT<T>;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
   const FwdLayout<A> L = fwd_layout<A>(&cv, q, nt);
@@ -735,15 +701,15 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
       if (a.running_proj) {
         for (int64_t i = 0; i < DD; ++i) {
-          const double r = load_any(a.stat_dtype, a.running_proj, g * DD + i);
-          store_any(a.stat_dtype, a.running_proj, g * DD + i,
+          const double r = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i);
+          dbn_store_stat(a.stat_dtype, a.running_proj, g * DD + i,
                     dbn_running_update(r, Wd[i], a.momentum));
         }
       }
       if (a.running_mean) {
         for (int64_t i = 0; i < D; ++i) {
-          const double r = load_any(a.stat_dtype, a.running_mean, g * D + i);
-          store_any(a.stat_dtype, a.running_mean, g * D + i,
+          const double r = dbn_load_stat(a.stat_dtype, a.running_mean, g * D + i);
+          dbn_store_stat(a.stat_dtype, a.running_mean, g * D + i,
                     dbn_running_update(r, static_cast<double>(mean[g * D + i]), a.momentum));
         }
       }
@@ -822,7 +788,7 @@ struct BwdLayout {
 };
 
 template <typename A>
-BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
+BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
   BwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -845,7 +811,7 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
 template <typename T>
 const char* bwd_impl(const DbnBwdArgs& a) {
   using A = AccT<T>;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
   const BwdLayout<A> L = bwd_layout<A>(&cv, q, nt);
@@ -955,7 +921,7 @@ struct InfLayout {
 };
 
 template <typename A>
-InfLayout<A> inf_layout(Carver* c, const Geo& q, int T) {
+InfLayout<A> inf_layout(Carver* c, const PanelGeo& q, int T) {
   InfLayout<A> L;
   L.P = c->take<A>(q.G * q.D * q.D);
   L.shift = c->take<A>(q.C);
@@ -967,7 +933,7 @@ InfLayout<A> inf_layout(Carver* c, const Geo& q, int T) {
 template <typename T>
 const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   using A = AccT<T>;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
   const InfLayout<A> L = inf_layout<A>(&cv, q, nt);
@@ -978,11 +944,11 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   for (int64_t g = 0; g < q.G; ++g)
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) {
-        const double p = load_any(a.stat_dtype, a.running_proj, g * DD + i * D + j);
+        const double p = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i * D + j);
         L.P[g * DD + (backward ? j * D + i : i * D + j)] = static_cast<A>(p);
       }
   for (int64_t c = 0; c < q.C; ++c)
-    L.shift[c] = backward ? A(0) : static_cast<A>(load_any(a.stat_dtype, a.running_mean, c));
+    L.shift[c] = backward ? A(0) : static_cast<A>(dbn_load_stat(a.stat_dtype, a.running_mean, c));
   const int64_t items = q.G * q.nchunk;
 #pragma omp parallel num_threads(nt)
   {
@@ -1000,82 +966,68 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   return nullptr;
 }
 
-bool stat_dtype_ok(DType data, DType stat) { return stat == data || stat == acc_dtype(data); }
+// Runs f(T{}) for the storage type of `t` (dispatch_cpu.h) and returns f's error, or the
+// dispatcher's for an unsupported dtype.
+template <typename F>
+const char* run_typed(DType t, F&& f) {
+  const char* err = nullptr;
+  if (const char* e = cpu::dispatch_data(t, [&](auto tag) { err = f(tag); })) return e;
+  return err;
+}
 
 }  // namespace
-
-bool dbn_have_lapack() { return blas().dsyevd != nullptr; }
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
-  if (a.dtype == DType::kFloat64) fwd_layout<double>(&c, q, nt);
-  else fwd_layout<float>(&c, q, nt);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { fwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
   return c.off + kAlign;
 }
 
 size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
-  if (a.dtype == DType::kFloat64) bwd_layout<double>(&c, q, nt);
-  else bwd_layout<float>(&c, q, nt);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { bwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
   return c.off + kAlign;
 }
 
 size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
-  if (a.dtype == DType::kFloat64) inf_layout<double>(&c, q, nt);
-  else inf_layout<float>(&c, q, nt);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { inf_layout<AccT<decltype(tag)>>(&c, q, nt); });
   return c.off + kAlign;
 }
 
 const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval || !a.workspace)
-    return "dbn_fwd_cpu: null pointer";
-  if ((a.running_mean || a.running_proj) && !stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_fwd_cpu: running statistics must have the data dtype or its accumulation dtype";
-  if (!(a.eps > 0)) return "dbn_fwd_cpu: eps must be > 0";
-  switch (a.dtype) {
-    case DType::kFloat16: return fwd_impl<Half>(a);
-    case DType::kFloat32: return fwd_impl<float>(a);
-    case DType::kFloat64: return fwd_impl<double>(a);
-  }
-  return "dbn_fwd_cpu: unsupported dtype";
+    return "forward: null pointer";
+  if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "running statistics must have the data dtype or its accumulation dtype";
+  if (!(a.eps > 0)) return "eps must be > 0";
+  return run_typed(a.dtype, [&](auto tag) { return fwd_impl<decltype(tag)>(a); });
 }
 
 const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx || !a.workspace)
-    return "dbn_bwd_cpu: null pointer";
-  switch (a.dtype) {
-    case DType::kFloat16: return bwd_impl<Half>(a);
-    case DType::kFloat32: return bwd_impl<float>(a);
-    case DType::kFloat64: return bwd_impl<double>(a);
-  }
-  return "dbn_bwd_cpu: unsupported dtype";
+    return "backward: null pointer";
+  return run_typed(a.dtype, [&](auto tag) { return bwd_impl<decltype(tag)>(a); });
 }
 
 static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean) || !a.workspace)
-    return "dbn_inference_cpu: null pointer";
-  if (!stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_inference_cpu: running statistics must have the data dtype or its accumulation "
-           "dtype";
-  switch (a.dtype) {
-    case DType::kFloat16: return inference_impl<Half>(a, backward);
-    case DType::kFloat32: return inference_impl<float>(a, backward);
-    case DType::kFloat64: return inference_impl<double>(a, backward);
-  }
-  return "dbn_inference_cpu: unsupported dtype";
+    return "inference: null pointer";
+  if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "running statistics must have the data dtype or its accumulation dtype";
+  return run_typed(a.dtype, [&](auto tag) { return inference_impl<decltype(tag)>(a, backward); });
 }
 
 const char* dbn_inference_cpu(const DbnInferenceArgs& a) { return inference_dispatch(a, false); }
