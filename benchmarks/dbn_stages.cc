@@ -2,7 +2,7 @@
  * Per-stage profile of the DBN CPU kernels (no MXNet): thread-0 CPU time per stage, min / median
  * over repetitions, and the GFLOP/s of each panel-product stage. Build and run (1 thread, 20 reps):
  *   g++ -O3 -fopenmp -std=c++17 -DGNMX_DBN_PROFILE -Isrc/operator benchmarks/dbn_stages.cc \
- *       src/operator/kernels/dbn_cpu.cc -o /tmp/dbn_stages -ldl
+ *       src/operator/kernels/dbn_*cpu.cc -o /tmp/dbn_stages -ldl
  *   GNMX_DBN_PROFILE_CHUNKED=1 LD_LIBRARY_PATH=$(python -c 'import mxnet,os;print(os.path.dirname(mxnet.__file__))') \
  *       /tmp/dbn_stages 1 20
  * (the OpenBLAS of the mxnet wheel backs the BLAS paths and the dsyevd fallback; it is set to one

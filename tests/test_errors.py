@@ -100,6 +100,20 @@ DBN_CASES = {
     "block_bad_groups_in_graph": ("n = gn_mx.DecorrelatedBatchNorm(num_groups=4); n.initialize();"
                                   " n.hybridize(); n(x)",
                                   "channels (C=6) must be divisible by num_groups (4)"),
+    # The group-size limit (kernels/dbn.h kDbnMaxGroupSizeCpu) fails at shape inference, with the
+    # op name once (no "gn_dbn: dbn: ..."), symbolic and imperative, both ops.
+    "group_size_over_limit_symbolic": ("mx.sym.gn_dbn(mx.sym.var('d'), mx.sym.var('m'), "
+                                       "mx.sym.var('p'), num_groups=2).infer_shape(d=(1, 8194, 1))",
+                                       "gn_dbn: group size C/num_groups = 4097 exceeds the cpu "
+                                       "limit 4096"),
+    "group_size_over_limit_inference": ("mx.sym.gn_dbn_inference(mx.sym.var('d'), mx.sym.var('m'),"
+                                        " mx.sym.var('p')).infer_shape(d=(2, 5000))",
+                                        "gn_dbn_inference: group size C/num_groups = 5000 exceeds "
+                                        "the cpu limit 4096"),
+    "group_size_over_limit_imperative": ("mx.nd.gn_dbn(mx.nd.ones((1, 4100, 1)), "
+                                         "mx.nd.zeros((4100,)), mx.nd.zeros((1, 1, 1)))",
+                                         "gn_dbn: group size C/num_groups = 4100 exceeds the cpu "
+                                         "limit 4096"),
 }
 
 
@@ -110,6 +124,14 @@ def test_bad_input_raises_and_process_survives():
 
 def test_dbn_bad_input_raises_and_process_survives():
     check_bad_inputs(DBN_PRELUDE, DBN_CASES, "float(mx.nd.ones((2,)).sum().asscalar())", "2.0")
+
+
+def test_dbn_group_size_limit_is_inclusive():
+    """D = kDbnMaxGroupSizeCpu itself passes shape inference (the limit is the largest D allowed)."""
+    import mxnet as mx, gn_mx  # noqa: F401
+    _, out, _ = mx.sym.gn_dbn(mx.sym.var('d'), mx.sym.var('m'), mx.sym.var('p'),
+                              num_groups=1).infer_shape(d=(2, 4096, 1))
+    assert out[0] == (2, 4096, 1)
 
 
 @pytest.mark.parametrize("kwargs, expected", [

@@ -45,7 +45,8 @@
  * y and dx unchanged (they depend on U only through U f(l) U^T). The CPU's D x D products
  * (W, backward) are register-blocked copies of dbn_math.h's steps (dbn_small_cpu.h), same math.
  *
- * Every entry point returns nullptr on success or a static error string. CPU entry points use
+ * Every entry point returns nullptr on success or an error string without an op prefix (the adapter
+ * adds the op name once). CPU entry points use
  * `num_threads` OpenMP threads (0: omp_get_max_threads()); the workspace size depends on it, so
  * query the size with the same args you run with. Workspace must be 64-byte aligned.
  * CUDA twins take a cudaStream_t as `void* stream` and have their own workspace-size functions.
@@ -53,6 +54,7 @@
 #pragma once
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 
 #include "../common/acc_type.h"
 
@@ -111,8 +113,46 @@ const char* dbn_bwd_cpu(const DbnBwdArgs& a);
 const char* dbn_inference_cpu(const DbnInferenceArgs& a);
 const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a);
 
-// True when the LAPACK eigensolver (dsyevd_) was found at run time; otherwise Jacobi is used.
-bool dbn_have_lapack();
+// ---- Limits and validation shared by the adapter, the CPU and the CUDA kernels ---------------
+// Largest group size D = C/num_groups per device. CPU: the D x D eigendecomposition per group
+// (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group pair and eigenvalue arrays
+// in static shared memory. The adapter checks the CPU limit at shape inference (lib_api shape
+// inference does not know the device); the GPU path checks the CUDA limit before any launch.
+constexpr int64_t kDbnMaxGroupSizeCpu = 4096;
+constexpr int64_t kDbnMaxGroupSizeCuda = 512;
+
+// nullptr when D fits `limit`; otherwise the one message format for this limit on every device,
+// e.g. "group size C/num_groups = 1024 exceeds the gpu limit 512" (thread-local storage, valid
+// until the next call on this thread; the adapter adds the op name).
+inline const char* dbn_group_size_error(int64_t D, int64_t limit, const char* device) {
+  if (D <= limit) return nullptr;
+  thread_local char buf[128];
+  std::snprintf(buf, sizeof(buf), "group size C/num_groups = %lld exceeds the %s limit %lld",
+                static_cast<long long>(D), device, static_cast<long long>(limit));
+  return buf;
+}
+
+// Running statistics have the data dtype or its accumulation dtype.
+inline bool dbn_stat_dtype_ok(DType data, DType stat) {
+  return stat == data || stat == acc_dtype(data);
+}
+
+// The one load/store of a running-statistics element of dtype `t`, widened to / narrowed from
+// fp64 (host and device).
+GN_INLINE double dbn_load_stat(DType t, const void* p, int64_t i) {
+  switch (t) {
+    case DType::kFloat16: return static_cast<double>(to_acc(static_cast<const Half*>(p)[i]));
+    case DType::kFloat32: return static_cast<double>(static_cast<const float*>(p)[i]);
+    default: return static_cast<const double*>(p)[i];
+  }
+}
+GN_INLINE void dbn_store_stat(DType t, void* p, int64_t i, double v) {
+  switch (t) {
+    case DType::kFloat16: static_cast<Half*>(p)[i] = from_acc<Half>(static_cast<float>(v)); break;
+    case DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
+    default: static_cast<double*>(p)[i] = v; break;
+  }
+}
 
 #if defined(GNMX_WITH_CUDA)
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a);

@@ -19,16 +19,12 @@
  * for X Y^T: ~85-97% of the FMA peak in cache; runtime dispatch; GNMX_CPU_ISA=generic disables
  * them), otherwise and for double the BLAS
  * sgemm/dgemm/syrk of the OpenBLAS shipped in the mxnet wheel (built with OpenMP, so it runs
- * single-threaded inside our team), looked up at run time (see blas() below); without it a
+ * single-threaded inside our team), looked up at run time (dbn_blas_cpu.cc); without it a
  * naive gemm/syrk keeps results correct (LAPACK dsyevd is only a fallback of the eigensolver).
  * NB: BLAS sees row-major D x K panels as column-major K x D matrices (leading dimension ld), so
  * a row-major product C = A B is issued as the column-major C^T = B^T A^T.
  */
-#include <dlfcn.h>
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 #include <algorithm>
 #include <climits>
@@ -44,62 +40,16 @@
 #include "dbn.h"
 #include "../common/carver.h"
 #include "../common/threads.h"
-#include "dbn_math.h"
+#include "dbn_eigen_cpu.h"
+#include "dbn_panels_cpu.h"
 #include "dbn_small_cpu.h"
-
-// Fortran BLAS/LAPACK prototypes. gfortran passes the lengths of CHARACTER arguments as trailing
-// hidden size_t arguments; LAPACK (compiled Fortran) gets them explicitly.
-extern "C" {
-typedef void (*sgemm_t)(const char*, const char*, const int*, const int*, const int*, const float*,
-                        const float*, const int*, const float*, const int*, const float*, float*,
-                        const int*);
-typedef void (*dgemm_t)(const char*, const char*, const int*, const int*, const int*,
-                        const double*, const double*, const int*, const double*, const int*,
-                        const double*, double*, const int*);
-typedef void (*ssyrk_t)(const char*, const char*, const int*, const int*, const float*,
-                        const float*, const int*, const float*, float*, const int*);
-typedef void (*dsyrk_t)(const char*, const char*, const int*, const int*, const double*,
-                        const double*, const int*, const double*, double*, const int*);
-typedef void (*dsyevd_t)(const char* jobz, const char* uplo, const int* n, double* a,
-                         const int* lda, double* w, double* work, const int* lwork, int* iwork,
-                         const int* liwork, int* info, size_t jobz_len, size_t uplo_len);
-}
+#include "dispatch_cpu.h"
 
 namespace gn_mx {
 namespace {
+using namespace dbn_cpu;  // BLAS wrappers (dbn_blas_cpu.h), eigh (dbn_eigen_cpu.h)
 
 constexpr size_t kAlign = 64;
-constexpr int64_t kPanelElems = 32768;  // D*K AccT values per panel (128 KiB in fp32)
-constexpr int kJacobiMaxD = 8;          // eigh: Jacobi up to this group size, eigh_ql above
-
-// BLAS/LAPACK entry points, resolved once. libgn_mx.so does not have to link OpenBLAS: in an
-// MXNet process the wheel's libopenblas.so.0 is already loaded (by libmxnet.so, RTLD_LOCAL), and
-// dlopen(RTLD_NOLOAD) finds it by soname without loading anything new. Outside MXNet (a plain
-// kernel test) the same soname is tried on the normal search path. Missing symbols fall back to
-// a naive gemm/syrk and the Jacobi eigensolver, which are correct but slow.
-struct Blas {
-  sgemm_t sgemm = nullptr;
-  dgemm_t dgemm = nullptr;
-  ssyrk_t ssyrk = nullptr;
-  dsyrk_t dsyrk = nullptr;
-  dsyevd_t dsyevd = nullptr;
-};
-
-const Blas& blas() {
-  static const Blas b = [] {
-    Blas r;
-    void* h = dlopen("libopenblas.so.0", RTLD_LAZY | RTLD_NOLOAD);
-    if (!h) h = dlopen("libopenblas.so.0", RTLD_LAZY);
-    if (!h) return r;
-    r.sgemm = reinterpret_cast<sgemm_t>(dlsym(h, "sgemm_"));
-    r.dgemm = reinterpret_cast<dgemm_t>(dlsym(h, "dgemm_"));
-    r.ssyrk = reinterpret_cast<ssyrk_t>(dlsym(h, "ssyrk_"));
-    r.dsyrk = reinterpret_cast<dsyrk_t>(dlsym(h, "dsyrk_"));
-    r.dsyevd = reinterpret_cast<dsyevd_t>(dlsym(h, "dsyevd_"));
-    return r;  // the handle stays open for the life of the process
-  }();
-  return b;
-}
 
 using Carver = WorkspaceCarver<kAlign>;
 
@@ -124,417 +74,15 @@ namespace {
 
 int resolve_threads(int t) { return t > 0 ? t : std::max(1, threads::max_threads()); }
 
-struct Geo {
-  int64_t N, C, G, D, S, m, K, nchunk;
-  int64_t ld;  // panel row stride: K rounded up + 16, so panel rows are not 4 KiB apart (aliasing)
-};
-
-Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  Geo q;
-  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
-  int64_t K = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(q.D, 1));
-  K = (K + 15) / 16 * 16;
-  q.K = std::min(q.m, K);
-  q.nchunk = (q.m + q.K - 1) / q.K;
-  q.ld = (q.K + 15) / 16 * 16 + 16;
-  return q;
-}
+// The CPU group-size limit keeps every int-indexed D x D and panel extent far below INT_MAX.
+static_assert(2 * kDbnMaxGroupSizeCpu * kDbnMaxGroupSizeCpu <= INT_MAX / 2 &&
+                  2 * kDbnMaxGroupSizeCpu * (kPanelElems + 64) <= INT_MAX / 2,
+              "kDbnMaxGroupSizeCpu overflows int indexing");
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
-  if (C % G != 0) return "dbn: C must be divisible by G";
-  const int64_t D = C / G;
-  if (2 * D * D > INT_MAX / 2 || 2 * D * (kPanelElems / D + 64) > INT_MAX / 2)
-    return "dbn: group size too large";
-  return nullptr;
-}
-
-// ---- BLAS wrappers (column-major), with naive fallbacks -------------------------------------
-template <typename A>
-void gemm_naive(char ta, char tb, int m, int n, int k, A alpha, const A* a, int lda, const A* b,
-                int ldb, A beta, A* c, int ldc) {
-  for (int j = 0; j < n; ++j)
-    for (int i = 0; i < m; ++i) {
-      A s = 0;
-      for (int p = 0; p < k; ++p) {
-        const A av = ta == 'N' ? a[i + p * lda] : a[p + i * lda];
-        const A bv = tb == 'N' ? b[p + j * ldb] : b[j + p * ldb];
-        s += av * bv;
-      }
-      c[i + j * ldc] = alpha * s + (beta == A(0) ? A(0) : beta * c[i + j * ldc]);
-    }
-}
-
-inline void gemm(char ta, char tb, int m, int n, int k, float alpha, const float* a, int lda,
-                 const float* b, int ldb, float beta, float* c, int ldc) {
-  if (blas().sgemm) blas().sgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-  else gemm_naive(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-inline void gemm(char ta, char tb, int m, int n, int k, double alpha, const double* a, int lda,
-                 const double* b, int ldb, double beta, double* c, int ldc) {
-  if (blas().dgemm) blas().dgemm(&ta, &tb, &m, &n, &k, &alpha, a, &lda, b, &ldb, &beta, c, &ldc);
-  else gemm_naive(ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc);
-}
-// Upper triangle (column-major) of C = A^T A, A is k x n with leading dimension lda.
-inline void syrk_t(int n, int k, const float* a, int lda, float* c) {
-  const float one = 1.f, zero = 0.f;
-  if (blas().ssyrk) blas().ssyrk("U", "T", &n, &k, &one, a, &lda, &zero, c, &n);
-  else gemm_naive('T', 'N', n, n, k, one, a, lda, a, lda, zero, c, n);
-}
-inline void syrk_t(int n, int k, const double* a, int lda, double* c) {
-  const double one = 1.0, zero = 0.0;
-  if (blas().dsyrk) blas().dsyrk("U", "T", &n, &k, &one, a, &lda, &zero, c, &n);
-  else gemm_naive('T', 'N', n, n, k, one, a, lda, a, lda, zero, c, n);
-}
-
-// ---- Panel products ---------------------------------------------------------------------------
-// Row-major panels with row stride `ld`:
-//   panel_apply: Q (Dout x kc) = M (Dout x Din, contiguous) * P (Din x kc)
-//   panel_gram:  C (D x D, row-major) = X (D x kc) Y^T (D x kc); with sym (X == Y) only the upper
-//                triangle in column-major order (= lower row-major) is guaranteed.
-// float uses AVX2+FMA kernels when the CPU has them (OpenBLAS packs these thin operands at a loss:
-// measured 2-3x slower for D = 16..32, 1.2x at 64); double, other CPUs and GNMX_CPU_ISA=generic
-// use BLAS.
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define GNMX_DBN_AVX2 1
-
-// Q rows [i, i+R) x 16 columns [c, c+16): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile16(
-    const float* M, int Din, const float* P, int64_t ld, float* Q, int64_t ldq) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const float* p = P;
-  for (int k = 0; k < Din; ++k, p += ld) {
-    const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 w = _mm256_broadcast_ss(M + r * Din + k);
-      acc0[r] = _mm256_fmadd_ps(w, p0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(w, p1, acc1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(Q + r * ldq, acc0[r]);
-    _mm256_storeu_ps(Q + r * ldq + 8, acc1[r]);
-  }
-}
-
-// The same for one 8-column vector (column tails), R <= 6.
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile8(
-    const float* M, int Din, const float* P, int64_t ld, float* Q, int64_t ldq) {
-  __m256 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm256_setzero_ps();
-  const float* p = P;
-  for (int k = 0; k < Din; ++k, p += ld) {
-    const __m256 p0 = _mm256_loadu_ps(p);
-    for (int r = 0; r < R; ++r)
-      acc[r] = _mm256_fmadd_ps(_mm256_broadcast_ss(M + r * Din + k), p0, acc[r]);
-  }
-  for (int r = 0; r < R; ++r) _mm256_storeu_ps(Q + r * ldq, acc[r]);
-}
-
-// Where column c of an apply's output goes: a panel (base + c, row stride rs) or, with S > 0, the
-// NCHW tensor itself ("direct": no scatter pass): column j = j0 + c of the group is element
-// (n, row, s) = (j / S, row, j % S), i.e. base + n * CS + s with base = y + g*D*S, rs = S,
-// CS = C*S. Tiles of 8 / 16 columns stay inside one sample when S and j0 are multiples of 16.
-struct OutCols {
-  float* base;
-  int64_t rs;
-  int64_t S = 0, CS = 0, j0 = 0;
-  float* at(int64_t c) const {
-    if (S == 0) return base + c;
-    const int64_t j = j0 + c;
-    return base + (j / S) * CS + j % S;
-  }
-  OutCols rows(int64_t i) const { OutCols o = *this; o.base += i * rs; return o; }
-  OutCols cols(int64_t c0) const {
-    OutCols o = *this;
-    if (S == 0) o.base += c0; else o.j0 += c0;
-    return o;
-  }
-};
-
-template <int R>
-__attribute__((target("avx2,fma"))) void apply_rows_avx2(const float* M, int Din, const float* P,
-                                                         int64_t ld, int kc, const OutCols& oc) {
-  int c = 0;
-  for (; c + 16 <= kc; c += 16) apply_tile16<R>(M, Din, P + c, ld, oc.at(c), oc.rs);
-  for (; c + 8 <= kc; c += 8) apply_tile8<R>(M, Din, P + c, ld, oc.at(c), oc.rs);
-  for (; c < kc; ++c) {
-    float* q = oc.at(c);
-    for (int r = 0; r < R; ++r) {
-      float s = 0.f;
-      for (int k = 0; k < Din; ++k) s += M[r * Din + k] * P[k * ld + c];
-      q[r * oc.rs] = s;
-    }
-  }
-}
-
-// Q (Dout x kc) = M (Dout x Din) P (Din x kc): blocks of 6 rows of Q, then the remaining 1-5.
-void apply_f32_avx2(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
-                    const OutCols& oc) {
-  int i = 0;
-  for (; i + 6 <= Dout; i += 6)
-    apply_rows_avx2<6>(M + static_cast<int64_t>(i) * Din, Din, P, ld, kc, oc.rows(i));
-  const float* m = M + static_cast<int64_t>(i) * Din;
-  const OutCols q = oc.rows(i);
-  switch (Dout - i) {
-    case 5: apply_rows_avx2<5>(m, Din, P, ld, kc, q); break;
-    case 4: apply_rows_avx2<4>(m, Din, P, ld, kc, q); break;
-    case 3: apply_rows_avx2<3>(m, Din, P, ld, kc, q); break;
-    case 2: apply_rows_avx2<2>(m, Din, P, ld, kc, q); break;
-    case 1: apply_rows_avx2<1>(m, Din, P, ld, kc, q); break;
-    default: break;
-  }
-}
-
-// Four horizontal sums at once: {sum a, sum b, sum c, sum d}.
-__attribute__((target("avx2,fma"), always_inline)) inline __m128 hsum4_avx2(__m256 a, __m256 b,
-                                                                          __m256 c, __m256 d) {
-  const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
-  return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-}
-
-// C = X Y^T by dot products along the contiguous k axis, 4 rows of X x 3 rows of Y per block
-// (12 accumulators; per 8 columns 7 loads feed 12 FMAs). sym (X == Y): only blocks with j >= i
-// are computed, each written to both (i, j) and (j, i).
-__attribute__((target("avx2,fma"))) void gram_f32_avx2(const float* X, const float* Y,
-                                                       int64_t ld, int D, int kc, float* C,
-                                                       bool sym) {
-  const int kv = kc / 8 * 8;
-  for (int i = 0; i < D; i += 4) {
-    const int ni = std::min(4, D - i);
-    const float* a[4];
-    for (int r = 0; r < 4; ++r) a[r] = X + (i + std::min(r, ni - 1)) * ld;
-    for (int j = sym ? i : 0; j < D; j += 3) {
-      const int nj = std::min(3, D - j);
-      const float* b0 = Y + j * ld;
-      const float* b1 = Y + (j + std::min(1, nj - 1)) * ld;
-      const float* b2 = Y + (j + std::min(2, nj - 1)) * ld;
-      __m256 c00 = _mm256_setzero_ps(), c01 = c00, c02 = c00, c10 = c00, c11 = c00, c12 = c00;
-      __m256 c20 = c00, c21 = c00, c22 = c00, c30 = c00, c31 = c00, c32 = c00;
-      for (int k = 0; k < kv; k += 8) {
-        const __m256 y0 = _mm256_loadu_ps(b0 + k), y1 = _mm256_loadu_ps(b1 + k),
-                     y2 = _mm256_loadu_ps(b2 + k);
-        __m256 x = _mm256_loadu_ps(a[0] + k);
-        c00 = _mm256_fmadd_ps(x, y0, c00);
-        c01 = _mm256_fmadd_ps(x, y1, c01);
-        c02 = _mm256_fmadd_ps(x, y2, c02);
-        x = _mm256_loadu_ps(a[1] + k);
-        c10 = _mm256_fmadd_ps(x, y0, c10);
-        c11 = _mm256_fmadd_ps(x, y1, c11);
-        c12 = _mm256_fmadd_ps(x, y2, c12);
-        x = _mm256_loadu_ps(a[2] + k);
-        c20 = _mm256_fmadd_ps(x, y0, c20);
-        c21 = _mm256_fmadd_ps(x, y1, c21);
-        c22 = _mm256_fmadd_ps(x, y2, c22);
-        x = _mm256_loadu_ps(a[3] + k);
-        c30 = _mm256_fmadd_ps(x, y0, c30);
-        c31 = _mm256_fmadd_ps(x, y1, c31);
-        c32 = _mm256_fmadd_ps(x, y2, c32);
-      }
-      float s[3][4];  // s[u][r] = row i+r of X . row j+u of Y
-      _mm_storeu_ps(s[0], hsum4_avx2(c00, c10, c20, c30));
-      _mm_storeu_ps(s[1], hsum4_avx2(c01, c11, c21, c31));
-      _mm_storeu_ps(s[2], hsum4_avx2(c02, c12, c22, c32));
-      const float* b[3] = {b0, b1, b2};
-      for (int r = 0; r < ni; ++r)
-        for (int u = 0; u < nj; ++u) {
-          float v = s[u][r];
-          for (int k = kv; k < kc; ++k) v += a[r][k] * b[u][k];
-          C[(i + r) * D + j + u] = v;
-          if (sym) C[(j + u) * D + i + r] = v;
-        }
-    }
-  }
-}
-
-bool use_avx2() {
-  static const bool ok = [] {
-    const char* isa = std::getenv("GNMX_CPU_ISA");
-    if (isa && std::strcmp(isa, "generic") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-}
-#endif
-
-inline void panel_apply(const double* M, int Dout, int Din, const double* P, int64_t ld, int kc,
-                        double* Q) {
-  const int ldi = static_cast<int>(ld);
-  gemm('N', 'N', kc, Dout, Din, 1.0, P, ldi, M, Din, 0.0, Q, ldi);
-}
-inline void panel_apply(const float* M, int Dout, int Din, const float* P, int64_t ld, int kc,
-                        float* Q) {
-#if defined(GNMX_DBN_AVX2)
-  if (use_avx2()) return apply_f32_avx2(M, Dout, Din, P, ld, kc, OutCols{Q, ld});
-#endif
-  const int ldi = static_cast<int>(ld);
-  gemm('N', 'N', kc, Dout, Din, 1.f, P, ldi, M, Din, 0.f, Q, ldi);
-}
-
-// BLAS: column-major C_cm = Y_cm^T X_cm, i.e. row-major C = X Y^T; sym uses syrk.
-template <typename A>
-void panel_gram_blas(const A* X, const A* Y, int64_t ld, int D, int kc, A* C, bool sym) {
-  const int ldi = static_cast<int>(ld);
-  if (sym) syrk_t(D, kc, X, ldi, C);
-  else gemm('T', 'N', D, D, kc, A(1), Y, ldi, X, ldi, A(0), C, D);
-}
-inline void panel_gram(const double* X, const double* Y, int64_t ld, int D, int kc, double* C,
-                       bool sym) {
-  panel_gram_blas(X, Y, ld, D, kc, C, sym);
-}
-inline void panel_gram(const float* X, const float* Y, int64_t ld, int D, int kc, float* C,
-                       bool sym) {
-#if defined(GNMX_DBN_AVX2)
-  if (use_avx2()) return gram_f32_avx2(X, Y, ld, D, kc, C, sym);
-#endif
-  panel_gram_blas(X, Y, ld, D, kc, C, sym);
-}
-
-// Q = M P for chunk (g, j0, kc), written into y: straight from the kernel's registers for float
-// data with AVX2 when S % 16 == 0 (K is a multiple of 16, so are j0 and kc: no tile crosses a
-// sample), else into the panel `out` and scattered (narrowing to T). Measured on a Zen 4: the
-// scatter pass was 15-20% of each apply pass.
-template <typename T, typename A>
-void apply_out(const A* M, int Dout, int Din, const A* P, int64_t ld, int kc, A* out,
-               const Geo& q, int64_t g, int64_t j0, T* y) {
-#if defined(GNMX_DBN_AVX2)
-  if constexpr (std::is_same<T, float>::value) {
-    if (use_avx2() && q.S % 16 == 0)
-      return apply_f32_avx2(M, Dout, Din, P, ld, kc,
-                            OutCols{y + g * q.D * q.S, q.S, q.S, q.C * q.S, j0});
-  }
-#endif
-  panel_apply(M, Dout, Din, P, ld, kc, out);
-  scatter(out, ld, q, g, j0, kc, y);
-}
-
-// ---- Eigendecomposition -----------------------------------------------------------------------
-struct EigScratch {
-  double* a;      // D*D
-  double* work;   // lwork
-  int* iwork;     // liwork
-  int lwork, liwork;
-};
-
-size_t eig_lwork(int64_t D) {  // dsyevd's lwork; also >= dbn_small::eigh_ql_work(D)
-  return 1 + 6 * D + 2 * D * D;
-}
-size_t eig_liwork(int64_t D) { return 3 + 5 * D; }
-
-// Sigma (row-major, symmetric, finite) -> U (row-major, columns = eigenvectors), l ascending.
-void eigh(const double* Sigma, int D, double* U, double* l, const EigScratch& s) {
-  if (D == 1) {
-    U[0] = 1.0;
-    l[0] = Sigma[0];
-    return;
-  }
-  // NB: for tiny matrices a few Jacobi sweeps beat dsyevd's setup (measured: 1 us vs 11 us at
-  // D = 4, equal at D = 16, 6x slower at D = 64), and groups of 2-8 channels come in large numbers.
-  // Above that, dbn_small::eigh_ql (Householder + implicit QL, vectorized) beats OpenBLAS's
-  // dsyevd (measured at D = 16 / 32 / 64 / 128: 11 / 43 / 206 / 1400 us against 65 / 210 / 560 /
-  // 2200 us on a Zen 4); dsyevd and Jacobi remain as fallbacks should it not converge.
-  if (D > kJacobiMaxD && dbn_small::eigh_ql(Sigma, D, U, l, s.work)) return;
-  if (blas().dsyevd && D > kJacobiMaxD) {
-    std::memcpy(s.a, Sigma, sizeof(double) * D * D);
-    int info = 0;
-    blas().dsyevd("V", "U", &D, s.a, &D, l, s.work, &s.lwork, s.iwork, &s.liwork, &info, 1, 1);
-    if (info == 0) {
-      for (int i = 0; i < D; ++i)
-        for (int j = 0; j < D; ++j) U[i * D + j] = s.a[i + j * D];  // column-major -> row-major
-      return;
-    }
-  }
-  std::memcpy(s.a, Sigma, sizeof(double) * D * D);
-  dbn_jacobi_eigh(s.a, U, l, D);
-}
-
-// ---- Panel gather / scatter -------------------------------------------------------------------
-// P[d*ldp + k] = x[n, g*D + d, s] - shift[d] for the kc columns starting at j0 (j = n*S + s).
-template <typename T, typename A>
-void gather(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, const A* shift, A* P,
-            int64_t ldp) {
-  int64_t j = j0, k = 0;
-  while (k < kc) {
-    const int64_t n = j / q.S, s = j % q.S;
-    const int64_t run = std::min(q.S - s, kc - k);
-    const T* base = x + (n * q.C + g * q.D) * q.S + s;
-    for (int64_t d = 0; d < q.D; ++d) {
-      const T* src = base + d * q.S;
-      A* dst = P + d * ldp + k;
-      const A sh = shift ? shift[d] : A(0);
-      for (int64_t r = 0; r < run; ++r) dst[r] = to_acc(src[r]) - sh;
-    }
-    k += run;
-    j += run;
-  }
-}
-
-// gather without shift that also returns the row sums of the panel: sum[d] = sum_k P[d*ldp + k]
-// (saves a pass over the panel where the caller needs them).
-template <typename T, typename A>
-void gather_sum(const T* x, const Geo& q, int64_t g, int64_t j0, int64_t kc, A* P, int64_t ldp,
-                A* sum) {
-  for (int64_t d = 0; d < q.D; ++d) sum[d] = A(0);
-  int64_t j = j0, k = 0;
-  while (k < kc) {
-    const int64_t n = j / q.S, s = j % q.S;
-    const int64_t run = std::min(q.S - s, kc - k);
-    const T* base = x + (n * q.C + g * q.D) * q.S + s;
-    for (int64_t d = 0; d < q.D; ++d) {
-      const T* src = base + d * q.S;
-      A* dst = P + d * ldp + k;
-      A acc = 0;
-#pragma omp simd reduction(+ : acc)
-      for (int64_t r = 0; r < run; ++r) {
-        const A v = to_acc(src[r]);
-        dst[r] = v;
-        acc += v;
-      }
-      sum[d] += acc;
-    }
-    k += run;
-    j += run;
-  }
-}
-
-template <typename T, typename A>
-void scatter(const A* P, int64_t ldp, const Geo& q, int64_t g, int64_t j0, int64_t kc, T* y) {
-  int64_t j = j0, k = 0;
-  while (k < kc) {
-    const int64_t n = j / q.S, s = j % q.S;
-    const int64_t run = std::min(q.S - s, kc - k);
-    T* base = y + (n * q.C + g * q.D) * q.S + s;
-    for (int64_t d = 0; d < q.D; ++d) {
-      T* dst = base + d * q.S;
-      const A* src = P + d * ldp + k;
-      for (int64_t r = 0; r < run; ++r) dst[r] = from_acc<T>(src[r]);
-    }
-    k += run;
-    j += run;
-  }
-}
-
-template <typename SrcT>
-double load_d(const void* p, int64_t i) {
-  return static_cast<double>(to_acc(static_cast<const SrcT*>(p)[i]));
-}
-double load_any(DType t, const void* p, int64_t i) {
-  switch (t) {
-    case DType::kFloat16: return load_d<Half>(p, i);
-    case DType::kFloat32: return load_d<float>(p, i);
-    default: return load_d<double>(p, i);
-  }
-}
-void store_any(DType t, void* p, int64_t i, double v) {
-  switch (t) {
-    case DType::kFloat16: static_cast<Half*>(p)[i] = from_acc<Half>(static_cast<float>(v)); break;
-    case DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    default: static_cast<double*>(p)[i] = v; break;
-  }
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
+  if (C % G != 0) return "C must be divisible by G";
+  return dbn_group_size_error(C / G, kDbnMaxGroupSizeCpu, "cpu");
 }
 
 // ---- Group blocks -------------------------------------------------------------------------------
@@ -546,7 +94,7 @@ void store_any(DType t, void* p, int64_t i, double v) {
 // the tensor is small (then blocking only adds barriers).
 constexpr int64_t kBlockBytes = int64_t(4) << 20;
 
-int64_t group_block(const Geo& q, size_t elem, int nt) {
+int64_t group_block(const PanelGeo& q, size_t elem, int nt) {
 #if defined(GNMX_DBN_PROFILE)
   if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return q.G;
 #endif
@@ -561,7 +109,7 @@ int64_t group_block(const Geo& q, size_t elem, int nt) {
 // a block's) in flight per thread; measured on a Zen 4 at 2 threads: 128x256x8x8 G=4 forward
 // 3.6 vs 3.9-4.2 ms. Small tensors keep the chunk-parallel passes (there the per-group split was
 // 5-15% slower: 8x128x32x32 G=8).
-bool use_per_group(const Geo& q, size_t elem, int nt) {
+bool use_per_group(const PanelGeo& q, size_t elem, int nt) {
 #if defined(GNMX_DBN_PROFILE)
   if (std::getenv("GNMX_DBN_PROFILE_CHUNKED")) return false;  // stage timestamps need the passes
 #endif
@@ -591,7 +139,7 @@ struct FwdLayout {
 };
 
 template <typename A>
-FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
+FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
   FwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -617,7 +165,7 @@ FwdLayout<A> fwd_layout(Carver* c, const Geo& q, int T) {
 template <typename T>
 const char* fwd_impl(const DbnFwdArgs& a) {
   using A = AccT<T>;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
   const FwdLayout<A> L = fwd_layout<A>(&cv, q, nt);
@@ -735,15 +283,15 @@ const char* fwd_impl(const DbnFwdArgs& a) {
       for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
       if (a.running_proj) {
         for (int64_t i = 0; i < DD; ++i) {
-          const double r = load_any(a.stat_dtype, a.running_proj, g * DD + i);
-          store_any(a.stat_dtype, a.running_proj, g * DD + i,
+          const double r = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i);
+          dbn_store_stat(a.stat_dtype, a.running_proj, g * DD + i,
                     dbn_running_update(r, Wd[i], a.momentum));
         }
       }
       if (a.running_mean) {
         for (int64_t i = 0; i < D; ++i) {
-          const double r = load_any(a.stat_dtype, a.running_mean, g * D + i);
-          store_any(a.stat_dtype, a.running_mean, g * D + i,
+          const double r = dbn_load_stat(a.stat_dtype, a.running_mean, g * D + i);
+          dbn_store_stat(a.stat_dtype, a.running_mean, g * D + i,
                     dbn_running_update(r, static_cast<double>(mean[g * D + i]), a.momentum));
         }
       }
@@ -822,7 +370,7 @@ struct BwdLayout {
 };
 
 template <typename A>
-BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
+BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
   BwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -845,7 +393,7 @@ BwdLayout<A> bwd_layout(Carver* c, const Geo& q, int T) {
 template <typename T>
 const char* bwd_impl(const DbnBwdArgs& a) {
   using A = AccT<T>;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
   const BwdLayout<A> L = bwd_layout<A>(&cv, q, nt);
@@ -955,7 +503,7 @@ struct InfLayout {
 };
 
 template <typename A>
-InfLayout<A> inf_layout(Carver* c, const Geo& q, int T) {
+InfLayout<A> inf_layout(Carver* c, const PanelGeo& q, int T) {
   InfLayout<A> L;
   L.P = c->take<A>(q.G * q.D * q.D);
   L.shift = c->take<A>(q.C);
@@ -967,7 +515,7 @@ InfLayout<A> inf_layout(Carver* c, const Geo& q, int T) {
 template <typename T>
 const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   using A = AccT<T>;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
   const InfLayout<A> L = inf_layout<A>(&cv, q, nt);
@@ -978,11 +526,11 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   for (int64_t g = 0; g < q.G; ++g)
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) {
-        const double p = load_any(a.stat_dtype, a.running_proj, g * DD + i * D + j);
+        const double p = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i * D + j);
         L.P[g * DD + (backward ? j * D + i : i * D + j)] = static_cast<A>(p);
       }
   for (int64_t c = 0; c < q.C; ++c)
-    L.shift[c] = backward ? A(0) : static_cast<A>(load_any(a.stat_dtype, a.running_mean, c));
+    L.shift[c] = backward ? A(0) : static_cast<A>(dbn_load_stat(a.stat_dtype, a.running_mean, c));
   const int64_t items = q.G * q.nchunk;
 #pragma omp parallel num_threads(nt)
   {
@@ -1000,82 +548,68 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   return nullptr;
 }
 
-bool stat_dtype_ok(DType data, DType stat) { return stat == data || stat == acc_dtype(data); }
+// Runs f(T{}) for the storage type of `t` (dispatch_cpu.h) and returns f's error, or the
+// dispatcher's for an unsupported dtype.
+template <typename F>
+const char* run_typed(DType t, F&& f) {
+  const char* err = nullptr;
+  if (const char* e = cpu::dispatch_data(t, [&](auto tag) { err = f(tag); })) return e;
+  return err;
+}
 
 }  // namespace
-
-bool dbn_have_lapack() { return blas().dsyevd != nullptr; }
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
-  if (a.dtype == DType::kFloat64) fwd_layout<double>(&c, q, nt);
-  else fwd_layout<float>(&c, q, nt);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { fwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
   return c.off + kAlign;
 }
 
 size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
-  if (a.dtype == DType::kFloat64) bwd_layout<double>(&c, q, nt);
-  else bwd_layout<float>(&c, q, nt);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { bwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
   return c.off + kAlign;
 }
 
 size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  const Geo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
   const int nt = resolve_threads(a.num_threads);
-  if (a.dtype == DType::kFloat64) inf_layout<double>(&c, q, nt);
-  else inf_layout<float>(&c, q, nt);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { inf_layout<AccT<decltype(tag)>>(&c, q, nt); });
   return c.off + kAlign;
 }
 
 const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval || !a.workspace)
-    return "dbn_fwd_cpu: null pointer";
-  if ((a.running_mean || a.running_proj) && !stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_fwd_cpu: running statistics must have the data dtype or its accumulation dtype";
-  if (!(a.eps > 0)) return "dbn_fwd_cpu: eps must be > 0";
-  switch (a.dtype) {
-    case DType::kFloat16: return fwd_impl<Half>(a);
-    case DType::kFloat32: return fwd_impl<float>(a);
-    case DType::kFloat64: return fwd_impl<double>(a);
-  }
-  return "dbn_fwd_cpu: unsupported dtype";
+    return "forward: null pointer";
+  if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "running statistics must have the data dtype or its accumulation dtype";
+  if (!(a.eps > 0)) return "eps must be > 0";
+  return run_typed(a.dtype, [&](auto tag) { return fwd_impl<decltype(tag)>(a); });
 }
 
 const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx || !a.workspace)
-    return "dbn_bwd_cpu: null pointer";
-  switch (a.dtype) {
-    case DType::kFloat16: return bwd_impl<Half>(a);
-    case DType::kFloat32: return bwd_impl<float>(a);
-    case DType::kFloat64: return bwd_impl<double>(a);
-  }
-  return "dbn_bwd_cpu: unsupported dtype";
+    return "backward: null pointer";
+  return run_typed(a.dtype, [&](auto tag) { return bwd_impl<decltype(tag)>(a); });
 }
 
 static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean) || !a.workspace)
-    return "dbn_inference_cpu: null pointer";
-  if (!stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_inference_cpu: running statistics must have the data dtype or its accumulation "
-           "dtype";
-  switch (a.dtype) {
-    case DType::kFloat16: return inference_impl<Half>(a, backward);
-    case DType::kFloat32: return inference_impl<float>(a, backward);
-    case DType::kFloat64: return inference_impl<double>(a, backward);
-  }
-  return "dbn_inference_cpu: unsupported dtype";
+    return "inference: null pointer";
+  if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
+    return "running statistics must have the data dtype or its accumulation dtype";
+  return run_typed(a.dtype, [&](auto tag) { return inference_impl<decltype(tag)>(a, backward); });
 }
 
 const char* dbn_inference_cpu(const DbnInferenceArgs& a) { return inference_dispatch(a, false); }

@@ -41,7 +41,7 @@ namespace {
 constexpr int kBlock = 256;
 constexpr int kWarp = 32;
 constexpr int kMaxE = 16;          // gram entries per thread per pass over the columns
-constexpr int kMaxD = 512;         // pair/eigenvalue arrays in static shared memory
+constexpr int kMaxD = static_cast<int>(kDbnMaxGroupSizeCuda);  // static shared-memory arrays
 constexpr size_t kAlign = 256;
 constexpr size_t kPanelBytes = 40 * 1024;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
@@ -69,7 +69,7 @@ int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
   if (C % G != 0) return "dbn: C must be divisible by G";
-  if (C / G > kMaxD) return "dbn: the CUDA kernels support C/num_groups <= 512";
+  if (const char* e = dbn_group_size_error(C / G, kMaxD, "gpu")) return e;
   if (G > INT_MAX || N * S > (int64_t(1) << 40)) return "dbn: tensor too large";
   return nullptr;
 }

@@ -18,12 +18,8 @@
 #include <cstring>
 #include <utility>
 
+#include "cpu_isa.h"
 #include "dbn_math.h"
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#include <immintrin.h>
-#define GNMX_DBN_SMALL_AVX2 1
-#endif
 
 namespace gn_mx {
 namespace dbn_small {
@@ -42,7 +38,7 @@ inline void dmm_nn_generic(const double* A, int lda, const double* B, int ldb, d
   }
 }
 
-#if defined(GNMX_DBN_SMALL_AVX2)
+#if defined(GNMX_CPU_X86)
 // Rows [0, R) of C, columns [j, j + 8): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
 template <int R>
 __attribute__((target("avx2,fma"), always_inline)) inline void dmm_tile(
@@ -100,21 +96,12 @@ inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, doub
   }
 }
 
-inline bool use_avx2() {
-  static const bool ok = [] {
-    const char* isa = std::getenv("GNMX_CPU_ISA");
-    if (isa && std::strcmp(isa, "generic") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma");
-  }();
-  return ok;
-}
 #endif
 
 inline void dmm_nn(const double* A, int lda, const double* B, int ldb, double* C, int ldc, int M,
                    int N, int K) {
-#if defined(GNMX_DBN_SMALL_AVX2)
-  if (use_avx2()) return dmm_nn_avx2(A, lda, B, ldb, C, ldc, M, N, K);
+#if defined(GNMX_CPU_X86)
+  if (cpu_has_avx2()) return dmm_nn_avx2(A, lda, B, ldb, C, ldc, M, N, K);
 #endif
   dmm_nn_generic(A, lda, B, ldb, C, ldc, M, N, K);
 }
@@ -387,7 +374,7 @@ __attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int 
   return true;
 }
 
-#if defined(GNMX_DBN_SMALL_AVX2)
+#if defined(GNMX_CPU_X86)
 __attribute__((target("avx2,fma"))) inline bool eigh_ql_avx2(const double* A, int D, double* U,
                                                              double* l, double* work) {
   return eigh_ql_body(A, D, U, l, work);
@@ -395,8 +382,8 @@ __attribute__((target("avx2,fma"))) inline bool eigh_ql_avx2(const double* A, in
 #endif
 
 inline bool eigh_ql(const double* A, int D, double* U, double* l, double* work) {
-#if defined(GNMX_DBN_SMALL_AVX2)
-  if (use_avx2()) return eigh_ql_avx2(A, D, U, l, work);
+#if defined(GNMX_CPU_X86)
+  if (cpu_has_avx2()) return eigh_ql_avx2(A, D, U, l, work);
 #endif
   return eigh_ql_body(A, D, U, l, work);
 }

@@ -16,7 +16,7 @@ const char* dispatch_data(DType t, F&& f) {
     case DType::kFloat64: f(double{}); return nullptr;
     case DType::kFloat16: f(Half{}); return nullptr;
   }
-  return "gn_mx: unsupported data dtype";
+  return "unsupported data dtype";
 }
 
 // Calls Impl<T, P>::run(a) for a's (dtype, param_dtype) pair.
@@ -32,7 +32,7 @@ const char* dispatch_data_param(const Args& a) {
     Impl<Half, float>::run(a);
     return nullptr;
   }
-  return "gn_mx: parameter dtype must equal the data dtype (or be float32 with float16 data)";
+  return "parameter dtype must equal the data dtype (or be float32 with float16 data)";
 }
 
 }  // namespace cpu

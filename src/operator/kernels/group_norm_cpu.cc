@@ -688,8 +688,8 @@ void bwd_impl(const GroupNormBwdArgs& a) {
 }
 
 const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || S <= 0) return "gn_mx: empty tensors are not supported";
-  if (G <= 0 || C % G != 0) return "gn_mx: channels must be divisible by num_groups > 0";
+  if (N <= 0 || C <= 0 || S <= 0) return "empty tensors are not supported";
+  if (G <= 0 || C % G != 0) return "channels must be divisible by num_groups > 0";
   return nullptr;
 }
 
@@ -720,9 +720,9 @@ const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a) {
 
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (a.workspace == nullptr) return "gn_mx: group_norm backward needs a workspace";
+  if (a.workspace == nullptr) return "backward needs a workspace";
   if (a.act != Act::kNone && a.beta == nullptr)
-    return "gn_mx: group_norm backward with an activation needs beta";
+    return "backward with an activation needs beta";
   return cpu::dispatch_data_param<BwdRun>(a);
 }
 

@@ -20,12 +20,8 @@
 #include <type_traits>
 
 #include "../common/acc_type.h"
+#include "cpu_isa.h"
 #include "group_norm_math.h"
-
-#if (defined(__x86_64__) || defined(__i386__)) && (defined(__GNUC__) || defined(__clang__))
-#define GNMX_X86_DISPATCH 1
-#include <immintrin.h>
-#endif
 
 namespace gn_mx {
 namespace simd {
@@ -57,7 +53,6 @@ struct Prims {
   // Widen / narrow a short run through an AccT buffer (small-spatial paths).
   void (*load)(const T* x, A* out, int64_t n);
   void (*store)(const A* in, T* out, int64_t n);
-  const char* isa;
 };
 
 // Fills the tables of a Prims from templates Affine<ACT, NT>::f, Sums<ACT>::f, Dx<ACT, NT>::f; the
@@ -172,7 +167,6 @@ const Prims<T>& generic_prims() {
     q.fence = fence_none;
     q.load = load_generic<T>;
     q.store = store_generic<T>;
-    q.isa = "generic";
     return q;
   }();
   return p;
@@ -181,7 +175,7 @@ const Prims<T>& generic_prims() {
 // ------------------------------------------------------------------------------------------------
 // AVX2 + FMA + F16C versions (fp32 and fp16 data; fp64 gets the portable loops vectorized for AVX2).
 
-#if defined(GNMX_X86_DISPATCH)
+#if defined(GNMX_CPU_X86)
 #define GNMX_AVX2 __attribute__((target("avx2,fma,f16c")))
 #define GNMX_AVX2_INLINE __attribute__((target("avx2,fma,f16c"), always_inline)) inline
 
@@ -210,13 +204,6 @@ GNMX_AVX2_INLINE float ld1(const float* p) { return *p; }
 GNMX_AVX2_INLINE float ld1(const Half* p) { return _cvtsh_ss(p->bits); }
 GNMX_AVX2_INLINE void st1(float* p, float v) { *p = v; }
 GNMX_AVX2_INLINE void st1(Half* p, float v) { p->bits = _cvtss_sh(v, _MM_FROUND_TO_NEAREST_INT); }
-
-GNMX_AVX2_INLINE float hsum8(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_shuffle_ps(s, s, 0x55));
-  return _mm_cvtss_f32(s);
-}
 
 template <typename T>
 GNMX_AVX2 void moments_avx2(const T* x, int64_t n, float* mean, float* m2) {
@@ -413,17 +400,6 @@ GNMX_AVX2 void bwd_dx_avx2_d(const double* x, const double* dy, double* dx, int6
   bwd_dx_generic<double, ACT>(x, dy, dx, n, mu, a, b, c1, c2, c3);
 }
 
-inline bool cpu_has_avx2() {
-  static const bool ok = [] {
-    const char* e = std::getenv("GNMX_CPU_ISA");
-    if (e != nullptr && std::strcmp(e, "generic") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  return ok;
-}
-
 template <typename T> struct Avx2Ops {
   template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2<T, ACT, NT>; };
   template <int ACT> struct Sums { static constexpr auto f = bwd_sums_avx2<T, ACT>; };
@@ -452,7 +428,6 @@ const Prims<T>& avx2_prims() {
       q.load = load_avx2<T>;
       q.store = store_avx2<T>;
     }
-    q.isa = "avx2";
     return q;
   }();
   return p;

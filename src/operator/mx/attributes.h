@@ -32,8 +32,7 @@ namespace mxa {
 using AttrMap = std::unordered_map<std::string, std::string>;
 
 namespace limits {
-// Largest DBN group (C / num_groups): the D x D eigendecomposition is per group.
-constexpr int64_t kMaxDbnGroupSize = 4096;
+// The DBN group-size limits are kDbnMaxGroupSizeCpu / kDbnMaxGroupSizeCuda in kernels/dbn.h.
 // Smallest eps > 0 whose running projection (up to 1/sqrt(eps) for a direction without variance)
 // still fits float16 running statistics: 1 / 65504^2, rounded up.
 constexpr double kMinEpsFloat16Stats = 2.4e-10;

@@ -104,9 +104,9 @@ MXReturnValue dbn_shape_common(const char* op, bool training, const AttrMap& att
   const auto& ds = (*in)[kData];
   if (shape_unknown(ds)) return MX_SUCCESS;
   const GroupShape gs = data_groups(op, to_i64(ds), p.num_groups);
-  if (gs.D > limits::kMaxDbnGroupSize)
-    fail(op, ": group size C/num_groups = ", gs.D, " is too large (max ", limits::kMaxDbnGroupSize,
-         ")");
+  // lib_api shape inference does not know the device: the CPU limit here, the CUDA one (smaller)
+  // first thing in the GPU callbacks (gpu_ops.cc); one message format (dbn_group_size_error).
+  if (const char* e = dbn_group_size_error(gs.D, kDbnMaxGroupSizeCpu, "cpu")) fail(op, ": ", e);
   for (int i : {kRunMean, kRunProj}) {
     const std::vector<unsigned> want = i == kRunMean ? mean_shape(gs) : proj_shape(gs);
     auto& s = (*in)[i];

@@ -20,6 +20,11 @@ void* gpu_workspace(size_t bytes, const OpResource& res, const char* op, Workspa
   ws->commit(res, true, op);
   return ws->at(off);
 }
+
+// The CUDA group-size limit, checked before any workspace or launch.
+const char* dbn_cuda_limit(int64_t C, int64_t G) {
+  return G > 0 ? dbn_group_size_error(C / G, kDbnMaxGroupSizeCuda, "gpu") : nullptr;
+}
 }  // namespace
 
 const char* moments_gpu(const MomentsArgs& a, const OpResource& res) {
@@ -51,12 +56,14 @@ static const char* zero_gpu(MXTensor* t, const OpResource& res) {
 }
 
 const char* dbn_fwd_gpu(DbnFwdArgs a, const OpResource& res) {
+  if (const char* e = dbn_cuda_limit(a.C, a.G)) return e;
   Workspace ws;
   a.workspace = gpu_workspace(dbn_fwd_workspace_cuda(a), res, "gn_dbn", &ws);
   return dbn_fwd_cuda(a, res.get_cuda_stream());
 }
 
 const char* dbn_bwd_gpu(DbnBwdArgs a, const OpResource& res, MXTensor* zero1, MXTensor* zero2) {
+  if (const char* e = dbn_cuda_limit(a.C, a.G)) return e;
   Workspace ws;
   a.workspace = gpu_workspace(dbn_bwd_workspace_cuda(a), res, "gn_dbn", &ws);
   if (const char* e = dbn_bwd_cuda(a, res.get_cuda_stream())) return e;
@@ -66,6 +73,7 @@ const char* dbn_bwd_gpu(DbnBwdArgs a, const OpResource& res, MXTensor* zero1, MX
 
 const char* dbn_inference_gpu(DbnInferenceArgs a, bool backward, const OpResource& res,
                               MXTensor* zero1, MXTensor* zero2) {
+  if (const char* e = dbn_cuda_limit(a.C, a.G)) return e;
   Workspace ws;
   a.workspace = gpu_workspace(dbn_inference_workspace_cuda(a), res, "gn_dbn_inference", &ws);
   const char* e = backward ? dbn_inference_bwd_cuda(a, res.get_cuda_stream())
