@@ -91,6 +91,15 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
   *v = e ? std::atoi(e) : 4;
   return cudaSuccess;
 }
+// Resident blocks per SM: GNMX_EMU_BLOCKS_PER_SM, else what 2048 threads per SM allow (the
+// real API also weighs registers and shared memory; the emulator has neither).
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void*, int threads,
+                                                                 size_t) {
+  const char* e = std::getenv("GNMX_EMU_BLOCKS_PER_SM");
+  *n = e ? std::atoi(e) : (threads > 0 ? 2048 / threads : 1);
+  if (*n < 1) *n = 1;
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
   std::memset(p, v, n);
   return cudaSuccess;
