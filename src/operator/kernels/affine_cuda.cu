@@ -14,6 +14,8 @@
 namespace gn_mx {
 namespace {
 
+constexpr int kMaxBwdThreads = 512;  // backward block size for S >= 512
+
 template <typename T, typename P>
 __global__ void affine_fwd_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
                                   const P* __restrict__ beta, T* __restrict__ y, int64_t total,
@@ -45,7 +47,7 @@ __global__ void affine_bwd_kernel(const T* __restrict__ dy, const T* __restrict_
       dx[off + s] = from_acc<T>(go * g);
     }
   }
-  const Pair<A> sums = block_sum(Pair<A>{sg, sb});
+  const Pair<A> sums = block_sum<kMaxBwdThreads>(Pair<A>{sg, sb});
   if (threadIdx.x == 0) {
     if (dgamma) dgamma[c] = from_acc<P>(sums.a);
     if (dbeta) dbeta[c] = from_acc<P>(sums.b);
@@ -67,7 +69,7 @@ const char* fwd_typed(const AffineArgs& a, cudaStream_t stream) {
 
 template <typename T, typename P>
 const char* bwd_typed(const AffineBwdArgs& a, cudaStream_t stream) {
-  const int threads = a.S >= 512 ? 512 : (a.S >= 128 ? 128 : 32);
+  const int threads = a.S >= kMaxBwdThreads ? kMaxBwdThreads : (a.S >= 128 ? 128 : 32);
   affine_bwd_kernel<T, P><<<static_cast<unsigned>(a.C), threads, 0, stream>>>(
       static_cast<const T*>(a.dy), static_cast<const T*>(a.x), static_cast<const P*>(a.gamma),
       static_cast<T*>(a.dx), static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta), a.N, a.C,

@@ -10,7 +10,7 @@
  *                            "one wave" plans follow the kernels' real register/shared-memory use;
  *   warp_reduce / block_reduce and their sum, max and Welford (count, mean, M2) forms.
  * Block reductions return the result to every thread, need every thread of the block (blockDim.x a
- * multiple of 32, at most 1024) and may be called repeatedly: they begin with a barrier, so their
+ * multiple of 32, at most their kMaxThreads argument, default 1024) and may be called repeatedly: they begin with a barrier, so their
  * shared slots are never overwritten while a previous call still reads them.
  */
 #pragma once
@@ -165,9 +165,11 @@ struct alignas(V) RawSlots {
   __device__ __forceinline__ V* get() { return reinterpret_cast<V*>(bytes); }
 };
 
-template <typename V, typename Op>
+// kMaxThreads: the largest blockDim.x of the caller's launches (sizes the per-warp slots).
+template <int kMaxThreads = 1024, typename V, typename Op>
 __device__ __forceinline__ V block_reduce(V v, Op op) {
-  __shared__ RawSlots<V, kWarpSize> s_raw;
+  static_assert(kMaxThreads % kWarpSize == 0 && kMaxThreads <= 1024, "block size");
+  __shared__ RawSlots<V, kMaxThreads / kWarpSize> s_raw;
   __shared__ RawSlots<V, 1> s_out_raw;
   V* s_part = s_raw.get();
   V* s_out = s_out_raw.get();
@@ -187,17 +189,17 @@ __device__ __forceinline__ V block_reduce(V v, Op op) {
 
 template <int kWidth = kWarpSize, typename V>
 __device__ __forceinline__ V warp_sum(V v) { return warp_reduce<kWidth>(v, SumOp{}); }
-template <typename V>
-__device__ __forceinline__ V block_sum(V v) { return block_reduce(v, SumOp{}); }
-template <typename V>
-__device__ __forceinline__ V block_max(V v) { return block_reduce(v, MaxOp{}); }
+template <int kMaxThreads = 1024, typename V>
+__device__ __forceinline__ V block_sum(V v) { return block_reduce<kMaxThreads>(v, SumOp{}); }
+template <int kMaxThreads = 1024, typename V>
+__device__ __forceinline__ V block_max(V v) { return block_reduce<kMaxThreads>(v, MaxOp{}); }
 template <typename A>
 __device__ __forceinline__ Welford<A> warp_welford(Welford<A> w) {
   return warp_reduce(w, WelfordOp{});
 }
-template <typename A>
+template <int kMaxThreads = 1024, typename A>
 __device__ __forceinline__ Welford<A> block_welford(Welford<A> w) {
-  return block_reduce(w, WelfordOp{});
+  return block_reduce<kMaxThreads>(w, WelfordOp{});
 }
 
 }  // namespace gn_mx

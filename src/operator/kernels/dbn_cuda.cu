@@ -207,7 +207,7 @@ channel_mean_kernel(const T* __restrict__ x, int64_t N, int64_t C, int64_t S,
       s += static_cast<double>(to_acc(x[(n * C + c) * S + (j - n * S)]));
     }
   }
-  s = block_sum(s);
+  s = block_sum<kBlock>(s);
   if (threadIdx.x == 0) mean[c] = static_cast<AccT<T>>(s / static_cast<double>(m));
 }
 
@@ -304,13 +304,13 @@ __device__ void block_jacobi(double* A, double* U, int D) {
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) U[e] = (e / D == e % D) ? 1.0 : 0.0;
   double part = 0.0;
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) part = fmax(part, fabs(A[e]));
-  const int ex = dbn_jacobi_scale_exponent(block_max(part));  // also syncs A
+  const int ex = dbn_jacobi_scale_exponent(block_max<kBlock>(part));  // also syncs A
   if (ex != 0)
     for (int e = threadIdx.x; e < D * D; e += blockDim.x) A[e] = ldexp(A[e], -ex);
   __syncthreads();
   part = 0.0;
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) part += A[e] * A[e];
-  const double tol = 1e-30 * block_sum(part);  // also syncs U / A
+  const double tol = 1e-30 * block_sum<kBlock>(part);  // also syncs U / A
   const int Dp = D + (D & 1), npairs = Dp / 2;
   for (int sweep = 0; sweep < 100; ++sweep) {
     part = 0.0;
@@ -318,7 +318,7 @@ __device__ void block_jacobi(double* A, double* U, int D) {
       const int i = e / D, j = e - i * D;
       if (i < j) part += A[e] * A[e];
     }
-    const double off = block_sum(part);
+    const double off = block_sum<kBlock>(part);
     if (off <= tol || off == 0.0) break;
     for (int r = 0; r < Dp - 1; ++r) {
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {

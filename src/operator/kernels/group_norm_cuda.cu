@@ -142,7 +142,7 @@ stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, AccT<
   const uint32_t begin = blockIdx.y * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   Welford<A> w = thread_moments<T, V, A>(x + ng * L, begin, end);
-  w = block_welford(w);
+  w = block_welford<kBlock>(w);
   if (threadIdx.x != 0) return;
   if (mode == kStatsPartial) {
     A* p = part + (ng * gridDim.y + blockIdx.y) * 3;
@@ -383,7 +383,7 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
     }
   }
   if (kTeam == kBlock) {
-    acc = block_sum(acc);
+    acc = block_sum<kBlock>(acc);
     if (threadIdx.x == 0) {
       A* p = part + (row * gridDim.y + blockIdx.y) * 2;
       p[0] = acc.a;
@@ -473,7 +473,7 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
     ab.a += gm * ds;
     ab.b += gm * db;
   }
-  ab = block_sum(ab);
+  ab = block_sum<kBlock>(ab);
   const int64_t L = int64_t(D) * S;
   BwdOp<P, A, ACT> op;
   op.gamma = gg;
