@@ -812,10 +812,13 @@ size_t group_norm_fwd_workspace_cuda(const GroupNormFwdArgs& a) {
 
 size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
   size_t n = 0;
+  // The split plan follows the occupancy of the kernel for each activation; callers may ask for the
+  // workspace without naming the activation they launch with, so size it for the largest.
   dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
-    dispatch_act(a.act, [&](auto act) {
-      n = bwd_workspace<decltype(t), decltype(p), decltype(act)::value>(a);
-    });
+    using T = decltype(t);
+    using P = decltype(p);
+    n = std::max({bwd_workspace<T, P, kActNone>(a), bwd_workspace<T, P, kActRelu>(a),
+                  bwd_workspace<T, P, kActSilu>(a)});
   });
   return n;
 }
