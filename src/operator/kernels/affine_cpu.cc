@@ -60,7 +60,7 @@ struct AffineBwd {
 };
 
 const char* check(int64_t N, int64_t C, int64_t S) {
-  return (N <= 0 || C <= 0 || S <= 0) ? "gn_mx: empty tensors are not supported" : nullptr;
+  return (N <= 0 || C <= 0 || S <= 0) ? "empty tensors are not supported" : nullptr;
 }
 
 }  // namespace

@@ -8,12 +8,13 @@
 #include <cuda_runtime.h>
 
 #include "affine.h"
+#include "cuda_common.cuh"
+#include "../common/dispatch.h"
 
 namespace gn_mx {
 namespace {
 
-template <typename T> struct Storage { using type = T; };
-template <> struct Storage<Half> { using type = __half; };
+constexpr int kMaxBwdThreads = 512;  // backward block size for S >= 512
 
 template <typename T, typename P>
 __global__ void affine_fwd_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
@@ -28,26 +29,12 @@ __global__ void affine_fwd_kernel(const T* __restrict__ x, const P* __restrict__
   }
 }
 
-template <typename A>
-__device__ A block_sum(A v, A* shared) {
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  if (lane == 0) shared[warp] = v;
-  __syncthreads();
-  v = threadIdx.x < (blockDim.x >> 5) ? shared[lane] : A(0);
-  if (warp == 0)
-    for (int o = 16; o > 0; o >>= 1) v += __shfl_down_sync(0xffffffffu, v, o);
-  __syncthreads();
-  return v;  // valid in thread 0
-}
-
 template <typename T, typename P>
 __global__ void affine_bwd_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                   const P* __restrict__ gamma, T* __restrict__ dx,
                                   P* __restrict__ dgamma, P* __restrict__ dbeta, int64_t N,
                                   int64_t C, int64_t S) {
   using A = AccT<T>;
-  __shared__ A shared[32];
   const int64_t c = blockIdx.x;
   const A g = static_cast<A>(to_acc(gamma[c]));
   A sg = 0, sb = 0;
@@ -60,54 +47,41 @@ __global__ void affine_bwd_kernel(const T* __restrict__ dy, const T* __restrict_
       dx[off + s] = from_acc<T>(go * g);
     }
   }
-  sg = block_sum(sg, shared);
-  sb = block_sum(sb, shared);
+  const Pair<A> sums = block_sum<kMaxBwdThreads>(Pair<A>{sg, sb});
   if (threadIdx.x == 0) {
-    if (dgamma) dgamma[c] = from_acc<P>(sg);
-    if (dbeta) dbeta[c] = from_acc<P>(sb);
+    if (dgamma) dgamma[c] = from_acc<P>(sums.a);
+    if (dbeta) dbeta[c] = from_acc<P>(sums.b);
   }
 }
 
 template <typename T, typename P>
 const char* fwd_typed(const AffineArgs& a, cudaStream_t stream) {
-  using ST = typename Storage<T>::type;
-  using SP = typename Storage<P>::type;
   const int64_t total = a.N * a.C * a.S;
   const int threads = 256;
-  const int64_t blocks = (total + threads - 1) / threads;
-  affine_fwd_kernel<ST, SP><<<static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8),
+  const int64_t blocks = ceil_div(total, threads);
+  affine_fwd_kernel<T, P><<<static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8),
                               threads, 0, stream>>>(
-      static_cast<const ST*>(a.x), static_cast<const SP*>(a.gamma),
-      static_cast<const SP*>(a.beta), static_cast<ST*>(a.y), total, a.C, a.S);
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+      static_cast<const T*>(a.x), static_cast<const P*>(a.gamma),
+      static_cast<const P*>(a.beta), static_cast<T*>(a.y), total, a.C, a.S);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
 }
 
 template <typename T, typename P>
 const char* bwd_typed(const AffineBwdArgs& a, cudaStream_t stream) {
-  using ST = typename Storage<T>::type;
-  using SP = typename Storage<P>::type;
-  const int threads = a.S >= 512 ? 512 : (a.S >= 128 ? 128 : 32);
-  affine_bwd_kernel<ST, SP><<<static_cast<unsigned>(a.C), threads, 0, stream>>>(
-      static_cast<const ST*>(a.dy), static_cast<const ST*>(a.x), static_cast<const SP*>(a.gamma),
-      static_cast<ST*>(a.dx), static_cast<SP*>(a.dgamma), static_cast<SP*>(a.dbeta), a.N, a.C,
+  const int threads = a.S >= kMaxBwdThreads ? kMaxBwdThreads : (a.S >= 128 ? 128 : 32);
+  affine_bwd_kernel<T, P><<<static_cast<unsigned>(a.C), threads, 0, stream>>>(
+      static_cast<const T*>(a.dy), static_cast<const T*>(a.x), static_cast<const P*>(a.gamma),
+      static_cast<T*>(a.dx), static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta), a.N, a.C,
       a.S);
-  const cudaError_t e = cudaGetLastError();
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
 }
 
 template <typename Args, typename F>
 const char* dispatch(const Args& a, F&& f) {
-  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "gn_mx: empty tensors are not supported";
-  if (a.param_dtype == a.dtype) {
-    switch (a.dtype) {
-      case DType::kFloat32: return f(float{}, float{});
-      case DType::kFloat64: return f(double{}, double{});
-      case DType::kFloat16: return f(Half{}, Half{});
-    }
-  }
-  if (a.dtype == DType::kFloat16 && a.param_dtype == DType::kFloat32) return f(Half{}, float{});
-  return "gn_mx: parameter dtype must equal the data dtype (or be float32 with float16 data)";
+  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  return dispatch_data_param(a.dtype, a.param_dtype, f);
 }
 
 }  // namespace

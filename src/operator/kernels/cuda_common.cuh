@@ -1,12 +1,44 @@
 /*
- * cuda_common.cuh: host-side helpers shared by the .cu kernels (never included by host-compiled
- * files). sm_count() caches the multiprocessor count per device: launch plans size their grids to
- * fill the GPU once ("waves"), and cudaDeviceGetAttribute is too slow to ask on every launch.
+ * cuda_common.cuh: the helpers every .cu file of gn_mx shares (never included by host-compiled
+ * files):
+ *   cuda_error(e)            nullptr or the error string of a CUDA runtime result;
+ *   GN_CUDA_CHECK_LAUNCH()   after a launch: return cudaGetLastError()'s string on failure;
+ *   ceil_div, aligned16      launch-plan arithmetic;
+ *   sm_count, wave_blocks    the GPU's size: SMs (cached per device) times the resident blocks per
+ *                            SM that the occupancy API reports for the kernel actually launched
+ *                            (cached per kernel, device, block size and dynamic shared memory), so
+ *                            "one wave" plans follow the kernels' real register/shared-memory use;
+ *   warp_reduce / block_reduce and their sum, max and Welford (count, mean, M2) forms.
+ * Block reductions return the result to every thread, need every thread of the block (blockDim.x a
+ * multiple of 32, at most their kMaxThreads argument, default 1024) and may be called repeatedly: they begin with a barrier, so their
+ * shared slots are never overwritten while a previous call still reads them.
  */
 #pragma once
 #include <cuda_runtime.h>
 
+#include <cstdint>
+#include <mutex>
+#include <vector>
+
+#include "../common/welford.h"
+
+#define GN_CUDA_CHECK_LAUNCH()                                              \
+  do {                                                                      \
+    if (const char* gn_err_ = ::gn_mx::cuda_error(cudaGetLastError())) return gn_err_; \
+  } while (0)
+
 namespace gn_mx {
+
+// nullptr for cudaSuccess, else the error's string.
+inline const char* cuda_error(cudaError_t e) {
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+constexpr int kWarpSize = 32;
+
+inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
 // SM count of the current device into *out; nullptr or the CUDA error string.
 inline const char* sm_count(int* out) {
@@ -25,6 +57,149 @@ inline const char* sm_count(int* out) {
   if (dev >= 0 && dev < 64) cache[dev] = n;
   *out = n;
   return nullptr;
+}
+
+// Resident blocks per SM of `kernel` (a __global__ function) at `threads` threads and `smem` bytes
+// of dynamic shared memory, on the current device (>= 1); nullptr or the CUDA error string.
+inline const char* blocks_per_sm(const void* kernel, int threads, size_t smem, int* out) {
+  struct Entry {
+    const void* kernel;
+    int dev, threads;
+    size_t smem;
+    int blocks;
+  };
+  static std::mutex mu;
+  static std::vector<Entry> cache;
+  int dev = 0;
+  cudaError_t e = cudaGetDevice(&dev);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  {
+    std::lock_guard<std::mutex> lock(mu);
+    for (const Entry& c : cache)
+      if (c.kernel == kernel && c.dev == dev && c.threads == threads && c.smem == smem) {
+        *out = c.blocks;
+        return nullptr;
+      }
+  }
+  int n = 0;
+  e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
+  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (n <= 0) n = 1;
+  std::lock_guard<std::mutex> lock(mu);
+  cache.push_back(Entry{kernel, dev, threads, smem, n});
+  *out = n;
+  return nullptr;
+}
+
+// Blocks of `kernel` that fill the GPU once: SMs x resident blocks per SM.
+template <typename K>
+inline const char* wave_blocks(K* kernel, int threads, size_t smem, int64_t* out) {
+  int sms = 1, bps = 1;
+  if (const char* e = sm_count(&sms)) return e;
+  if (const char* e = blocks_per_sm(reinterpret_cast<const void*>(kernel), threads, smem, &bps))
+    return e;
+  *out = int64_t(sms) * bps;
+  return nullptr;
+}
+
+// ------------------------------------------------------------------------------------------------
+// Warp and block reductions
+
+template <typename A>
+struct Pair {  // two sums reduced together (one pass of shuffles)
+  A a, b;
+};
+
+template <typename V>
+__device__ __forceinline__ V shfl_xor(V v, int off) {
+  return __shfl_xor_sync(0xffffffffu, v, off);
+}
+template <typename A>
+__device__ __forceinline__ Pair<A> shfl_xor(const Pair<A>& p, int off) {
+  return Pair<A>{shfl_xor(p.a, off), shfl_xor(p.b, off)};
+}
+template <typename A>
+__device__ __forceinline__ Welford<A> shfl_xor(const Welford<A>& w, int off) {
+  return make_welford<A>(shfl_xor(w.count, off), shfl_xor(w.mean, off), shfl_xor(w.m2, off));
+}
+
+struct SumOp {
+  template <typename V>
+  __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
+  template <typename A>
+  __device__ __forceinline__ Pair<A> operator()(Pair<A> x, Pair<A> y) const {
+    return Pair<A>{x.a + y.a, x.b + y.b};
+  }
+  template <typename V>
+  __device__ __forceinline__ V identity() const { return V{}; }
+};
+struct MaxOp {  // for values >= 0 (identity 0)
+  template <typename V>
+  __device__ __forceinline__ V operator()(V a, V b) const { return fmax(a, b); }
+  template <typename V>
+  __device__ __forceinline__ V identity() const { return V(0); }
+};
+struct WelfordOp {  // Chan merge
+  template <typename A>
+  __device__ __forceinline__ Welford<A> operator()(Welford<A> a, const Welford<A>& b) const {
+    a.merge(b);
+    return a;
+  }
+  template <typename V>
+  __device__ __forceinline__ V identity() const { return V(); }
+};
+
+// Reduction within aligned teams of kWidth lanes (a power of two <= 32); every lane gets its team's.
+template <int kWidth = kWarpSize, typename V, typename Op>
+__device__ __forceinline__ V warp_reduce(V v, Op op) {
+#pragma unroll
+  for (int off = kWidth / 2; off > 0; off >>= 1) v = op(v, shfl_xor(v, off));
+  return v;
+}
+
+// Uninitialized storage for n values of V: __shared__ variables take no constructors (Welford has
+// member initializers).
+template <typename V, int n>
+struct alignas(V) RawSlots {
+  unsigned char bytes[n * sizeof(V)];
+  __device__ __forceinline__ V* get() { return reinterpret_cast<V*>(bytes); }
+};
+
+// kMaxThreads: the largest blockDim.x of the caller's launches (sizes the per-warp slots).
+template <int kMaxThreads = 1024, typename V, typename Op>
+__device__ __forceinline__ V block_reduce(V v, Op op) {
+  static_assert(kMaxThreads % kWarpSize == 0 && kMaxThreads <= 1024, "block size");
+  __shared__ RawSlots<V, kMaxThreads / kWarpSize> s_raw;
+  __shared__ RawSlots<V, 1> s_out_raw;
+  V* s_part = s_raw.get();
+  V* s_out = s_out_raw.get();
+  const int lane = threadIdx.x % kWarpSize, wid = threadIdx.x / kWarpSize;
+  v = warp_reduce(v, op);
+  __syncthreads();  // the slots may still be read by a previous call
+  if (lane == 0) s_part[wid] = v;
+  __syncthreads();
+  if (wid == 0) {
+    v = lane < int(blockDim.x / kWarpSize) ? s_part[lane] : op.template identity<V>();
+    v = warp_reduce(v, op);
+    if (lane == 0) *s_out = v;
+  }
+  __syncthreads();
+  return *s_out;
+}
+
+template <int kWidth = kWarpSize, typename V>
+__device__ __forceinline__ V warp_sum(V v) { return warp_reduce<kWidth>(v, SumOp{}); }
+template <int kMaxThreads = 1024, typename V>
+__device__ __forceinline__ V block_sum(V v) { return block_reduce<kMaxThreads>(v, SumOp{}); }
+template <int kMaxThreads = 1024, typename V>
+__device__ __forceinline__ V block_max(V v) { return block_reduce<kMaxThreads>(v, MaxOp{}); }
+template <typename A>
+__device__ __forceinline__ Welford<A> warp_welford(Welford<A> w) {
+  return warp_reduce(w, WelfordOp{});
+}
+template <int kMaxThreads = 1024, typename A>
+__device__ __forceinline__ Welford<A> block_welford(Welford<A> w) {
+  return block_reduce<kMaxThreads>(w, WelfordOp{});
 }
 
 }  // namespace gn_mx

@@ -34,23 +34,17 @@
 #include "dbn_math.h"
 #include "../common/carver.h"
 #include "cuda_common.cuh"
+#include "../common/dispatch.h"
 
 namespace gn_mx {
 namespace {
 
 constexpr int kBlock = 256;
-constexpr int kWarp = 32;
 constexpr int kMaxE = 16;          // gram entries per thread per pass over the columns
 constexpr int kMaxD = static_cast<int>(kDbnMaxGroupSizeCuda);  // static shared-memory arrays
 constexpr size_t kAlign = 256;
 constexpr size_t kPanelBytes = 40 * 1024;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
-
-#define DBN_CUDA_CHECK_LAUNCH()                                      \
-  do {                                                               \
-    const cudaError_t dbn_err_ = cudaGetLastError();                 \
-    if (dbn_err_ != cudaSuccess) return cudaGetErrorString(dbn_err_); \
-  } while (0)
 
 // ------------------------------------------------------------------------------------------------
 // Geometry and workspace
@@ -64,13 +58,11 @@ struct Geo {
   int64_t apply_blocks = 1;  // apply blocks per group
 };
 
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "dbn: N, C, G and S must be positive";
-  if (C % G != 0) return "dbn: C must be divisible by G";
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
+  if (C % G != 0) return "C must be divisible by G";
   if (const char* e = dbn_group_size_error(C / G, kMaxD, "gpu")) return e;
-  if (G > INT_MAX || N * S > (int64_t(1) << 40)) return "dbn: tensor too large";
+  if (G > INT_MAX || N * S > (int64_t(1) << 40)) return "tensor too large";
   return nullptr;
 }
 
@@ -82,19 +74,19 @@ int panel_k(int64_t D, int panels, size_t acc_size) {
   return K;
 }
 
+// gram_wave / apply_wave: blocks of the gram / apply kernel that fill the GPU once.
 Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
-             int64_t gram_entries, int sms) {
+             int64_t gram_entries, int64_t gram_wave, int64_t apply_wave) {
   Geo q;
   q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
   q.K = panel_k(q.D, panels, acc_size);
-  const int64_t wave = int64_t(sms) * (2048 / kBlock);
-  int64_t want = std::max<int64_t>(1, ceil_div(wave, G));
+  int64_t want = std::max<int64_t>(1, ceil_div(gram_wave, G));
   want = std::min(want, std::max<int64_t>(1, q.m / (4 * q.K)));
   if (gram_entries > 0)
     want = std::min(want, std::max<int64_t>(1, kMaxPartialDoubles / (G * gram_entries)));
   q.gram_cols = ceil_div(q.m, want);
   q.gram_chunks = ceil_div(q.m, q.gram_cols);
-  int64_t ab = std::max<int64_t>(1, ceil_div(2 * wave, G));
+  int64_t ab = std::max<int64_t>(1, ceil_div(2 * apply_wave, G));
   ab = std::min(ab, std::max<int64_t>(1, ceil_div(q.m, q.K)));
   ab = std::min<int64_t>(ab, 65535);
   q.apply_cols = ceil_div(q.m, ab);
@@ -156,41 +148,6 @@ InfWs<A> inf_ws(Carver* c, const Geo& q) {
 // ------------------------------------------------------------------------------------------------
 // Device helpers
 
-__device__ __forceinline__ double block_sum_all(double v) {
-  __shared__ double s_part[kBlock / kWarp];
-  __shared__ double s_out;
-  for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
-  __syncthreads();  // s_part / s_out may still be read from a previous call
-  if (lane == 0) s_part[wid] = v;
-  __syncthreads();
-  if (wid == 0) {
-    v = lane < int(blockDim.x / kWarp) ? s_part[lane] : 0.0;
-    for (int off = kWarp / 2; off > 0; off >>= 1) v += __shfl_xor_sync(0xffffffffu, v, off);
-    if (lane == 0) s_out = v;
-  }
-  __syncthreads();
-  return s_out;
-}
-
-// Block-wide max of v (v >= 0), returned to every thread.
-__device__ __forceinline__ double block_max_all(double v) {
-  __shared__ double s_mpart[kBlock / kWarp];
-  __shared__ double s_mout;
-  for (int off = kWarp / 2; off > 0; off >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, off));
-  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
-  __syncthreads();  // s_mpart / s_mout may still be read from a previous call
-  if (lane == 0) s_mpart[wid] = v;
-  __syncthreads();
-  if (wid == 0) {
-    v = lane < int(blockDim.x / kWarp) ? s_mpart[lane] : 0.0;
-    for (int off = kWarp / 2; off > 0; off >>= 1) v = fmax(v, __shfl_xor_sync(0xffffffffu, v, off));
-    if (lane == 0) s_mout = v;
-  }
-  __syncthreads();
-  return s_mout;
-}
-
 __device__ __forceinline__ double load_stat(DType t, const void* p, int64_t i) {
   switch (t) {
     case DType::kFloat16: return static_cast<double>(__half2float(static_cast<const __half*>(p)[i]));
@@ -250,7 +207,7 @@ channel_mean_kernel(const T* __restrict__ x, int64_t N, int64_t C, int64_t S,
       s += static_cast<double>(to_acc(x[(n * C + c) * S + (j - n * S)]));
     }
   }
-  s = block_sum_all(s);
+  s = block_sum<kBlock>(s);
   if (threadIdx.x == 0) mean[c] = static_cast<AccT<T>>(s / static_cast<double>(m));
 }
 
@@ -347,13 +304,13 @@ __device__ void block_jacobi(double* A, double* U, int D) {
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) U[e] = (e / D == e % D) ? 1.0 : 0.0;
   double part = 0.0;
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) part = fmax(part, fabs(A[e]));
-  const int ex = dbn_jacobi_scale_exponent(block_max_all(part));  // also syncs A
+  const int ex = dbn_jacobi_scale_exponent(block_max<kBlock>(part));  // also syncs A
   if (ex != 0)
     for (int e = threadIdx.x; e < D * D; e += blockDim.x) A[e] = ldexp(A[e], -ex);
   __syncthreads();
   part = 0.0;
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) part += A[e] * A[e];
-  const double tol = 1e-30 * block_sum_all(part);  // also syncs U / A
+  const double tol = 1e-30 * block_sum<kBlock>(part);  // also syncs U / A
   const int Dp = D + (D & 1), npairs = Dp / 2;
   for (int sweep = 0; sweep < 100; ++sweep) {
     part = 0.0;
@@ -361,7 +318,7 @@ __device__ void block_jacobi(double* A, double* U, int D) {
       const int i = e / D, j = e - i * D;
       if (i < j) part += A[e] * A[e];
     }
-    const double off = block_sum_all(part);
+    const double off = block_sum<kBlock>(part);
     if (off <= tol || off == 0.0) break;
     for (int r = 0; r < Dp - 1; ++r) {
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
@@ -605,19 +562,9 @@ apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
 // ------------------------------------------------------------------------------------------------
 // Host side
 
-template <DType> struct DevType;
-template <> struct DevType<DType::kFloat32> { using type = float; };
-template <> struct DevType<DType::kFloat64> { using type = double; };
-template <> struct DevType<DType::kFloat16> { using type = __half; };
-
 template <typename F>
 const char* dispatch(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat64: return f(double{});
-    case DType::kFloat16: return f(__half{});
-  }
-  return "dbn: unsupported dtype";
+  return dispatch_data(t, f, "unsupported dtype");
 }
 
 size_t smem_bytes(int D, int K, int panels, size_t acc) {
@@ -626,21 +573,35 @@ size_t smem_bytes(int D, int K, int panels, size_t acc) {
 
 bool stat_dtype_ok(DType data, DType stat) { return stat == data || stat == acc_dtype(data); }
 
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-template <typename T>
-Geo fwd_geo(const DbnFwdArgs& a, int sms) {
-  const int64_t D = a.C / a.G;
-  return make_geo(a.N, a.C, a.G, a.S, 1, sizeof(AccT<T>), D * D, sms);
+// Geometry with waves from the occupancy of the gram kernel `gk` and apply kernel `ak` as launched
+// (kBlock threads, the panels' dynamic shared memory).
+template <typename A, typename GK, typename AK>
+const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, int64_t gram_entries,
+                     GK* gk, AK* ak, Geo* q) {
+  const int64_t D = C / G;
+  const size_t sm = smem_bytes(static_cast<int>(D), panel_k(D, panels, sizeof(A)), panels, sizeof(A));
+  int64_t gram_wave = 1, apply_wave = 1;
+  if (const char* e = wave_blocks(gk, kBlock, sm, &gram_wave)) return e;
+  if (const char* e = wave_blocks(ak, kBlock, sm, &apply_wave)) return e;
+  *q = make_geo(N, C, G, S, panels, sizeof(A), gram_entries, gram_wave, apply_wave);
+  return nullptr;
 }
 template <typename T>
-Geo bwd_geo(const DbnBwdArgs& a, int sms) {
+const char* fwd_geo(const DbnFwdArgs& a, Geo* q) {
   const int64_t D = a.C / a.G;
-  return make_geo(a.N, a.C, a.G, a.S, 2, sizeof(AccT<T>), D * D + D, sms);
+  return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, D * D, gram_kernel<T, false>,
+                           apply_kernel<T, false>, q);
 }
 template <typename T>
-Geo inf_geo(const DbnInferenceArgs& a, int sms) {
-  return make_geo(a.N, a.C, a.G, a.S, 1, sizeof(AccT<T>), 0, sms);
+const char* bwd_geo(const DbnBwdArgs& a, Geo* q) {
+  const int64_t D = a.C / a.G;
+  return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 2, D * D + D, gram_kernel<T, true>,
+                           apply_kernel<T, true>, q);
+}
+template <typename T>
+const char* inf_geo(const DbnInferenceArgs& a, Geo* q) {  // no gram kernel: its plan is unused
+  return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, 0, apply_kernel<T, false>,
+                           apply_kernel<T, false>, q);
 }
 
 template <typename T, bool kTwo>
@@ -651,32 +612,31 @@ const char* launch_apply(const Geo& q, const T* in1, const AccT<T>* shift1, cons
   const size_t sm = smem_bytes(static_cast<int>(q.D), q.K, kTwo ? 2 : 1, sizeof(AccT<T>));
   apply_kernel<T, kTwo><<<grid, kBlock, sm, st>>>(in1, shift1, M1, in2, shift2, M2, out, q.C, q.S,
                                                  static_cast<int>(q.D), q.m, q.K, q.apply_cols);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
 
 template <typename T>
 const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
-  const Geo q = fwd_geo<T>(a, sms);
+  Geo q;
+  if (const char* e = fwd_geo<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const FwdWs<A> w = fwd_ws<A>(&cv, q);
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
   channel_mean_kernel<T><<<static_cast<unsigned>(q.C), kBlock, 0, st>>>(x, q.N, q.C, q.S, mean);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   gram_kernel<T, false><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
                           kBlock, smem_bytes(D, q.K, 1, sizeof(A)), st>>>(
       x, mean, nullptr, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
       static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
       a.running_mean, a.running_proj);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr, static_cast<T*>(a.y),
                                 st);
 }
@@ -684,9 +644,8 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
 template <typename T>
 const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
-  const Geo q = bwd_geo<T>(a, sms);
+  Geo q;
+  if (const char* e = bwd_geo<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const BwdWs<A> w = bwd_ws<A>(&cv, q);
   const T* x = static_cast<const T*>(a.x);
@@ -696,20 +655,19 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   gram_kernel<T, true><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
                          kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
       x, mean, dy, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
       static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, static_cast<T*>(a.dx), st);
 }
 
 template <typename T>
 const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
-  const Geo q = inf_geo<T>(a, sms);
+  Geo q;
+  if (const char* e = inf_geo<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const InfWs<A> w = inf_ws<A>(&cv, q);
   const int D = static_cast<int>(q.D);
@@ -718,7 +676,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
   inference_prep_kernel<A><<<blocks, kBlock, 0, st>>>(a.stat_dtype, a.running_proj,
                                                       backward ? nullptr : a.running_mean, q.G, D,
                                                       q.C, backward, w.P, w.shift);
-  DBN_CUDA_CHECK_LAUNCH();
+  GN_CUDA_CHECK_LAUNCH();
   return launch_apply<T, false>(q, static_cast<const T*>(a.x), backward ? nullptr : w.shift, w.P,
                                 nullptr, nullptr, nullptr, static_cast<T*>(a.y), st);
 }
@@ -726,10 +684,8 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
 template <typename Args, typename F>
 size_t ws_size(const Args& a, F&& layout) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  int sms = 1;
-  if (sm_count(&sms)) return 0;
   Carver c;
-  layout(&c, sms);
+  if (layout(&c)) return 0;
   return c.off + kAlign;
 }
 
@@ -742,30 +698,36 @@ const char* check_ws(const void* ws) {
 }  // namespace
 
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
-  return ws_size(a, [&](Carver* c, int sms) {
-    dispatch(a.dtype, [&](auto tag) -> const char* {
+  return ws_size(a, [&](Carver* c) {
+    return dispatch(a.dtype, [&](auto tag) -> const char* {
       using T = decltype(tag);
-      fwd_ws<AccT<T>>(c, fwd_geo<T>(a, sms));
+      Geo q;
+      if (const char* e = fwd_geo<T>(a, &q)) return e;
+      fwd_ws<AccT<T>>(c, q);
       return nullptr;
     });
   });
 }
 
 size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a) {
-  return ws_size(a, [&](Carver* c, int sms) {
-    dispatch(a.dtype, [&](auto tag) -> const char* {
+  return ws_size(a, [&](Carver* c) {
+    return dispatch(a.dtype, [&](auto tag) -> const char* {
       using T = decltype(tag);
-      bwd_ws<AccT<T>>(c, bwd_geo<T>(a, sms));
+      Geo q;
+      if (const char* e = bwd_geo<T>(a, &q)) return e;
+      bwd_ws<AccT<T>>(c, q);
       return nullptr;
     });
   });
 }
 
 size_t dbn_inference_workspace_cuda(const DbnInferenceArgs& a) {
-  return ws_size(a, [&](Carver* c, int sms) {
-    dispatch(a.dtype, [&](auto tag) -> const char* {
+  return ws_size(a, [&](Carver* c) {
+    return dispatch(a.dtype, [&](auto tag) -> const char* {
       using T = decltype(tag);
-      inf_ws<AccT<T>>(c, inf_geo<T>(a, sms));
+      Geo q;
+      if (const char* e = inf_geo<T>(a, &q)) return e;
+      inf_ws<AccT<T>>(c, q);
       return nullptr;
     });
   });

@@ -1,9 +1,10 @@
 /*
- * dispatch_cpu.h: dtype dispatch shared by the CPU kernels' entry points.
- * Supported (data, param) pairs: (T, T) for fp16/fp32/fp64 and (fp16, fp32) (fp32 master params).
+ * dispatch_cpu.h: the CPU kernels' entry-point spelling of the one dtype dispatch
+ * (../common/dispatch.h). Supported (data, param) pairs: (T, T) for fp16/fp32/fp64 and (fp16, fp32)
+ * (fp32 master params); on the host fp16 is `Half`.
  */
 #pragma once
-#include "../common/acc_type.h"
+#include "../common/dispatch.h"
 
 namespace gn_mx {
 namespace cpu {
@@ -11,28 +12,15 @@ namespace cpu {
 // Calls f(T{}) for the storage type of `t`; nullptr on success.
 template <typename F>
 const char* dispatch_data(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: f(float{}); return nullptr;
-    case DType::kFloat64: f(double{}); return nullptr;
-    case DType::kFloat16: f(Half{}); return nullptr;
-  }
-  return "unsupported data dtype";
+  return gn_mx::dispatch_data(t, f);
 }
 
 // Calls Impl<T, P>::run(a) for a's (dtype, param_dtype) pair.
 template <template <typename, typename> class Impl, typename Args>
 const char* dispatch_data_param(const Args& a) {
-  if (a.param_dtype == a.dtype) {
-    return dispatch_data(a.dtype, [&](auto tag) {
-      using T = decltype(tag);
-      Impl<T, T>::run(a);
-    });
-  }
-  if (a.dtype == DType::kFloat16 && a.param_dtype == DType::kFloat32) {
-    Impl<Half, float>::run(a);
-    return nullptr;
-  }
-  return "parameter dtype must equal the data dtype (or be float32 with float16 data)";
+  return gn_mx::dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
+    Impl<decltype(t), decltype(p)>::run(a);
+  });
 }
 
 }  // namespace cpu

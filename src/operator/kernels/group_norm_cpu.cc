@@ -660,16 +660,6 @@ std::vector<A> widen(const void* p, int64_t n) {
   return v;
 }
 
-// Calls f(std::integral_constant<int, ACT>{}) for the activation code.
-template <typename F>
-void dispatch_act(Act act, F&& f) {
-  switch (act) {
-    case Act::kRelu: f(std::integral_constant<int, kActRelu>{}); return;
-    case Act::kSilu: f(std::integral_constant<int, kActSilu>{}); return;
-    default: f(std::integral_constant<int, kActNone>{}); return;
-  }
-}
-
 template <typename T, typename P>
 void fwd_impl(const GroupNormFwdArgs& a) {
   using A = AccT<T>;

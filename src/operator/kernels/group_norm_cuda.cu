@@ -42,13 +42,14 @@
 #include "group_norm_cuda.h"
 #include "group_norm_math.h"
 #include "cuda_common.cuh"
+#include "../common/dispatch.h"
 #include "../common/welford.h"
 
 namespace gn_mx {
 namespace {
 
 constexpr int kBlock = 256;
-constexpr int kWarp = 32;
+constexpr int kWarp = kWarpSize;
 constexpr int kNumWarps = kBlock / kWarp;
 constexpr int kMaxSplits = 64;      // partial states per group, merged by one warp (2 per lane)
 constexpr int kUnroll = 4;          // 16-byte loads in flight per thread
@@ -70,79 +71,6 @@ struct alignas(sizeof(T) * V) Vec {
 template <typename T>
 constexpr int vec_width() {
   return static_cast<int>(16 / sizeof(T));
-}
-
-template <typename A>
-__device__ __forceinline__ Welford<A> shfl_xor_welford(const Welford<A>& w, int off) {
-  Welford<A> o;
-  o.mean = __shfl_xor_sync(0xffffffffu, w.mean, off);
-  o.m2 = __shfl_xor_sync(0xffffffffu, w.m2, off);
-  o.count = __shfl_xor_sync(0xffffffffu, w.count, off);
-  return o;
-}
-
-template <typename A>
-__device__ __forceinline__ Welford<A> warp_merge(Welford<A> w) {
-#pragma unroll
-  for (int off = kWarp / 2; off > 0; off >>= 1) w.merge(shfl_xor_welford(w, off));
-  return w;
-}
-
-// Block-wide merge; the result is valid in thread 0.
-template <typename A>
-__device__ __forceinline__ Welford<A> block_merge(Welford<A> w) {
-  __shared__ A s_mean[kNumWarps], s_m2[kNumWarps], s_count[kNumWarps];
-  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
-  w = warp_merge(w);
-  if (lane == 0) {
-    s_mean[wid] = w.mean;
-    s_m2[wid] = w.m2;
-    s_count[wid] = w.count;
-  }
-  __syncthreads();
-  if (wid == 0) {
-    w = lane < kNumWarps ? make_welford<A>(s_count[lane], s_mean[lane], s_m2[lane]) : Welford<A>();
-    w = warp_merge(w);
-  }
-  return w;
-}
-
-template <typename A>
-struct Pair {
-  A a, b;
-};
-
-// Sums within aligned teams of `kTeam` lanes (kTeam <= 32, a power of two).
-template <int kTeam, typename A>
-__device__ __forceinline__ Pair<A> team_sum(Pair<A> p) {
-#pragma unroll
-  for (int off = kTeam / 2; off > 0; off >>= 1) {
-    p.a += __shfl_xor_sync(0xffffffffu, p.a, off);
-    p.b += __shfl_xor_sync(0xffffffffu, p.b, off);
-  }
-  return p;
-}
-
-// Block-wide sum; the result is returned to every thread.
-template <typename A>
-__device__ __forceinline__ Pair<A> block_sum_all(Pair<A> p) {
-  __shared__ A s_a[kNumWarps], s_b[kNumWarps];
-  __shared__ Pair<A> s_out;
-  const int lane = threadIdx.x % kWarp, wid = threadIdx.x / kWarp;
-  p = team_sum<kWarp>(p);
-  if (lane == 0) {
-    s_a[wid] = p.a;
-    s_b[wid] = p.b;
-  }
-  __syncthreads();
-  if (wid == 0) {
-    p.a = lane < kNumWarps ? s_a[lane] : A(0);
-    p.b = lane < kNumWarps ? s_b[lane] : A(0);
-    p = team_sum<kWarp>(p);
-    if (lane == 0) s_out = p;
-  }
-  __syncthreads();
-  return s_out;
 }
 
 // Folds V stored values into a Welford state: the vector's exact mean/M2, then one Chan merge.
@@ -199,7 +127,7 @@ __device__ __forceinline__ Welford<A> warp_merge_partials(const A* __restrict__ 
     const A* p = part + (ng * splits + k) * 3;
     w.merge(make_welford<A>(p[0], p[1], p[2]));
   }
-  return warp_merge(w);
+  return warp_welford(w);
 }
 
 enum StatsMode : int { kStatsPartial = 0, kStatsMeanVar = 1, kStatsMeanRstd = 2 };
@@ -214,7 +142,7 @@ stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, AccT<
   const uint32_t begin = blockIdx.y * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   Welford<A> w = thread_moments<T, V, A>(x + ng * L, begin, end);
-  w = block_merge(w);
+  w = block_welford<kBlock>(w);
   if (threadIdx.x != 0) return;
   if (mode == kStatsPartial) {
     A* p = part + (ng * gridDim.y + blockIdx.y) * 3;
@@ -455,14 +383,14 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
     }
   }
   if (kTeam == kBlock) {
-    acc = block_sum_all(acc);
+    acc = block_sum<kBlock>(acc);
     if (threadIdx.x == 0) {
       A* p = part + (row * gridDim.y + blockIdx.y) * 2;
       p[0] = acc.a;
       p[1] = acc.b;
     }
   } else {
-    acc = team_sum<(kTeam < kWarp ? kTeam : kWarp)>(acc);
+    acc = warp_sum<(kTeam < kWarp ? kTeam : kWarp)>(acc);
     if (lane == 0 && row < rows) {
       A* p = part + (row * gridDim.y + blockIdx.y) * 2;
       p[0] = acc.a;
@@ -545,7 +473,7 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
     ab.a += gm * ds;
     ab.b += gm * db;
   }
-  ab = block_sum_all(ab);
+  ab = block_sum<kBlock>(ab);
   const int64_t L = int64_t(D) * S;
   BwdOp<P, A, ACT> op;
   op.gamma = gg;
@@ -567,29 +495,6 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
 // ------------------------------------------------------------------------------------------------
 // Host side: launch plans
 
-// Calls f(std::integral_constant<int, ACT>{}) for the activation code.
-template <typename F>
-void dispatch_act(Act act, F&& f) {
-  switch (act) {
-    case Act::kRelu: f(std::integral_constant<int, kActRelu>{}); return;
-    case Act::kSilu: f(std::integral_constant<int, kActSilu>{}); return;
-    default: f(std::integral_constant<int, kActNone>{}); return;
-  }
-}
-
-// DType -> device storage type.
-template <DType> struct DevType;
-template <> struct DevType<DType::kFloat32> { using type = float; };
-template <> struct DevType<DType::kFloat64> { using type = double; };
-template <> struct DevType<DType::kFloat16> { using type = __half; };
-
-// Blocks that fill the GPU once (kBlock threads, 2048 resident threads per SM on sm_80+/sm_90).
-int64_t wave_blocks(int sms) { return int64_t(sms) * (2048 / kBlock); }
-
-bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
-
-int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Splits a group of `units` work units (vectors or scalars) into pieces of >= min_units, aiming at
 // `want` pieces, at most max_pieces. Returns the chunk length in units; *pieces = ceil(units/chunk).
 int64_t plan_chunks(int64_t units, int64_t want, int64_t min_units, int64_t max_pieces,
@@ -607,47 +512,52 @@ struct StatsPlan {
   int64_t chunk = 0;      // elements per block (multiple of V)
 };
 
+// Sizes split groups by one wave of the stats kernel that will run (occupancy API).
 template <typename T>
-StatsPlan plan_stats(const void* x, const void* y, int64_t NG, int64_t L, int sms, bool can_split) {
-  StatsPlan p;
+const char* plan_stats(const void* x, const void* y, int64_t NG, int64_t L, bool can_split,
+                       StatsPlan* p) {
   const int Vw = vec_width<T>();
-  p.V = (L % Vw == 0 && aligned16(x) && (y == nullptr || aligned16(y))) ? Vw : 1;
-  const int64_t units = L / p.V;
-  const int64_t want = can_split ? ceil_div(wave_blocks(sms), NG) : 1;
-  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * 4, kMaxSplits, &p.splits);
-  p.chunk = cu * p.V;
-  return p;
+  p->V = (L % Vw == 0 && aligned16(x) && (y == nullptr || aligned16(y))) ? Vw : 1;
+  int64_t want = 1;
+  if (can_split) {
+    int64_t wave = 1;
+    if (const char* e = wave_blocks(p->V > 1 ? stats_kernel<T, vec_width<T>()> : stats_kernel<T, 1>,
+                                    kBlock, 0, &wave))
+      return e;
+    want = ceil_div(wave, NG);
+  }
+  const int64_t units = L / p->V;
+  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * 4, kMaxSplits, &p->splits);
+  p->chunk = cu * p->V;
+  return nullptr;
 }
 
-// Chunks for the elementwise kernels: about two waves of blocks, >= 4 vectors per thread.
-void plan_map(int64_t NG, int64_t L, int V, int sms, int64_t* chunk, int64_t* chunks) {
+// Chunks for the elementwise kernel `k`: about two waves of its blocks, >= 4 vectors per thread.
+template <typename K>
+const char* plan_map(K* k, int64_t NG, int64_t L, int V, int64_t* chunk, int64_t* chunks) {
+  int64_t wave = 1;
+  if (const char* e = wave_blocks(k, kBlock, 0, &wave)) return e;
   const int64_t units = L / V;
-  const int64_t want = ceil_div(2 * wave_blocks(sms), NG);
+  const int64_t want = ceil_div(2 * wave, NG);
   const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * kUnroll, 65535, chunks);
   *chunk = cu * V;
+  return nullptr;
 }
 
-#define GN_CUDA_CHECK_LAUNCH()                                  \
-  do {                                                          \
-    const cudaError_t gn_err_ = cudaGetLastError();             \
-    if (gn_err_ != cudaSuccess) return cudaGetErrorString(gn_err_); \
-  } while (0)
-
 const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || S <= 0) return "gn_mx: empty tensors are not supported";
-  if (G <= 0 || C % G != 0) return "gn_mx: channels must be divisible by num_groups > 0";
+  if (N <= 0 || C <= 0 || S <= 0) return "empty tensors are not supported";
+  if (G <= 0 || C % G != 0) return "channels must be divisible by num_groups > 0";
   if ((C / G) * S > kMaxGroup)
-    return "gn_mx: CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
-  if (N * G > kMaxGroup) return "gn_mx: CUDA kernels need N * num_groups < 2^31";
+    return "CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
+  if (N * G > kMaxGroup) return "CUDA kernels need N * num_groups < 2^31";
   return nullptr;
 }
 
 template <typename T>
 size_t stats_workspace(const void* x, const void* y, int64_t N, int64_t C, int64_t G, int64_t S) {
   if (check_dims(N, C, G, S)) return 0;
-  int sms = 1;
-  if (sm_count(&sms)) return 0;
-  const StatsPlan p = plan_stats<T>(x, y, N * G, (C / G) * S, sms, true);
+  StatsPlan p;
+  if (plan_stats<T>(x, y, N * G, (C / G) * S, true, &p)) return 0;
   if (p.splits <= 1) return 0;
   return static_cast<size_t>(N * G * p.splits * 3) * sizeof(AccT<T>);
 }
@@ -670,10 +580,9 @@ const char* launch_stats(const T* x, int64_t NG, int64_t L, const StatsPlan& p, 
 template <typename T>
 const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
   const int64_t NG = a.N * a.G, L = (a.C / a.G) * a.S;
-  const StatsPlan p = plan_stats<T>(a.x, nullptr, NG, L, sms, ws != nullptr);
+  StatsPlan p;
+  if (const char* e = plan_stats<T>(a.x, nullptr, NG, L, ws != nullptr, &p)) return e;
   A* mean = static_cast<A*>(a.mean);
   A* var = static_cast<A*>(a.var);
   if (p.splits <= 1)
@@ -692,10 +601,9 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
 template <typename T, typename P>
 const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
   const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
-  const StatsPlan p = plan_stats<T>(a.x, a.y, NG, L, sms, ws != nullptr);
+  StatsPlan p;
+  if (const char* e = plan_stats<T>(a.x, a.y, NG, L, ws != nullptr, &p)) return e;
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   A* mean = static_cast<A*>(a.mean);
@@ -705,23 +613,21 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   if (const char* e = launch_stats<T>(x, NG, L, p, p.splits > 1 ? kStatsPartial : kStatsMeanRstd,
                                       eps, mean, rstd, part, st))
     return e;
-  int64_t chunk = 0, chunks = 1;
-  plan_map(NG, L, p.V, sms, &chunk, &chunks);
-  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
   const P* gamma = static_cast<const P*>(a.gamma);
   const P* beta = static_cast<const P*>(a.beta);
   const int splits = static_cast<int>(p.splits);
+  const char* err = nullptr;
   dispatch_act(a.act, [&](auto act) {
     constexpr int ACT = decltype(act)::value;
-    if (p.V > 1)
-      fwd_apply_kernel<T, P, vec_width<T>(), ACT><<<grid, kBlock, 0, st>>>(
-          x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
-          static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
-    else
-      fwd_apply_kernel<T, P, 1, ACT><<<grid, kBlock, 0, st>>>(
-          x, gamma, beta, y, mean, rstd, part, splits, eps, L, static_cast<uint32_t>(a.S), a.G,
-          static_cast<uint32_t>(D), static_cast<uint32_t>(chunk));
+    auto* k = p.V > 1 ? fwd_apply_kernel<T, P, vec_width<T>(), ACT> : fwd_apply_kernel<T, P, 1, ACT>;
+    int64_t chunk = 0, chunks = 1;
+    if ((err = plan_map(k, NG, L, p.V, &chunk, &chunks))) return;
+    const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
+    k<<<grid, kBlock, 0, st>>>(x, gamma, beta, y, mean, rstd, part, splits, eps, L,
+                               static_cast<uint32_t>(a.S), a.G, static_cast<uint32_t>(D),
+                               static_cast<uint32_t>(chunk));
   });
+  if (err) return err;
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -729,26 +635,20 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
 template <typename T>
 const char* moments_bwd_impl(const MomentsBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
   const int64_t NG = a.N * a.G, L = (a.C / a.G) * a.S;
   const int Vw = vec_width<T>();
   const int V = (L % Vw == 0 && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
+  auto* k = V > 1 ? moments_bwd_kernel<T, vec_width<T>()> : moments_bwd_kernel<T, 1>;
   int64_t chunk = 0, chunks = 1;
-  plan_map(NG, L, V, sms, &chunk, &chunks);
+  if (const char* e = plan_map(k, NG, L, V, &chunk, &chunks)) return e;
   const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
   const T* x = static_cast<const T*>(a.x);
   const A* mean = static_cast<const A*>(a.mean);
   const A* dmean = static_cast<const A*>(a.dmean);
   const A* dvar = static_cast<const A*>(a.dvar);
   T* dx = static_cast<T*>(a.dx);
-  if (V > 1)
-    moments_bwd_kernel<T, vec_width<T>()><<<grid, kBlock, 0, st>>>(
-        x, mean, dmean, dvar, dx, L, static_cast<uint32_t>(a.S), static_cast<uint32_t>(chunk));
-  else
-    moments_bwd_kernel<T, 1><<<grid, kBlock, 0, st>>>(x, mean, dmean, dvar, dx, L,
-                                                      static_cast<uint32_t>(a.S),
-                                                      static_cast<uint32_t>(chunk));
+  k<<<grid, kBlock, 0, st>>>(x, mean, dmean, dvar, dx, L, static_cast<uint32_t>(a.S),
+                             static_cast<uint32_t>(chunk));
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -760,9 +660,10 @@ struct RowPlan {
   int64_t chunk = 0;      // elements per split
 };
 
-template <typename T>
-RowPlan plan_rows(const GroupNormBwdArgs& a, int sms) {
-  RowPlan p;
+// Row plan of the backward sums; split rows are sized by one wave of the block-per-row kernel.
+template <typename T, typename P, int ACT>
+const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
+  RowPlan& p = *out;
   const int Vw = vec_width<T>();
   const int64_t S = a.S, rows = a.N * a.C;
   p.V = (S % Vw == 0 && aligned16(a.dy) && aligned16(a.x)) ? Vw : 1;
@@ -776,20 +677,24 @@ RowPlan plan_rows(const GroupNormBwdArgs& a, int sms) {
   }
   p.chunk = S;
   if (p.team == kBlock) {
+    int64_t wave = 1;
+    if (const char* e = wave_blocks(p.V > 1 ? bwd_row_sums_kernel<T, P, vec_width<T>(), kBlock, ACT>
+                                            : bwd_row_sums_kernel<T, P, 1, kBlock, ACT>,
+                                    kBlock, 0, &wave))
+      return e;
     const int64_t units = S / p.V;
-    const int64_t cu = plan_chunks(units, ceil_div(wave_blocks(sms), rows), int64_t(kBlock) * 4,
-                                   kMaxSplits, &p.splits);
+    const int64_t cu = plan_chunks(units, ceil_div(wave, rows), int64_t(kBlock) * 4, kMaxSplits,
+                                   &p.splits);
     p.chunk = cu * p.V;
   }
-  return p;
+  return nullptr;
 }
 
-template <typename T>
+template <typename T, typename P, int ACT>
 size_t bwd_workspace(const GroupNormBwdArgs& a) {
   if (check_dims(a.N, a.C, a.G, a.S)) return 0;
-  int sms = 1;
-  if (sm_count(&sms)) return 0;
-  const RowPlan p = plan_rows<T>(a, sms);
+  RowPlan p;
+  if (plan_rows<T, P, ACT>(a, &p)) return 0;
   return static_cast<size_t>(a.N * a.C * p.splits * 2) * sizeof(AccT<T>);
 }
 
@@ -824,11 +729,10 @@ const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>
 template <typename T, typename P, int ACT>
 const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  int sms = 1;
-  if (const char* e = sm_count(&sms)) return e;
-  if (a.workspace == nullptr) return "gn_mx: group_norm CUDA backward needs a workspace";
-  if (!aligned16(a.workspace)) return "gn_mx: group_norm CUDA backward workspace must be 16-byte aligned";
-  const RowPlan rp = plan_rows<T>(a, sms);
+  if (a.workspace == nullptr) return "group_norm CUDA backward needs a workspace";
+  if (!aligned16(a.workspace)) return "group_norm CUDA backward workspace must be 16-byte aligned";
+  RowPlan rp;
+  if (const char* e = plan_rows<T, P, ACT>(a, &rp)) return e;
   A* part = static_cast<A*>(a.workspace);
   const char* e = rp.V > 1 ? launch_row_sums<T, P, vec_width<T>(), ACT>(a, rp, part, st)
                            : launch_row_sums<T, P, 1, ACT>(a, rp, part, st);
@@ -837,8 +741,9 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
   const int Vw = vec_width<T>();
   const int V = (L % Vw == 0 && aligned16(a.dy) && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
+  auto* k = V > 1 ? bwd_dx_kernel<T, P, vec_width<T>(), ACT> : bwd_dx_kernel<T, P, 1, ACT>;
   int64_t chunk = 0, chunks = 1;
-  plan_map(NG, L, V, sms, &chunk, &chunks);
+  if (const char* e = plan_map(k, NG, L, V, &chunk, &chunks)) return e;
   const int64_t pblocks = (a.dgamma || a.dbeta) ? ceil_div(a.C, kBlock) : 0;
   const dim3 grid(static_cast<unsigned>(NG + pblocks), static_cast<unsigned>(chunks));
   const T* dy = static_cast<const T*>(a.dy);
@@ -855,14 +760,8 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   const int rs = static_cast<int>(rp.splits);
   const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.S),
                  ch32 = static_cast<uint32_t>(chunk);
-  if (V > 1)
-    bwd_dx_kernel<T, P, vec_width<T>(), ACT><<<grid, kBlock, 0, st>>>(
-        dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx, dgamma, dbeta, a.N, a.C,
-        a.G, D32, S32, ch32);
-  else
-    bwd_dx_kernel<T, P, 1, ACT><<<grid, kBlock, 0, st>>>(
-        dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx, dgamma, dbeta, a.N, a.C,
-        a.G, D32, S32, ch32);
+  k<<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx,
+                             dgamma, dbeta, a.N, a.C, a.G, D32, S32, ch32);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -870,36 +769,14 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
 template <typename T, typename P>
 const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
   if (a.act != Act::kNone && a.beta == nullptr)
-    return "gn_mx: group_norm backward with an activation needs beta";
+    return "group_norm backward with an activation needs beta";
   const char* e = nullptr;
   dispatch_act(a.act, [&](auto act) { e = bwd_impl_act<T, P, decltype(act)::value>(a, st); });
   return e;
 }
 
-// ------------------------------------------------------------------------------------------------
-// Dtype dispatch: data (T) and the supported (T, P) pairs: (T, T) and (fp16, fp32).
-
-template <typename F>
-const char* dispatch_data(DType t, F&& f) {
-  switch (t) {
-    case DType::kFloat32: return f(float{});
-    case DType::kFloat64: return f(double{});
-    case DType::kFloat16: return f(__half{});
-  }
-  return "gn_mx: unsupported data dtype";
-}
-
-template <typename F>
-const char* dispatch_data_param(DType t, DType pt, F&& f) {
-  if (t == pt) {
-    return dispatch_data(t, [&](auto tag) {
-      using T = decltype(tag);
-      return f(T{}, T{});
-    });
-  }
-  if (t == DType::kFloat16 && pt == DType::kFloat32) return f(__half{}, float{});
-  return "gn_mx: gamma/beta dtype must equal the data dtype (or be float32 with float16 data)";
-}
+constexpr const char* kBadGammaDtype =
+    "gamma/beta dtype must equal the data dtype (or be float32 with float16 data)";
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
@@ -925,16 +802,20 @@ size_t group_norm_fwd_workspace_cuda(const GroupNormFwdArgs& a) {
 
 size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
   size_t n = 0;
-  dispatch_data(a.dtype, [&](auto tag) -> const char* {
-    n = bwd_workspace<decltype(tag)>(a);
-    return nullptr;
+  // The split plan follows the occupancy of the kernel for each activation; callers may ask for the
+  // workspace without naming the activation they launch with, so size it for the largest.
+  dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
+    using T = decltype(t);
+    using P = decltype(p);
+    n = std::max({bwd_workspace<T, P, kActNone>(a), bwd_workspace<T, P, kActRelu>(a),
+                  bwd_workspace<T, P, kActSilu>(a)});
   });
   return n;
 }
 
 const char* moments_cuda(const MomentsArgs& a, void* workspace, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (workspace && !aligned16(workspace)) return "gn_mx: moments CUDA workspace must be 16-byte aligned";
+  if (workspace && !aligned16(workspace)) return "moments CUDA workspace must be 16-byte aligned";
   return dispatch_data(a.dtype, [&](auto tag) {
     return moments_impl<decltype(tag)>(a, workspace, as_stream(stream));
   });
@@ -952,10 +833,10 @@ const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream) {
 const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* workspace, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
   if (workspace && !aligned16(workspace))
-    return "gn_mx: group_norm CUDA forward workspace must be 16-byte aligned";
+    return "group_norm CUDA forward workspace must be 16-byte aligned";
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return fwd_impl<decltype(t), decltype(p)>(a, workspace, as_stream(stream));
-  });
+  }, kBadGammaDtype);
 }
 
 const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
@@ -966,7 +847,7 @@ const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return bwd_impl<decltype(t), decltype(p)>(a, as_stream(stream));
-  });
+  }, kBadGammaDtype);
 }
 
 }  // namespace gn_mx

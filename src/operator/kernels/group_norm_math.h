@@ -21,8 +21,10 @@
  */
 #pragma once
 #include <cmath>
+#include <type_traits>
 
 #include "../common/acc_type.h"
+#include "group_norm.h"
 
 namespace gn_mx {
 
@@ -58,6 +60,16 @@ GN_INLINE double gn_exp(double v) {
 
 // Activation codes (values of gn_mx::Act).
 constexpr int kActNone = 0, kActRelu = 1, kActSilu = 2;
+
+// Calls f(std::integral_constant<int, ACT>{}) for the activation code (host side of both twins).
+template <typename F>
+inline void dispatch_act(Act act, F&& f) {
+  switch (act) {
+    case Act::kRelu: f(std::integral_constant<int, kActRelu>{}); return;
+    case Act::kSilu: f(std::integral_constant<int, kActSilu>{}); return;
+    default: f(std::integral_constant<int, kActNone>{}); return;
+  }
+}
 
 template <typename A>
 GN_INLINE A gn_sigmoid(A z) {

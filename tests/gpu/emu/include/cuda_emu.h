@@ -91,6 +91,21 @@ inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
   *v = e ? std::atoi(e) : 4;
   return cudaSuccess;
 }
+// Resident blocks per SM: GNMX_EMU_BLOCKS_PER_SM=N, else what 2048 threads per SM allow (the
+// real API also weighs registers and shared memory; the emulator has neither).
+// GNMX_EMU_BLOCKS_PER_SM=vary gives each kernel its own count (1..8, from its address), as real
+// register use does: plans that must agree (workspace query vs launch) then diverge if they ask
+// about different kernels.
+inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const void* kernel,
+                                                                 int threads, size_t) {
+  const char* e = std::getenv("GNMX_EMU_BLOCKS_PER_SM");
+  if (e && std::strcmp(e, "vary") == 0)
+    *n = 1 + static_cast<int>((reinterpret_cast<uintptr_t>(kernel) >> 4) % 8);
+  else
+    *n = e ? std::atoi(e) : (threads > 0 ? 2048 / threads : 1);
+  if (*n < 1) *n = 1;
+  return cudaSuccess;
+}
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
   std::memset(p, v, n);
   return cudaSuccess;
