@@ -99,3 +99,25 @@ def check_bad_inputs(prelude, cases, survivor, survivor_out):
                 for name, (_, want) in cases.items()
                 if name not in lines or "NO_ERROR" in lines[name] or want not in lines[name]]
     assert not failures, "\n".join(failures)
+
+
+def dbn_fd_check(x, G, eps=1e-5, rtol=1e-5, atol=1e-6, dy=None):
+    """gn_dbn's float64 gradient vs central differences of its own forward (tests/reference.py's
+    numeric_grad), for head gradient `dy` (random when None)."""
+    from mxnet import autograd
+    from reference import numeric_grad
+    dy = np.random.randn(*x.shape) if dy is None else dy
+    C = x.shape[1]
+    rm = mx.nd.zeros((C,), dtype=np.float64)
+    rp = mx.nd.array(np.tile(np.eye(C // G), (G, 1, 1)), dtype=np.float64)
+
+    def f(z):
+        return float((mx.nd.gn_dbn(mx.nd.array(z, dtype=np.float64), rm, rp, num_groups=G,
+                                   eps=eps)[0].asnumpy() * dy).sum())
+
+    xs = mx.nd.array(x, dtype=np.float64)
+    xs.attach_grad()
+    with autograd.record():
+        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G, eps=eps)[0]
+    y.backward(mx.nd.array(dy, dtype=np.float64))
+    np.testing.assert_allclose(xs.grad.asnumpy(), numeric_grad(f, x), rtol=rtol, atol=atol)

@@ -19,8 +19,8 @@ import pytest
 import mxnet as mx
 from mxnet import autograd
 
-from conftest import GRAD_TOL, tol
-from reference import _dbn_group_matrix, dbn_bwd_ref, dbn_ref, numeric_grad
+from conftest import GRAD_TOL, dbn_fd_check, tol
+from reference import _dbn_group_matrix, dbn_bwd_ref, dbn_ref
 
 EPS = 1e-5
 MOM = 0.9
@@ -80,20 +80,7 @@ def test_group_size_paths_vs_reference(D, dtype, spatial):
 @pytest.mark.parametrize("D", [10, 17])
 def test_ql_path_gradient_finite_differences(D):
     x = _data((5, D, 5), np.float64, seed=D)  # m = 25 > D: well-conditioned
-    dy = np.random.RandomState(7).randn(*x.shape)
-    rm = mx.nd.zeros((D,), dtype=np.float64)
-    rp = mx.nd.array(np.eye(D)[None], dtype=np.float64)
-
-    def f(z):
-        return float((mx.nd.gn_dbn(mx.nd.array(z, dtype=np.float64), rm, rp, num_groups=1)[0]
-                      .asnumpy() * dy).sum())
-
-    xs = mx.nd.array(x, dtype=np.float64)
-    xs.attach_grad()
-    with autograd.record():
-        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=1)[0]
-    y.backward(mx.nd.array(dy, dtype=np.float64))
-    np.testing.assert_allclose(xs.grad.asnumpy(), numeric_grad(f, x), rtol=1e-5, atol=1e-6)
+    dbn_fd_check(x, 1, dy=np.random.RandomState(7).randn(*x.shape))
 
 
 def test_ql_path_repeated_eigenvalues():
@@ -112,20 +99,7 @@ def test_ql_path_repeated_eigenvalues():
     np.testing.assert_allclose(Xc @ Xc.T / Xc.shape[1], c * np.eye(12), atol=1e-12)
     np.testing.assert_allclose(_dbn_group_matrix(y, 1, 0), Xc / np.sqrt(c + EPS), rtol=1e-10,
                                atol=1e-10)
-    dy = np.random.RandomState(4).randn(*x.shape)
-
-    def f(z):
-        return float((mx.nd.gn_dbn(mx.nd.array(z, dtype=np.float64), rm, rp, num_groups=1)[0]
-                      .asnumpy() * dy).sum())
-
-    xs = mx.nd.array(x, dtype=np.float64)
-    xs.attach_grad()
-    with autograd.record():
-        yy = mx.nd.gn_dbn(xs, rm, rp, num_groups=1)[0]
-    yy.backward(mx.nd.array(dy, dtype=np.float64))
-    g = xs.grad.asnumpy()
-    assert np.isfinite(g).all()
-    np.testing.assert_allclose(g, numeric_grad(f, x), rtol=1e-5, atol=1e-6)
+    dbn_fd_check(x, 1, dy=np.random.RandomState(4).randn(*x.shape))
 
 
 @pytest.mark.parametrize("scale", [1e-3, 1e4])

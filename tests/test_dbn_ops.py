@@ -16,7 +16,7 @@ import mxnet as mx
 from mxnet import autograd
 
 import gn_mx  # noqa: F401
-from conftest import DTYPES, GRAD_TOL, ROOT, dbn_data as _data, tol
+from conftest import DTYPES, GRAD_TOL, ROOT, dbn_data as _data, dbn_fd_check, tol
 from reference import (dbn_bwd_ref, dbn_inference_ref, dbn_ref, numeric_grad,
                        _dbn_group_matrix)
 
@@ -129,27 +129,10 @@ def test_groups_equal_channels_is_batchnorm(ctx):
         np.testing.assert_allclose(y, (x - mu) / np.sqrt(var + EPS), rtol=1e-12, atol=1e-12)
 
 
-def _op_fd_check(x, G, eps=EPS, rtol=1e-5, atol=1e-6):
-    """Op gradient (float64) vs central differences of the op's own forward."""
-    dy = np.random.randn(*x.shape)
-    rm, rp = _stats(x.shape[1], G, np.float64)
-
-    def f(z):
-        return float((mx.nd.gn_dbn(mx.nd.array(z, dtype=np.float64), rm, rp, num_groups=G,
-                                   eps=eps)[0].asnumpy() * dy).sum())
-
-    xs = mx.nd.array(x, dtype=np.float64)
-    xs.attach_grad()
-    with autograd.record():
-        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G, eps=eps)[0]
-    y.backward(mx.nd.array(dy, dtype=np.float64))
-    np.testing.assert_allclose(xs.grad.asnumpy(), numeric_grad(f, x), rtol=rtol, atol=atol)
-
-
 @pytest.mark.parametrize("shape,G", [((3, 6, 4), 2), ((10, 3), 1), ((2, 4, 2, 2), 4)])
 def test_gradient_finite_differences(ctx, shape, G):
     with ctx:  # arrays default to the test context (cpu; gpu when present)
-        _op_fd_check(_data(shape, np.float64), G)
+        dbn_fd_check(_data(shape, np.float64), G)
 
 
 def test_gradient_equal_eigenvalues(ctx):
@@ -157,7 +140,7 @@ def test_gradient_equal_eigenvalues(ctx):
     backward needs no guard; the 1/(l_i - l_j) form would be 0/0 here."""
     with ctx:  # arrays default to the test context (cpu; gpu when present)
         x = np.array([[1.0, 1.0], [-1.0, 1.0], [1.0, -1.0], [-1.0, -1.0]]) + 3.0
-        _op_fd_check(x, 1)
+        dbn_fd_check(x, 1)
 
 
 def test_reference_backward_vs_finite_differences():
