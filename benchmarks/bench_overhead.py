@@ -13,7 +13,8 @@ process, interleaved round-robin (medians of repeated samples), on 1-element ten
                                      MXNet allocating the extra outputs)
 and hybridized (static_alloc) gn_mx.GroupNorm blocks, forward only, grad_req 'write' (no identity on
 the parameter path) vs 'add' (one identity per parameter), next to gluon.nn.BatchNorm and a block
-with one relu, on a tiny and a mid-size input. One thread (OMP_NUM_THREADS=1 unless set), glibc
+with one relu, on a tiny and a mid-size input. Also the cost of gn_mx's own attribute parsing per
+callback (benchmarks/overhead/attr_parse.cc, plain C++). One thread (OMP_NUM_THREADS=1 unless set), glibc
 malloc told to keep freed memory (the regime that does not page-fault outputs in).
 """
 import json
@@ -41,6 +42,18 @@ def build_noop():
                         "-I", os.path.join(mxroot, "include"), src,
                         os.path.join(mxroot, "src", "lib_api.cc"), "-o", out], check=True)
     return out
+
+
+def attr_parse_ns():
+    """ns per parse of gn_group_norm's three attributes, as every callback does it."""
+    import mxnet as mx
+    mxroot = os.path.dirname(mx.__file__)
+    exe = os.path.join(ROOT, "build", "bench", "attr_parse")
+    os.makedirs(os.path.dirname(exe), exist_ok=True)
+    subprocess.run(["g++", "-O2", "-std=c++17", "-I", os.path.join(ROOT, "src", "operator", "mx"),
+                    "-I", os.path.join(mxroot, "include", "mxnet"), "-I", os.path.join(mxroot, "include"),
+                    os.path.join(HERE, "overhead", "attr_parse.cc"), "-o", exe], check=True)
+    return float(subprocess.run([exe], stdout=subprocess.PIPE, text=True, check=True).stdout)
 
 
 def child():
@@ -99,6 +112,7 @@ def child():
         key = "x".join(map(str, shape))
         blocks[key] = us(timer.run(fns))
     out["hybridized_forward_us"] = blocks
+    out["attr_parse_ns"] = attr_parse_ns()
     out["loadavg_end"] = os.getloadavg()
     json.dump(out, sys.stdout)
 
@@ -127,6 +141,9 @@ def main():
         lines += ["input %s:" % shape, "", "| block | us |", "| --- | --- |"]
         lines += ["| %s | %s |" % (k, fmt(v)) for k, v in d.items()]
         lines.append("")
+    lines += ["gn_mx's attribute parsing (gn_group_norm's three attributes, as each callback parses "
+              "them): %.0f ns; an imperative call parses 4 times (parseAttrs, inferType, inferShape, "
+              "forward), a hybridized one once per forward/backward." % res["attr_parse_ns"], ""]
     text = "\n".join(lines)
     print(text)
     os.makedirs(RESULTS, exist_ok=True)

@@ -12,7 +12,6 @@
 #include "kernels/affine.h"
 #include "kernels/dbn.h"
 #include "kernels/group_norm.h"
-#include "kernels/group_norm_cuda.h"
 
 using namespace gn_mx;
 
@@ -32,8 +31,9 @@ GNH_API const char* gnh_moments(int dtype, const void* x, void* mean, void* var,
   MomentsArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.x = x; a.mean = mean; a.var = var;
+  a.workspace = workspace;
   a.N = N; a.C = C; a.G = G; a.S = S;
-  return workspace ? moments_cuda(a, workspace, stream) : moments_cuda(a, stream);
+  return moments_cuda(a, stream);
 }
 
 GNH_API const char* gnh_moments_bwd(int dtype, const void* dmean, const void* dvar, const void* x,
@@ -56,17 +56,29 @@ GNH_API size_t gnh_gn_fwd_workspace(int dtype, int param_dtype, const void* x, c
   return group_norm_fwd_workspace_cuda(a);
 }
 
-GNH_API const char* gnh_gn_fwd(int dtype, int param_dtype, const void* x, const void* gamma,
-                               const void* beta, void* y, void* mean, void* rstd, int64_t N,
-                               int64_t C, int64_t G, int64_t S, double eps, void* workspace,
-                               void* stream) {
+// GroupNorm with a fused activation (act: gn_mx::Act, 0 none, 1 relu, 2 silu); the backward reads
+// beta to recompute the pre-activation.
+GNH_API const char* gnh_gn_fwd_act(int dtype, int param_dtype, const void* x, const void* gamma,
+                                   const void* beta, void* y, void* mean, void* rstd, int64_t N,
+                                   int64_t C, int64_t G, int64_t S, double eps, int act,
+                                   void* workspace, void* stream) {
   GroupNormFwdArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.param_dtype = static_cast<DType>(param_dtype);
   a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.rstd = rstd;
+  a.workspace = workspace;
   a.N = N; a.C = C; a.G = G; a.S = S;
   a.eps = eps;
-  return workspace ? group_norm_fwd_cuda(a, workspace, stream) : group_norm_fwd_cuda(a, stream);
+  a.act = static_cast<Act>(act);
+  return group_norm_fwd_cuda(a, stream);
+}
+
+GNH_API const char* gnh_gn_fwd(int dtype, int param_dtype, const void* x, const void* gamma,
+                               const void* beta, void* y, void* mean, void* rstd, int64_t N,
+                               int64_t C, int64_t G, int64_t S, double eps, void* workspace,
+                               void* stream) {
+  return gnh_gn_fwd_act(dtype, param_dtype, x, gamma, beta, y, mean, rstd, N, C, G, S, eps,
+                        static_cast<int>(Act::kNone), workspace, stream);
 }
 
 static GroupNormBwdArgs bwd_args(int dtype, int param_dtype, const void* dy, const void* x,
@@ -98,22 +110,6 @@ GNH_API const char* gnh_gn_bwd(int dtype, int param_dtype, const void* dy, const
   return group_norm_bwd_cuda(bwd_args(dtype, param_dtype, dy, x, mean, rstd, gamma, dx, dgamma,
                                       dbeta, dmean, drstd, workspace, N, C, G, S),
                              stream);
-}
-
-// GroupNorm with a fused activation (act: gn_mx::Act, 0 none, 1 relu, 2 silu); the backward reads
-// beta to recompute the pre-activation.
-GNH_API const char* gnh_gn_fwd_act(int dtype, int param_dtype, const void* x, const void* gamma,
-                                   const void* beta, void* y, void* mean, void* rstd, int64_t N,
-                                   int64_t C, int64_t G, int64_t S, double eps, int act,
-                                   void* workspace, void* stream) {
-  GroupNormFwdArgs a;
-  a.dtype = static_cast<DType>(dtype);
-  a.param_dtype = static_cast<DType>(param_dtype);
-  a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.rstd = rstd;
-  a.N = N; a.C = C; a.G = G; a.S = S;
-  a.eps = eps;
-  a.act = static_cast<Act>(act);
-  return workspace ? group_norm_fwd_cuda(a, workspace, stream) : group_norm_fwd_cuda(a, stream);
 }
 
 GNH_API const char* gnh_gn_bwd_act(int dtype, int param_dtype, const void* dy, const void* x,

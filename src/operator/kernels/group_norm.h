@@ -14,6 +14,14 @@
  *
  * Every entry point returns nullptr on success or a static error string. CPU entry points run on the
  * calling thread's OpenMP team; CUDA entry points enqueue on `stream` (a cudaStream_t passed as void*).
+ * Each computation has the same shape on both devices: `X_cpu(args)` / `X_cuda(args, stream)`, and,
+ * where scratch is needed, `X_workspace_cpu/cuda(args)` bytes passed in `args.workspace`.
+ *
+ * CUDA workspace: the forward statistics of a large group are split across several blocks when N*G
+ * alone cannot fill the GPU (Stable-Diffusion UNet: N=2, G=32 -> 64 groups on 132 SMs); the blocks'
+ * partial Welford states live in the workspace. Its size depends on the current device's SM count
+ * (query it on the device that runs the op); it must be 16-byte aligned. With workspace = nullptr
+ * the statistics take one block per group (correct, slower for few large groups).
  */
 #pragma once
 #include <cstddef>
@@ -31,6 +39,7 @@ struct MomentsArgs {
   const void* x = nullptr;          // (N, C, S)
   void* mean = nullptr;             // (N, G) AccT
   void* var = nullptr;              // (N, G) AccT, population variance
+  void* workspace = nullptr;        // CUDA: moments_workspace_cuda() bytes or nullptr; CPU: unused
   int64_t N = 0, C = 0, G = 1, S = 1;
 };
 
@@ -54,6 +63,8 @@ struct GroupNormFwdArgs {
   void* y = nullptr;                    // (N, C, S)
   void* mean = nullptr;                 // (N, G) AccT
   void* rstd = nullptr;                 // (N, G) AccT
+  void* workspace = nullptr;            // CUDA: group_norm_fwd_workspace_cuda() bytes or nullptr;
+                                        // CPU: unused
   int64_t N = 0, C = 0, G = 1, S = 1;
   double eps = 1e-5;
   Act act = Act::kNone;
@@ -90,6 +101,8 @@ const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a);
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a);
 
 #if defined(GNMX_WITH_CUDA)
+size_t moments_workspace_cuda(const MomentsArgs& a);
+size_t group_norm_fwd_workspace_cuda(const GroupNormFwdArgs& a);
 size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a);
 const char* moments_cuda(const MomentsArgs& a, void* stream);
 const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream);

@@ -39,7 +39,6 @@
 #include <type_traits>
 
 #include "group_norm.h"
-#include "group_norm_cuda.h"
 #include "group_norm_math.h"
 #include "cuda_common.cuh"
 #include "../common/dispatch.h"
@@ -813,15 +812,13 @@ size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
   return n;
 }
 
-const char* moments_cuda(const MomentsArgs& a, void* workspace, void* stream) {
+const char* moments_cuda(const MomentsArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (workspace && !aligned16(workspace)) return "moments CUDA workspace must be 16-byte aligned";
+  if (a.workspace && !aligned16(a.workspace)) return "moments CUDA workspace must be 16-byte aligned";
   return dispatch_data(a.dtype, [&](auto tag) {
-    return moments_impl<decltype(tag)>(a, workspace, as_stream(stream));
+    return moments_impl<decltype(tag)>(a, a.workspace, as_stream(stream));
   });
 }
-
-const char* moments_cuda(const MomentsArgs& a, void* stream) { return moments_cuda(a, nullptr, stream); }
 
 const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
@@ -830,17 +827,13 @@ const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream) {
   });
 }
 
-const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* workspace, void* stream) {
+const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (workspace && !aligned16(workspace))
+  if (a.workspace && !aligned16(a.workspace))
     return "group_norm CUDA forward workspace must be 16-byte aligned";
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
-    return fwd_impl<decltype(t), decltype(p)>(a, workspace, as_stream(stream));
+    return fwd_impl<decltype(t), decltype(p)>(a, a.workspace, as_stream(stream));
   }, kBadGammaDtype);
-}
-
-const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
-  return group_norm_fwd_cuda(a, nullptr, stream);
 }
 
 const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream) {

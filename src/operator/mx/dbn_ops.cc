@@ -14,15 +14,16 @@
  * Backward inputs (lib_api): [grad of every output, every forward input, every forward output];
  * backward outputs: one gradient per forward input. Aux-state gradients are written as zeros.
  * MXNet gives library ops no is_train flag: the Gluon block picks the op (python/gn_mx/nn.py).
+ * Callbacks validate, fill the kernel's Args and run() it on their device (device.h), the same way
+ * on cpu and gpu; the group-size limit is the device's (kDbnMaxGroupSize*, dbn.h).
  */
 #include <cmath>
-#include <cstring>
 #include <string>
 #include <vector>
 
-#include "tensor_view.h"
+#include "device.h"
+#include "validate.h"
 #include "../kernels/dbn.h"
-#include "gpu_ops.h"
 
 using namespace mxnet::ext;
 
@@ -30,8 +31,21 @@ namespace gn_mx {
 namespace mxa {
 namespace {
 
-const char* kDbn = "gn_dbn";
-const char* kDbnInf = "gn_dbn_inference";
+constexpr char kDbn[] = "gn_dbn";
+constexpr char kDbnInf[] = "gn_dbn_inference";
+
+const Kernel<DbnFwdArgs> kFwdKernel{dbn_fwd_cpu, dbn_fwd_workspace_cpu,
+                                    GNMX_CUDA_ENTRY(dbn_fwd_cuda),
+                                    GNMX_CUDA_ENTRY(dbn_fwd_workspace_cuda)};
+const Kernel<DbnBwdArgs> kBwdKernel{dbn_bwd_cpu, dbn_bwd_workspace_cpu,
+                                    GNMX_CUDA_ENTRY(dbn_bwd_cuda),
+                                    GNMX_CUDA_ENTRY(dbn_bwd_workspace_cuda)};
+const Kernel<DbnInferenceArgs> kInfFwdKernel{dbn_inference_cpu, dbn_inference_workspace_cpu,
+                                             GNMX_CUDA_ENTRY(dbn_inference_cuda),
+                                             GNMX_CUDA_ENTRY(dbn_inference_workspace_cuda)};
+const Kernel<DbnInferenceArgs> kInfBwdKernel{dbn_inference_bwd_cpu, dbn_inference_workspace_cpu,
+                                             GNMX_CUDA_ENTRY(dbn_inference_bwd_cuda),
+                                             GNMX_CUDA_ENTRY(dbn_inference_workspace_cuda)};
 
 enum DbnIn { kData = 0, kRunMean, kRunProj, kNumIn };
 enum DbnOut { kOut = 0, kMean, kEigvec, kEigval, kNumOut };
@@ -75,18 +89,11 @@ DbnParams parse_dbn(const char* op, const AttrMap& attrs, bool training) {
 // matrix (up to 1/sqrt(eps) in a direction without variance: m = 1, constant channels) is stored in
 // the accumulation dtype and in the running statistics' dtype.
 void check_dbn_eps(const char* op, double eps, int data_dtype, int stat_dtype) {
-  check_eps_in_acc(op, eps, data_dtype == 1, mx_dtype_name(data_dtype));
-  if (stat_dtype == 2 && eps < limits::kMinEpsFloat16Stats)
+  check_eps_in_acc(op, eps, data_dtype == kFloat64, mx_dtype_name(data_dtype));
+  if (stat_dtype == kFloat16 && eps < limits::kMinEpsFloat16Stats)
     fail(op, ": eps=", eps, " is too small for float16 running statistics (the running projection "
          "can reach 1/sqrt(eps), float16 holds at most 65504): use eps >= ",
          limits::kMinEpsFloat16Stats, " or float32 running statistics");
-}
-
-GroupShape data_groups(const char* op, const std::vector<int64_t>& shape, int64_t G) {
-  GroupShape gs;
-  const std::string msg = check_group_shape(op, shape, G, &gs);
-  if (!msg.empty()) throw OpError(msg);
-  return gs;
 }
 
 std::vector<unsigned> mean_shape(const GroupShape& gs) { return {static_cast<unsigned>(gs.C)}; }
@@ -105,7 +112,7 @@ MXReturnValue dbn_shape_common(const char* op, bool training, const AttrMap& att
   if (shape_unknown(ds)) return MX_SUCCESS;
   const GroupShape gs = data_groups(op, to_i64(ds), p.num_groups);
   // lib_api shape inference does not know the device: the CPU limit here, the CUDA one (smaller)
-  // first thing in the GPU callbacks (gpu_ops.cc); one message format (dbn_group_size_error).
+  // first thing in the callbacks (tensor_groups); one message format (dbn_group_size_error).
   if (const char* e = dbn_group_size_error(gs.D, kDbnMaxGroupSizeCpu, "cpu")) fail(op, ": ", e);
   for (int i : {kRunMean, kRunProj}) {
     const std::vector<unsigned> want = i == kRunMean ? mean_shape(gs) : proj_shape(gs);
@@ -131,32 +138,27 @@ MXReturnValue dbn_type_common(const char* op, bool training, const AttrMap& attr
                               std::vector<int>* in, std::vector<int>* out) {
   const DbnParams p = parse_dbn(op, attrs, training);
   const int t = (*in)[kData];
-  if (t != -1 && !is_float_dtype(t))
-    fail(op, ": data must be float16, float32 or float64; got ", mx_dtype_name(t));
+  check_float_data(op, t);
   for (int i : {kRunMean, kRunProj}) {
     const int st = (*in)[i];
-    if (st == -1) continue;
+    if (st == kDtypeUnknown) continue;
     if (!is_float_dtype(st))
       fail(op, ": ", stat_name(i), " must be a float type; got ", mx_dtype_name(st));
-    if (t != -1 && st != t && st != static_cast<int>(acc_dtype(to_dtype(t))))
+    if (t != kDtypeUnknown && st != t && st != mx_acc_dtype(t))
       fail(op, ": ", stat_name(i), " dtype must equal the data dtype (or be float32 with float16 "
            "data); got ", stat_name(i), " ", mx_dtype_name(st), " with data ", mx_dtype_name(t));
   }
-  if (t == -1) return MX_SUCCESS;
+  if (t == kDtypeUnknown) return MX_SUCCESS;
   // Unknown running-statistics dtypes default to the data dtype (Gluon deferred init).
-  if ((*in)[kRunMean] == -1) (*in)[kRunMean] = (*in)[kRunProj] != -1 ? (*in)[kRunProj] : t;
-  if ((*in)[kRunProj] == -1) (*in)[kRunProj] = (*in)[kRunMean];
+  if ((*in)[kRunMean] == kDtypeUnknown)
+    (*in)[kRunMean] = (*in)[kRunProj] != kDtypeUnknown ? (*in)[kRunProj] : t;
+  if ((*in)[kRunProj] == kDtypeUnknown) (*in)[kRunProj] = (*in)[kRunMean];
   if ((*in)[kRunMean] != (*in)[kRunProj])
     fail(op, ": running_mean and running_projection must have the same dtype; got ",
          mx_dtype_name((*in)[kRunMean]), " and ", mx_dtype_name((*in)[kRunProj]));
   if (training) check_dbn_eps(op, p.eps, t, (*in)[kRunProj]);
   (*out)[kOut] = t;
-  if (training) {
-    const int acc = static_cast<int>(acc_dtype(to_dtype(t)));
-    (*out)[kMean] = acc;
-    (*out)[kEigvec] = acc;
-    (*out)[kEigval] = acc;
-  }
+  if (training) (*out)[kMean] = (*out)[kEigvec] = (*out)[kEigval] = mx_acc_dtype(t);
   return MX_SUCCESS;
 }
 
@@ -168,53 +170,49 @@ MXReturnValue dbn_mutate(const AttrMap& attrs, std::vector<int>* idx) {
   });
 }
 
-// Forward/backward re-check what they index with: the data shape and the statistics' sizes.
-GroupShape tensor_groups(const char* op, const MXTensor& x, const MXTensor& rmean,
-                         const MXTensor& rproj, int64_t G) {
+// Forward/backward re-check what they index with: the data shape, the statistics' sizes and the
+// device's group-size limit (checked before any workspace or launch).
+GroupShape tensor_groups(const char* op, const Device& dev, const MXTensor& x,
+                         const MXTensor& rmean, const MXTensor& rproj, int64_t G) {
   const GroupShape gs = data_groups(op, x.shape, G);
   if (rmean.size() != gs.C || rproj.size() != gs.G * gs.D * gs.D)
     fail(op, ": running statistics do not match data shape ", shape_str(x.shape));
+  const int64_t limit = dev.gpu ? kDbnMaxGroupSizeCuda : kDbnMaxGroupSizeCpu;
+  if (const char* e = dbn_group_size_error(gs.D, limit, dev.name())) fail(op, ": ", e);
   return gs;
 }
 
-void zero_tensor(MXTensor& t) {
-  if (t.data_ptr && t.size() > 0)
-    std::memset(t.data_ptr, 0, static_cast<size_t>(t.size()) * dtype_size(to_dtype(t.dtype)));
-}
-
-void require_cpu(const char* op, const MXTensor& t) {
-#if defined(GNMX_WITH_CUDA)
-  if (on_gpu(t)) return;  // "gpu" is registered too; the *_gpu twins run on it
-#endif
-  if (std::string(ctx_of(t)) != "cpu") fail(op, ": only the cpu context is supported");
-}
-
-// ---- gn_dbn -------------------------------------------------------------------------------------
+// ---- parseAttrs / inferShape / inferType of both ops (kTraining: gn_dbn) ------------------------
+template <const char* kOp, bool kTraining>
 MXReturnValue dbn_parse(const AttrMap& attrs, int* num_in, int* num_out) {
-  return guarded(kDbn, [&] {
-    parse_dbn(kDbn, attrs, true);
+  return guarded(kOp, [&] {
+    parse_dbn(kOp, attrs, kTraining);
     *num_in = kNumIn;
-    *num_out = kNumOut;
+    *num_out = kTraining ? kNumOut : 1;
     return MX_SUCCESS;
   });
 }
 
+template <const char* kOp, bool kTraining>
 MXReturnValue dbn_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
                         std::vector<std::vector<unsigned>>* out) {
-  return guarded(kDbn, [&] { return dbn_shape_common(kDbn, true, attrs, in, out); });
+  return guarded(kOp, [&] { return dbn_shape_common(kOp, kTraining, attrs, in, out); });
 }
 
+template <const char* kOp, bool kTraining>
 MXReturnValue dbn_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
-  return guarded(kDbn, [&] { return dbn_type_common(kDbn, true, attrs, in, out); });
+  return guarded(kOp, [&] { return dbn_type_common(kOp, kTraining, attrs, in, out); });
 }
 
+// ---- gn_dbn -------------------------------------------------------------------------------------
 MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
                       const OpResource& res) {
   return guarded(kDbn, [&] {
     const DbnParams p = parse_dbn(kDbn, attrs, true);
     const MXTensor& x = (*in)[kData];
-    require_cpu(kDbn, x);
-    const GroupShape gs = tensor_groups(kDbn, x, (*in)[kRunMean], (*in)[kRunProj], p.num_groups);
+    const Device dev = device_of(kDbn, x, res);
+    const GroupShape gs =
+        tensor_groups(kDbn, dev, x, (*in)[kRunMean], (*in)[kRunProj], p.num_groups);
     DbnFwdArgs a;
     a.dtype = to_dtype(x.dtype);
     a.stat_dtype = to_dtype((*in)[kRunMean].dtype);
@@ -228,13 +226,7 @@ MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
     a.eps = p.eps;
     a.momentum = p.momentum;
-    if (on_gpu(x)) return gpu_result(kDbn, dbn_fwd_gpu(a, res));
-    Workspace ws;
-    const size_t off = ws.reserve(dbn_fwd_workspace_cpu(a));
-    ws.commit(res, false, kDbn);
-    a.workspace = ws.at(off);
-    const char* err = dbn_fwd_cpu(a);
-    if (err) fail(kDbn, ": ", err);
+    run(kDbn, dev, kFwdKernel, a);
     return MX_SUCCESS;
   });
 }
@@ -247,9 +239,9 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
       fail(kDbn, ": backward expected ", int(kBNumIn), " inputs and ", int(kNumIn),
            " outputs; got ", in->size(), " and ", out->size());
     const MXTensor& x = (*in)[kBData];
-    require_cpu(kDbn, x);
+    const Device dev = device_of(kDbn, x, res);
     const GroupShape gs =
-        tensor_groups(kDbn, x, (*in)[kBRunMean], (*in)[kBRunProj], p.num_groups);
+        tensor_groups(kDbn, dev, x, (*in)[kBRunMean], (*in)[kBRunProj], p.num_groups);
     check_grad_dtype(kDbn, (*in)[kBdOut], x.dtype, "out");
     DbnBwdArgs a;
     a.dtype = to_dtype(x.dtype);
@@ -260,39 +252,12 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.eigval = (*in)[kBEigval].data_ptr;
     a.dx = (*out)[kData].data_ptr;
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
-    if (on_gpu(x))
-      return gpu_result(kDbn, dbn_bwd_gpu(a, res, &(*out)[kRunMean], &(*out)[kRunProj]));
-    Workspace ws;
-    const size_t off = ws.reserve(dbn_bwd_workspace_cpu(a));
-    ws.commit(res, false, kDbn);
-    a.workspace = ws.at(off);
-    const char* err = dbn_bwd_cpu(a);
-    if (err) fail(kDbn, ": ", err);
-    zero_tensor((*out)[kRunMean]);
-    zero_tensor((*out)[kRunProj]);
+    run(kDbn, dev, kBwdKernel, a, {&(*out)[kRunMean], &(*out)[kRunProj]});
     return MX_SUCCESS;
   });
 }
 
 // ---- gn_dbn_inference -----------------------------------------------------------------------------
-MXReturnValue inf_parse(const AttrMap& attrs, int* num_in, int* num_out) {
-  return guarded(kDbnInf, [&] {
-    parse_dbn(kDbnInf, attrs, false);
-    *num_in = kNumIn;
-    *num_out = 1;
-    return MX_SUCCESS;
-  });
-}
-
-MXReturnValue inf_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
-                        std::vector<std::vector<unsigned>>* out) {
-  return guarded(kDbnInf, [&] { return dbn_shape_common(kDbnInf, false, attrs, in, out); });
-}
-
-MXReturnValue inf_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
-  return guarded(kDbnInf, [&] { return dbn_type_common(kDbnInf, false, attrs, in, out); });
-}
-
 DbnInferenceArgs inference_args(const MXTensor& x, const MXTensor& rmean, const MXTensor& rproj,
                                 const GroupShape& gs) {
   DbnInferenceArgs a;
@@ -309,19 +274,13 @@ MXReturnValue inf_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   return guarded(kDbnInf, [&] {
     const DbnParams p = parse_dbn(kDbnInf, attrs, false);
     const MXTensor& x = (*in)[kData];
-    require_cpu(kDbnInf, x);
+    const Device dev = device_of(kDbnInf, x, res);
     const GroupShape gs =
-        tensor_groups(kDbnInf, x, (*in)[kRunMean], (*in)[kRunProj], p.num_groups);
+        tensor_groups(kDbnInf, dev, x, (*in)[kRunMean], (*in)[kRunProj], p.num_groups);
     DbnInferenceArgs a = inference_args(x, (*in)[kRunMean], (*in)[kRunProj], gs);
     a.x = x.data_ptr;
     a.y = (*out)[kOut].data_ptr;
-    if (on_gpu(x)) return gpu_result(kDbnInf, dbn_inference_gpu(a, false, res));
-    Workspace ws;
-    const size_t off = ws.reserve(dbn_inference_workspace_cpu(a));
-    ws.commit(res, false, kDbnInf);
-    a.workspace = ws.at(off);
-    const char* err = dbn_inference_cpu(a);
-    if (err) fail(kDbnInf, ": ", err);
+    run(kDbnInf, dev, kInfFwdKernel, a);
     return MX_SUCCESS;
   });
 }
@@ -335,33 +294,16 @@ MXReturnValue inf_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
       fail(kDbnInf, ": backward expected ", int(kIBNumIn), " inputs and ", int(kNumIn),
            " outputs; got ", in->size(), " and ", out->size());
     const MXTensor& x = (*in)[kIBData];
-    require_cpu(kDbnInf, x);
+    const Device dev = device_of(kDbnInf, x, res);
     const GroupShape gs =
-        tensor_groups(kDbnInf, x, (*in)[kIBRunMean], (*in)[kIBRunProj], p.num_groups);
+        tensor_groups(kDbnInf, dev, x, (*in)[kIBRunMean], (*in)[kIBRunProj], p.num_groups);
     check_grad_dtype(kDbnInf, (*in)[kIBdOut], x.dtype, "out");
     DbnInferenceArgs a = inference_args(x, (*in)[kIBRunMean], (*in)[kIBRunProj], gs);
     a.x = (*in)[kIBdOut].data_ptr;
     a.y = (*out)[kData].data_ptr;
-    if (on_gpu(x))
-      return gpu_result(kDbnInf,
-                        dbn_inference_gpu(a, true, res, &(*out)[kRunMean], &(*out)[kRunProj]));
-    Workspace ws;
-    const size_t off = ws.reserve(dbn_inference_workspace_cpu(a));
-    ws.commit(res, false, kDbnInf);
-    a.workspace = ws.at(off);
-    const char* err = dbn_inference_bwd_cpu(a);
-    if (err) fail(kDbnInf, ": ", err);
-    zero_tensor((*out)[kRunMean]);
-    zero_tensor((*out)[kRunProj]);
+    run(kDbnInf, dev, kInfBwdKernel, a, {&(*out)[kRunMean], &(*out)[kRunProj]});
     return MX_SUCCESS;
   });
-}
-
-MXReturnValue dbn_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
-  return dense_storage(kDbn, in, out);
-}
-MXReturnValue inf_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
-  return dense_storage(kDbnInf, in, out);
 }
 
 }  // namespace
@@ -369,10 +311,10 @@ MXReturnValue inf_stype(const AttrMap& attrs, std::vector<int>* in, std::vector<
 }  // namespace gn_mx
 
 REGISTER_OP(gn_dbn)
-    .setParseAttrs(gn_mx::mxa::dbn_parse)
-    .setInferType(gn_mx::mxa::dbn_type)
-    .setInferShape(gn_mx::mxa::dbn_shape)
-    .setInferSType(gn_mx::mxa::dbn_stype)
+    .setParseAttrs(gn_mx::mxa::dbn_parse<gn_mx::mxa::kDbn, true>)
+    .setInferType(gn_mx::mxa::dbn_type<gn_mx::mxa::kDbn, true>)
+    .setInferShape(gn_mx::mxa::dbn_shape<gn_mx::mxa::kDbn, true>)
+    .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kDbn>)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::dbn_fwd, "cpu")
     .setBackward(gn_mx::mxa::dbn_bwd, "cpu")
@@ -383,10 +325,10 @@ REGISTER_OP(gn_dbn)
     ;
 
 REGISTER_OP(gn_dbn_inference)
-    .setParseAttrs(gn_mx::mxa::inf_parse)
-    .setInferType(gn_mx::mxa::inf_type)
-    .setInferShape(gn_mx::mxa::inf_shape)
-    .setInferSType(gn_mx::mxa::inf_stype)
+    .setParseAttrs(gn_mx::mxa::dbn_parse<gn_mx::mxa::kDbnInf, false>)
+    .setInferType(gn_mx::mxa::dbn_type<gn_mx::mxa::kDbnInf, false>)
+    .setInferShape(gn_mx::mxa::dbn_shape<gn_mx::mxa::kDbnInf, false>)
+    .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kDbnInf>)
     .setMutateInputs(gn_mx::mxa::dbn_mutate)
     .setForward(gn_mx::mxa::inf_fwd, "cpu")
     .setBackward(gn_mx::mxa::inf_bwd, "cpu")
