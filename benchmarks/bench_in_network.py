@@ -112,6 +112,12 @@ def child(args):
         net.add(nn.Conv2D(64, 3, padding=1, in_channels=64))
         return net
 
+    def norm_relu(F, n, y, relu):
+        """n(y) (where the net has a norm layer), then a ReLU unless n fuses it."""
+        if n is not None:
+            y = n(y)
+        return F.relu(y) if relu else y
+
     class Basic(gluon.HybridBlock):
         def __init__(self, kind, cin, cout, stride):
             super().__init__()
@@ -125,11 +131,7 @@ def child(args):
                              if (stride != 1 or cin != cout) else None)
 
         def hybrid_forward(self, F, x):
-            y = self.c1(x)
-            if self.n1 is not None:
-                y = self.n1(y)
-            if not self.fused:
-                y = F.relu(y)
+            y = norm_relu(F, self.n1, self.c1(x), not self.fused)
             y = self.c2(y)
             if self.n2 is not None:
                 y = self.n2(y)
@@ -150,11 +152,7 @@ def child(args):
                 self.head = nn.Dense(10, in_units=64)
 
         def hybrid_forward(self, F, x):
-            y = self.stem(x)
-            if self.sn is not None:
-                y = self.sn(y)
-            if not self.fused:
-                y = F.relu(y)
+            y = norm_relu(F, self.sn, self.stem(x), not self.fused)
             y = self.blocks(y)
             return self.head(F.mean(y, axis=(2, 3)))
 
