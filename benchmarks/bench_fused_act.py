@@ -18,19 +18,18 @@ Outputs: stdout, benchmarks/results/fused_act_cpu.{md,json}.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
+from _common import KEPT, add_timing_args, run_regimes, timing_defaults
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 
 SHAPES = [((2, 64, 56, 56), 32), ((8, 256, 28, 28), 32), ((1, 320, 64, 64), 32),
           ((2, 640, 32, 32), 32), ((16, 256, 56, 56), 32)]
 QUICK = SHAPES[:3]
 ACTS = ["relu", "silu"]
-KEPT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
 
 def child(args):
@@ -105,37 +104,13 @@ def fmt(v):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--regimes", default="default,kept")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--min-sample-ms", type=float, default=None)
-    ap.add_argument("--max-cell-s", type=float, default=None)
-    ap.add_argument("--out", default=RESULTS)
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    add_timing_args(ap, "default,kept")
     args = ap.parse_args()
-    args.rounds = args.rounds or (5 if args.quick else 9)
-    args.min_sample_ms = args.min_sample_ms or (20.0 if args.quick else 40.0)
-    args.max_cell_s = args.max_cell_s or (5.0 if args.quick else 10.0)
+    timing_defaults(args, quick=(5, 20.0, 5.0), full=(9, 40.0, 10.0))
     if args.child:
         return child(args)
-    runs = {}
-    for reg in args.regimes.split(","):
-        env = dict(os.environ)
-        for k in KEPT:
-            env.pop(k, None)
-        if reg == "kept":
-            env.update(KEPT)
-        env["OMP_NUM_THREADS"] = str(args.threads)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
-               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s)]
-        if args.quick:
-            cmd.append("--quick")
-        print("running %s ..." % reg, file=sys.stderr)
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        if p.returncode != 0:
-            sys.exit("child failed")
-        runs[reg] = json.loads(p.stdout)
+    runs = run_regimes(__file__, args, {"default": {}, "kept": KEPT},
+                       extra=["--quick"] if args.quick else [])
     lines = []
     worst = {}
     for reg, r in runs.items():

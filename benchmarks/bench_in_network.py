@@ -41,13 +41,13 @@ Outputs: stdout, benchmarks/results/in_network_cpu.{md,json}.
 import argparse
 import json
 import os
-import subprocess
 import sys
 import time
 
+from _common import KEPT, add_timing_args, run_regimes, timing_defaults
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 
 SANDWICH = ["gn_mx", "gluon_gn", "bn", "dbn", "relu", "lib_affine", "none"]
 RESNET = ["gn_mx", "gn_mx_relu", "gluon_gn", "bn", "dbn", "none"]
@@ -56,11 +56,8 @@ G_SANDWICH, G_RESNET = 32, 8
 
 REGIMES = {
     "default": ({}, "glibc malloc defaults, MKLDNN on"),
-    "kept": ({"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
-              "MALLOC_TRIM_THRESHOLD_": "100000000000"}, "glibc keeps freed memory, MKLDNN on"),
-    "kept_nomkldnn": ({"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
-                       "MALLOC_TRIM_THRESHOLD_": "100000000000", "MXNET_MKLDNN_ENABLED": "0"},
-                      "glibc keeps freed memory, MKLDNN off"),
+    "kept": (KEPT, "glibc keeps freed memory, MKLDNN on"),
+    "kept_nomkldnn": (dict(KEPT, MXNET_MKLDNN_ENABLED="0"), "glibc keeps freed memory, MKLDNN off"),
 }
 
 
@@ -115,6 +112,12 @@ def child(args):
         net.add(nn.Conv2D(64, 3, padding=1, in_channels=64))
         return net
 
+    def norm_relu(F, n, y, relu):
+        """n(y) (where the net has a norm layer), then a ReLU unless n fuses it."""
+        if n is not None:
+            y = n(y)
+        return F.relu(y) if relu else y
+
     class Basic(gluon.HybridBlock):
         def __init__(self, kind, cin, cout, stride):
             super().__init__()
@@ -128,11 +131,7 @@ def child(args):
                              if (stride != 1 or cin != cout) else None)
 
         def hybrid_forward(self, F, x):
-            y = self.c1(x)
-            if self.n1 is not None:
-                y = self.n1(y)
-            if not self.fused:
-                y = F.relu(y)
+            y = norm_relu(F, self.n1, self.c1(x), not self.fused)
             y = self.c2(y)
             if self.n2 is not None:
                 y = self.n2(y)
@@ -153,11 +152,7 @@ def child(args):
                 self.head = nn.Dense(10, in_units=64)
 
         def hybrid_forward(self, F, x):
-            y = self.stem(x)
-            if self.sn is not None:
-                y = self.sn(y)
-            if not self.fused:
-                y = F.relu(y)
+            y = norm_relu(F, self.sn, self.stem(x), not self.fused)
             y = self.blocks(y)
             return self.head(F.mean(y, axis=(2, 3)))
 
@@ -210,20 +205,25 @@ def child(args):
     print(".", end="", file=sys.stderr, flush=True)
     del fwd, fb
 
+    def train_step(kind, x, static):
+        """A fresh ResNet(kind) (Xavier init, hybridized) and one SGD training step on x."""
+        net = ResNet(kind)
+        net.initialize(mx.init.Xavier())
+        net.hybridize(static_alloc=static, static_shape=static)
+        tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9})
+
+        def st():
+            with autograd.record():
+                loss = lossf(net(x), label)
+            loss.backward()
+            tr.step(16)
+        return net, st
+
     # --- resnet training step
     xr = mx.nd.random.normal(shape=(16, 3, 64, 64))
     step, rf = {}, {}
     for kind in (RESNET if "resnet" in parts else []):
-        net = ResNet(kind)
-        net.initialize(mx.init.Xavier())
-        net.hybridize(static_alloc=True, static_shape=True)
-        tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9})
-
-        def st(net=net, tr=tr):
-            with autograd.record():
-                loss = lossf(net(xr), label)
-            loss.backward()
-            tr.step(16)
+        net, st = train_step(kind, xr, static=True)
 
         def f(net=net):
             net(xr)
@@ -239,17 +239,7 @@ def child(args):
     for kind, static in [(k, s) for k in RESNET_BIG for s in (True, False)]:
         if "resnet128" not in parts:
             break
-        net = ResNet(kind)
-        net.initialize(mx.init.Xavier())
-        net.hybridize(static_alloc=static, static_shape=static)
-        tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.01, "momentum": 0.9})
-
-        def st(net=net, tr=tr):
-            with autograd.record():
-                loss = lossf(net(xb), label)
-            loss.backward()
-            tr.step(16)
-        big[kind + ("" if static else "_hybridize_plain")] = (st, W)
+        big[kind + ("" if static else "_hybridize_plain")] = (train_step(kind, xb, static)[1], W)
     if "resnet128" in parts:
         out["resnet128"] = {"shape": [16, 3, 128, 128], "step_s": timer.run(big)}
     out["loadavg_end"] = os.getloadavg()
@@ -324,37 +314,15 @@ def report(runs):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--threads", type=int, default=2)
-    ap.add_argument("--quick", action="store_true")
-    ap.add_argument("--regimes", default="default,kept,kept_nomkldnn")
-    ap.add_argument("--rounds", type=int, default=None)
-    ap.add_argument("--min-sample-ms", type=float, default=None)
-    ap.add_argument("--max-cell-s", type=float, default=None)
-    ap.add_argument("--out", default=RESULTS)
+    add_timing_args(ap, "default,kept,kept_nomkldnn")
     ap.add_argument("--suffix", default="", help="appended to the result file names")
     ap.add_argument("--parts", default="sandwich,resnet,resnet128")
-    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    args.rounds = args.rounds or (3 if args.quick else 7)
-    args.min_sample_ms = args.min_sample_ms or (100.0 if args.quick else 250.0)
-    args.max_cell_s = args.max_cell_s or (15.0 if args.quick else 40.0)
+    timing_defaults(args, quick=(3, 100.0, 15.0), full=(7, 250.0, 40.0))
     if args.child:
         return child(args)
-    runs = {}
-    for name in args.regimes.split(","):
-        env = dict(os.environ)
-        for k in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_", "MALLOC_TRIM_THRESHOLD_", "MXNET_MKLDNN_ENABLED"):
-            env.pop(k, None)
-        env.update(REGIMES[name][0])
-        env["OMP_NUM_THREADS"] = str(args.threads)
-        print("running %s ..." % name, file=sys.stderr)
-        cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
-               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s),
-               "--parts", args.parts]
-        p = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
-        if p.returncode != 0:
-            sys.exit("child %s failed" % name)
-        runs[name] = json.loads(p.stdout)
+    runs = run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()},
+                       extra=["--parts", args.parts])
     text = report(runs)
     print(text)
     os.makedirs(args.out, exist_ok=True)

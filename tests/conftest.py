@@ -101,6 +101,23 @@ def check_bad_inputs(prelude, cases, survivor, survivor_out):
     assert not failures, "\n".join(failures)
 
 
+def dbn_train_step(x, dy, G, dtype=None, **attrs):
+    """One gn_dbn training call on x (running mean 0, running projection I, `attrs` such as eps /
+    momentum, else the op's defaults) and its backward with head gradient dy, in `dtype` (default
+    x's): (y, dx, the updated running projection) as numpy arrays."""
+    from mxnet import autograd
+    dtype = x.dtype if dtype is None else dtype
+    C = x.shape[1]
+    rm = mx.nd.zeros((C,), dtype=dtype)
+    rp = mx.nd.array(np.tile(np.eye(C // G), (G, 1, 1)), dtype=dtype)
+    xs = mx.nd.array(x, dtype=dtype)
+    xs.attach_grad()
+    with autograd.record():
+        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G, **attrs)[0]
+    y.backward(mx.nd.array(dy, dtype=dtype))
+    return y.asnumpy(), xs.grad.asnumpy(), rp.asnumpy()
+
+
 def dbn_fd_check(x, G, eps=1e-5, rtol=1e-5, atol=1e-6, dy=None):
     """gn_dbn's float64 gradient vs central differences of its own forward (tests/reference.py's
     numeric_grad), for head gradient `dy` (random when None)."""

@@ -2,7 +2,8 @@
 # CI compile check for the CUDA code (no GPU needed, nothing is run):
 #   1. libgn_mx.so configured and built with GNMX_CUDA=ON (every src/operator/kernels/*.cu, the
 #      adapter with GNMX_WITH_CUDA and its "gpu" registrations), one architecture;
-#   2. the framework-free GPU harness (tests/gpu/build.sh).
+#   2. the framework-free GPU harness with tests/gpu/build.sh's nvcc-only fallback
+#      (tests/test_cuda_compile.py builds the CMake target gn_harness itself).
 # Prints "SKIPPED: ..." and exits 0 when no nvcc is installed.
 #   bash tests/cuda_compile_check.sh          # env: NVCC, PYTHON, GNMX_CHECK_ARCH (80), GNMX_JOBS (2)
 # Build trees live in build/cuda-check/ (incremental on reruns).
@@ -30,5 +31,7 @@ cmake --build "$OUT/lib" --target gn_mx -j "$JOBS"
 nm -C "$OUT/lib/libgn_mx.so" >"$OUT.nm.txt"
 grep -q "gn_mx::group_norm_fwd_cuda" "$OUT.nm.txt" || { echo "libgn_mx.so lacks the CUDA kernels"; exit 1; }
 
-GNMX_CUDA_ARCH="$ARCH" GNMX_HARNESS_OUT="$OUT/harness" NVCC="$NVCC" bash "$ROOT/tests/gpu/build.sh"
+# The harness with build.sh's nvcc-only fallback (tests/test_cuda_compile.py builds its CMake target).
+GNMX_HARNESS_NVCC_ONLY=1 GNMX_CUDA_ARCH="$ARCH" GNMX_HARNESS_OUT="$OUT/harness" NVCC="$NVCC" \
+  bash "$ROOT/tests/gpu/build.sh"
 echo "cuda_compile_check: OK"

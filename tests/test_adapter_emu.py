@@ -41,10 +41,10 @@ def driver(tmp_path_factory):
            "-I", os.path.join(MX, "include", "mxnet")]
     jobs = []
     # CUDA sources, rewritten for the emulator and compiled as in build_emu.py.
-    for cu in sorted(f for f in os.listdir(KERNELS) if f.endswith(".cu")):
-        src = os.path.join(out, cu[:-3] + "_emu.cc")
+    for cu in build_emu.cuda_sources(KERNELS):  # src/operator/kernels/cuda_sources.txt
+        src = os.path.join(out, os.path.basename(cu)[:-3] + "_emu.cc")
         with open(src, "w") as f:
-            f.write(f'#line 1 "{os.path.join(KERNELS, cu)}"\n' + build_emu.rewrite(os.path.join(KERNELS, cu)))
+            f.write(f'#line 1 "{cu}"\n' + build_emu.rewrite(cu))
         jobs.append(["g++", "-std=c++20", "-O1", "-fPIC", "-mf16c", "-pthread", "-U_FORTIFY_SOURCE",
                      "-D__CUDACC__", "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h",
                      "-I", os.path.join(EMU, "include"), "-I", KERNELS] + inc +

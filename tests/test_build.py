@@ -67,3 +67,38 @@ def test_openmp_off_ops_match_reference(no_openmp_lib):
         print('OK')
     """, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+def _listed_cuda_sources():
+    kdir = os.path.join(ROOT, "src", "operator", "kernels")
+    with open(os.path.join(kdir, "cuda_sources.txt")) as f:
+        names = [line.split("#", 1)[0].strip() for line in f]
+    return kdir, [n for n in names if n]
+
+
+def test_cuda_source_list_matches_the_kernels_folder():
+    # The one list that CMake, tests/gpu/build.sh (nvcc fallback) and the CPU emulator read.
+    kdir, names = _listed_cuda_sources()
+    assert len(names) == len(set(names)), names
+    assert sorted(names) == sorted(f for f in os.listdir(kdir) if f.endswith(".cu"))
+
+
+def test_configure_without_mxnet(tmp_path):
+    # GNMX_MXNET=OFF (the GPU machine: nvcc + torch, no MXNet): no `import mxnet`, no op library.
+    # Any interpreter that tried to import mxnet here would fail on the fake package below.
+    if shutil.which("cmake") is None:
+        pytest.skip("cmake is not on PATH")
+    fake = tmp_path / "no_mxnet" / "mxnet"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('GNMX_MXNET=OFF must not import mxnet')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "no_mxnet"))
+    r = subprocess.run(["cmake", "-S", ROOT, "-B", str(tmp_path / "build"), "-DGNMX_MXNET=OFF",
+                        "-DGNMX_CUDA=OFF"], capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "gn_mx: MXNet OFF" in r.stdout
+    assert "CUDA build:" not in r.stdout and "building against" not in r.stdout
+    r = subprocess.run(["cmake", "--build", str(tmp_path / "build"), "--target", "help"],
+                       capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    targets = {line.split()[-1] for line in r.stdout.splitlines() if line.startswith("...")}
+    assert "gn_mx_kernels" in targets and "gn_mx" not in targets, targets

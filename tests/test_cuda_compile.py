@@ -1,15 +1,56 @@
 """CI: every CUDA source compiles (library with GNMX_CUDA=ON + GPU harness), without a GPU.
 
-Runs tests/cuda_compile_check.sh; skipped when no nvcc is installed. Nothing is executed on a GPU:
-the GPU checks live in tests/gpu (run by benchmarks/gpu/run_all.sh on a CUDA machine).
+Runs tests/cuda_compile_check.sh (the library + the harness's nvcc-only fallback) and builds the
+CMake target gn_harness the way the GPU machine does (tests/gpu/build.sh, GNMX_MXNET=OFF); skipped
+when no nvcc (or cmake) is installed. Nothing is executed on a GPU: the GPU checks live in tests/gpu
+(run by benchmarks/gpu/run_all.sh on a CUDA machine).
 """
+import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ARCH = os.environ.get("GNMX_CHECK_ARCH", "80")
+
+
+def _nvcc():
+    nvcc = os.environ.get("NVCC") or shutil.which("nvcc")
+    if not nvcc and os.access("/usr/local/cuda/bin/nvcc", os.X_OK):
+        nvcc = "/usr/local/cuda/bin/nvcc"
+    if not nvcc:
+        pytest.skip("nvcc not found (set NVCC=/path/to/nvcc)")
+    if subprocess.run(["cmake", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("cmake is not usable")
+    return nvcc
+
+
+def _no_mxnet_env(tmp_path, **kw):
+    """PYTHONPATH with an `mxnet` that fails to import: the harness build must never need it."""
+    fake = tmp_path / "no_mxnet" / "mxnet"
+    fake.mkdir(parents=True)
+    (fake / "__init__.py").write_text("raise ImportError('the GPU harness must not import mxnet')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path / "no_mxnet"), **kw)
+    env.pop("GNMX_HARNESS_NVCC_ONLY", None)
+    return env
+
+
+def _harness_commands(build):
+    """file -> nvcc/c++ command of the gn_harness target, from compile_commands.json."""
+    with open(os.path.join(build, "compile_commands.json")) as f:
+        return {os.path.realpath(e["file"]): e["command"] for e in json.load(f)
+                if "gn_harness.dir" in e["command"]}
+
+
+def _listed_sources():
+    kdir = os.path.join(ROOT, "src", "operator", "kernels")
+    with open(os.path.join(kdir, "cuda_sources.txt")) as f:
+        names = [line.split("#", 1)[0].strip() for line in f]
+    return {os.path.realpath(os.path.join(kdir, n)) for n in names if n}
 
 
 def test_cuda_sources_compile():
@@ -21,3 +62,55 @@ def test_cuda_sources_compile():
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, out[-6000:]
     assert "cuda_compile_check: OK" in r.stdout
+
+
+def test_gpu_harness_cmake_target_without_mxnet(tmp_path):
+    # What benchmarks/gpu/run_all.sh does on the GPU machine (nvcc + cmake + torch, no MXNet).
+    nvcc = _nvcc()
+    out = tmp_path / "harness"
+    env = _no_mxnet_env(tmp_path, NVCC=nvcc, GNMX_CUDA_ARCH=ARCH, GNMX_HARNESS_OUT=str(out),
+                        GNMX_JOBS="2")
+    r = subprocess.run(["bash", os.path.join(ROOT, "tests", "gpu", "build.sh")],
+                       capture_output=True, text=True, env=env, timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert "cmake target gn_harness" in r.stderr, r.stderr[-3000:]
+    log = (out / "cmake" / "configure.log").read_text()
+    assert "gn_mx: MXNet OFF" in log and "CUDA build:" not in log, log[-3000:]
+    so = out / "libgn_harness.so"
+    assert so.is_file()
+
+    # Exactly harness.cc's GNH_API functions are exported (hidden visibility for everything else).
+    with open(os.path.join(ROOT, "tests", "gpu", "harness.cc")) as f:
+        api = set(re.findall(r"^GNH_API [^(]*?\b(gnh_\w+)\(", f.read(), re.M))
+    assert len(api) >= 10, api
+    if shutil.which("nm") is not None:
+        nm = subprocess.run(["nm", "-D", "--defined-only", str(so)], capture_output=True,
+                            text=True, check=True).stdout
+        exported = {line.split()[-1] for line in nm.splitlines() if line.strip()}
+        assert exported == api, exported ^ api
+
+    # The one source list + harness.cc, each compiled with SASS and PTX for the (only) arch.
+    cmds = _harness_commands(str(out / "cmake"))
+    harness = os.path.realpath(os.path.join(ROOT, "tests", "gpu", "harness.cc"))
+    assert set(cmds) == _listed_sources() | {harness}, sorted(cmds)
+    for f, cmd in cmds.items():
+        assert "-O3" in cmd and "-fvisibility=hidden" in cmd and "-DGNMX_WITH_CUDA" in cmd, cmd
+        if f.endswith(".cu"):
+            assert f"code=[compute_{ARCH},sm_{ARCH}]" in cmd, cmd
+
+
+def test_gpu_harness_sass_for_every_arch_ptx_for_the_highest(tmp_path):
+    # Configure only: "75;90" -> sm_75 SASS, sm_90 SASS + compute_90 PTX (JIT on newer GPUs).
+    nvcc = _nvcc()
+    build = str(tmp_path / "build")
+    r = subprocess.run(["cmake", "-S", ROOT, "-B", build, "-DGNMX_MXNET=OFF", "-DGNMX_CUDA=ON",
+                        f"-DCMAKE_CUDA_COMPILER={nvcc}", "-DCMAKE_CUDA_ARCHITECTURES=90;75",
+                        "-DCMAKE_EXPORT_COMPILE_COMMANDS=ON"],
+                       capture_output=True, text=True, env=_no_mxnet_env(tmp_path), timeout=300)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert "gn_harness (architectures 75-real;90)" in r.stdout, r.stdout[-3000:]
+    cu = {f: c for f, c in _harness_commands(build).items() if f.endswith(".cu")}
+    assert set(cu) == _listed_sources()
+    for cmd in cu.values():
+        assert "arch=compute_75,code=[sm_75]" in cmd and "code=[compute_90,sm_90]" in cmd, cmd
+        assert "code=[compute_75" not in cmd, cmd  # no PTX for the lower arch

@@ -17,9 +17,8 @@ import numpy as np
 import pytest
 
 import mxnet as mx
-from mxnet import autograd
 
-from conftest import GRAD_TOL, dbn_fd_check, tol
+from conftest import GRAD_TOL, dbn_fd_check, dbn_train_step, tol
 from reference import _dbn_group_matrix, dbn_bwd_ref, dbn_ref
 
 EPS = 1e-5
@@ -34,16 +33,7 @@ def _data(shape, dtype, offset=0.5, seed=0):
 
 
 def _run(x, dy, G, dtype):
-    C = x.shape[1]
-    D = C // G
-    rm = mx.nd.zeros((C,), dtype=dtype)
-    rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
-    xs = mx.nd.array(x, dtype=dtype)
-    xs.attach_grad()
-    with autograd.record():
-        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G, eps=EPS, momentum=MOM)[0]
-    y.backward(mx.nd.array(dy, dtype=dtype))
-    return y.asnumpy(), xs.grad.asnumpy(), rp.asnumpy()
+    return dbn_train_step(x, dy, G, dtype, eps=EPS, momentum=MOM)
 
 
 # D = 8: last Jacobi size; 9, 16, 33: QL. 11, 13, 14: apply-kernel row remainders 5, 1, 2.
@@ -117,8 +107,8 @@ def test_ql_path_data_scale(scale):
 _BLOCK_CODE = """
 import sys; sys.path.insert(0, {tests!r})
 import numpy as np, mxnet as mx
-from mxnet import autograd
 import gn_mx
+from conftest import dbn_train_step
 from reference import dbn_ref, dbn_bwd_ref
 # > 4 MB of input. G = 3 with 2 threads: the groups do
 # not split evenly, so the passes run chunk-parallel in blocks of groups (2 + 1); with 1 thread,
@@ -129,17 +119,12 @@ for dtype, tol, G in ((np.float64, 1e-9, 3), (np.float32, 2e-4, 3), (np.float32,
     shape, D = (20, C, 32, 32), C // G
     x = (rng.randn(*shape) + 0.3).astype(dtype)
     dy = rng.randn(*shape).astype(dtype)
-    rm = mx.nd.zeros((C,), dtype=dtype)
-    rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
-    xs = mx.nd.array(x, dtype=dtype); xs.attach_grad()
-    with autograd.record():
-        y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G)[0]
-    y.backward(mx.nd.array(dy, dtype=dtype))
+    y, dx, rp = dbn_train_step(x, dy, G)
     ref, mean, W = dbn_ref(x, G, 1e-5)
-    np.testing.assert_allclose(y.asnumpy(), ref, rtol=tol, atol=tol)
+    np.testing.assert_allclose(y, ref, rtol=tol, atol=tol)
     rdx = dbn_bwd_ref(x, dy, G, 1e-5)
-    np.testing.assert_allclose(xs.grad.asnumpy(), rdx, rtol=10 * tol, atol=10 * tol * np.abs(rdx).max())
-    np.testing.assert_allclose(rp.asnumpy(), 0.9 * np.eye(D) + 0.1 * W, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(dx, rdx, rtol=10 * tol, atol=10 * tol * np.abs(rdx).max())
+    np.testing.assert_allclose(rp, 0.9 * np.eye(D) + 0.1 * W, rtol=1e-5, atol=1e-6)
 print("BLOCKS_OK")
 """
 

@@ -182,24 +182,18 @@ def test_kernel_paths_match_reference(env):
     code = f"""
         import sys; sys.path.insert(0, {os.path.join(ROOT, "tests")!r})
         import numpy as np, mxnet as mx, gn_mx
-        from mxnet import autograd
+        from conftest import dbn_train_step
         from reference import dbn_ref, dbn_bwd_ref
         for shape, G, off in [((6, 8, 11), 2, 0.5), ((40, 64, 3), 1, 0.0), ((4, 12, 5, 5), 12, 0.0),
                               ((20, 6, 40, 40), 3, 50.0), ((5, 32, 30, 30), 2, -3.0)]:
             for dtype in (np.float32, np.float64):
                 x = (np.random.randn(*shape) + off).astype(dtype)
                 dy = np.random.randn(*shape).astype(dtype)
-                C = shape[1]; D = C // G
-                rm = mx.nd.zeros((C,), dtype=dtype)
-                rp = mx.nd.array(np.tile(np.eye(D), (G, 1, 1)), dtype=dtype)
-                xs = mx.nd.array(x, dtype=dtype); xs.attach_grad()
-                with autograd.record():
-                    y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G)[0]
-                y.backward(mx.nd.array(dy, dtype=dtype))
+                y, dx, _ = dbn_train_step(x, dy, G)
                 tol = 1e-4 if dtype == np.float32 else 1e-9
-                np.testing.assert_allclose(y.asnumpy(), dbn_ref(x, G, 1e-5)[0], rtol=tol,
+                np.testing.assert_allclose(y, dbn_ref(x, G, 1e-5)[0], rtol=tol,
                                            atol=tol * (1 + abs(off)))
-                np.testing.assert_allclose(xs.grad.asnumpy(), dbn_bwd_ref(x, dy, G, 1e-5),
+                np.testing.assert_allclose(dx, dbn_bwd_ref(x, dy, G, 1e-5),
                                            rtol=10 * tol, atol=tol * (1 + abs(off)))
         print("PATH_OK")
     """

@@ -85,11 +85,16 @@ def test_plain_block_exports_no_act_type(tmp_path):
 # DecorrelatedBatchNorm
 
 
-def test_export_writes_inference_graph_and_reloads(tmp_path):
+def _hybrid_dbn_net():
+    """The DBN test net, Xavier-initialized on the CPU and hybridized, and a (4, 4, 6, 6) input."""
     net = _dbn_net()
     net.initialize(mx.init.Xavier(), ctx=CPU)
     net.hybridize()
-    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
+    return net, mx.nd.array(_data((4, 4, 6, 6), np.float32))
+
+
+def test_export_writes_inference_graph_and_reloads(tmp_path):
+    net, x = _hybrid_dbn_net()
     for _ in range(3):
         _train_step(net, x)  # the last call before export is a training call
     expected = net(x).asnumpy()
@@ -151,10 +156,7 @@ def test_export_static_alloc_after_training_steps(tmp_path):
 
 
 def test_export_after_eval_then_training_continues(tmp_path):
-    net = _dbn_net()
-    net.initialize(mx.init.Xavier(), ctx=CPU)
-    net.hybridize()
-    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
+    net, x = _hybrid_dbn_net()
     net(x)
     net.export(str(tmp_path / "m"))
     y1, _, _ = _train_step(net, x)  # training still uses batch statistics after export
@@ -164,10 +166,7 @@ def test_export_after_eval_then_training_continues(tmp_path):
 
 def test_export_when_only_training_ran(tmp_path):
     """No inference call before export: the inference graph is traced for the export."""
-    net = _dbn_net()
-    net.initialize(mx.init.Xavier(), ctx=CPU)
-    net.hybridize()
-    x = mx.nd.array(_data((4, 4, 6, 6), np.float32))
+    net, x = _hybrid_dbn_net()
     for _ in range(2):
         _train_step(net, x)
     prefix = str(tmp_path / "train_only")

@@ -29,6 +29,26 @@ SD_SHAPES = [(2, c, hw, hw) for c in (320, 640, 1280) for hw in (64, 32, 16, 8)]
 LARGE_SHAPES = [(16, 512, 64, 64), (32, 256, 128, 128), (8, 1280, 32, 32)]
 
 
+def _repeat(fn, reps):
+    def run():
+        for _ in range(reps):
+            fn()
+    return run
+
+
+def _median_per_call(run, reps, replays):
+    """Median seconds per call over `replays` CUDA-event-timed run()s of `reps` calls each."""
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        run()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) / 1e3 / reps)
+    return statistics.median(times)
+
+
 def time_graph(fn, reps=20, replays=7, warmup=3):
     """Seconds per call of fn(), from CUDA-graph replays; falls back to eager launches."""
     stream = torch.cuda.Stream()
@@ -47,21 +67,10 @@ def time_graph(fn, reps=20, replays=7, warmup=3):
         run = g.replay
     except Exception:  # noqa: BLE001 - capture unsupported: time eager launches instead
         mode = "eager"
-
-        def run():
-            for _ in range(reps):
-                fn()
+        run = _repeat(fn, reps)
     run()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        run()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return statistics.median(times), mode
+    return _median_per_call(run, reps, replays), mode
 
 
 def copy_bandwidth():
@@ -162,16 +171,7 @@ def time_graph_eager(fn, reps=10, replays=5):
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        for _ in range(reps):
-            fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) / 1e3 / reps)
-    return statistics.median(times), "eager"
+    return _median_per_call(_repeat(fn, reps), reps, replays), "eager"
 
 
 def markdown(meta, rows, dbn_rows=()):

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # One command for the GPU machine (torch with CUDA + nvcc; no MXNet needed), < 5 minutes on an H200:
-#   1. build the framework-free harness (tests/gpu/build.sh -> build/gpu/libgn_harness.so)
+#   1. build the framework-free harness (tests/gpu/build.sh -> build/gpu/libgn_harness.so: the CMake
+#      target gn_harness with GNMX_MXNET=OFF, or one nvcc command when cmake is missing)
 #   2. run the GPU correctness tests (tests/gpu, vs float64 references and torch)
 #   3. benchmark against torch's GroupNorm with the measured copy bandwidth as the bound
 # Results: benchmarks/results/gpu_tests.md, gpu_bench.json, gpu_bench.md (or $GNMX_RESULTS).
@@ -41,7 +42,9 @@ fi
 {
   echo "# gn_mx GPU harness tests"
   echo
-  echo "- device: $(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1)"
+  dev="$(nvidia-smi --query-gpu=name --format=csv,noheader 2>/dev/null | head -n1 || true)"
+  [[ -n "$dev" ]] || dev="$("$PY" -c 'import torch; print(torch.cuda.get_device_name())' 2>/dev/null || echo unknown)"
+  echo "- device: ${dev}"
   echo "- date: $(date -u +%Y-%m-%dT%H:%M:%SZ); pytest exit code: ${test_rc}"
   echo
   echo '```'

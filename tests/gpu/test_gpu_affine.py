@@ -2,27 +2,13 @@
 Same guards as test_gpu_kernels.py."""
 import pytest
 
-torch = pytest.importorskip("torch")
-import gnh  # noqa: E402
+from gpu_common import DEV, gnh, ids, rel_err  # skips the module without torch / a device
+import torch
 
-if not gnh.available():
-    pytest.skip("no CUDA device for the GPU harness (GNMX_HARNESS_EMU=1: CPU emulator)",
-                allow_module_level=True)
-
-DEV = gnh.DEVICE
 TOL = {torch.float16: 1e-2, torch.float32: 1e-5, torch.float64: 1e-12}
 PAIRS = [(torch.float16, torch.float16), (torch.float32, torch.float32),
          (torch.float64, torch.float64), (torch.float16, torch.float32)]
 SHAPES = [(5, 7), (2, 6, 9), (3, 4, 5, 6), (2, 3, 2, 3, 4), (2, 64, 33, 33)]
-
-
-def ids(v):
-    return str(v).replace("torch.", "")
-
-
-def rel_err(a, ref):
-    a, ref = a.double(), ref.double()
-    return ((a - ref).abs().max() / max(1.0, ref.abs().max().item())).item()
 
 
 @pytest.mark.parametrize("dtype,pdtype", PAIRS, ids=ids)

@@ -6,15 +6,9 @@ is autograd through it. Eigenvectors are compared through W = U diag(l^-1/2) U^T
 """
 import pytest
 
-torch = pytest.importorskip("torch")
-import gnh  # noqa: E402  (tests/gpu is on sys.path: pytest's rootdir-relative import)
+from gpu_common import DEV, DTYPES, gnh, ids, rel_err  # skips the module without torch / a device
+import torch
 
-if not gnh.available():
-    pytest.skip("no CUDA device for the GPU harness (GNMX_HARNESS_EMU=1: CPU emulator)",
-                allow_module_level=True)
-
-DEV = gnh.DEVICE
-DTYPES = [torch.float16, torch.float32, torch.float64]
 TOL = {torch.float16: 3e-2, torch.float32: 2e-3, torch.float64: 1e-8}
 
 CASES = [  # (shape, G): D = C/G from 1 to 96, 0-2 spatial dims, odd D
@@ -26,15 +20,6 @@ CASES = [  # (shape, G): D = C/G from 1 to 96, 0-2 spatial dims, odd D
     ((2, 64, 16, 16), 2),
     ((8, 96, 8, 8), 1),
 ]
-
-
-def ids(v):
-    return str(v).replace("torch.", "")
-
-
-def rel_err(a, ref):
-    a, ref = a.double(), ref.double()
-    return ((a - ref).abs().max() / max(1.0, ref.abs().max().item())).item()
 
 
 def to_groups(x, G):

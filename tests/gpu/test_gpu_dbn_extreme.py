@@ -6,16 +6,10 @@ rotation. Same guards as test_gpu_dbn.py (torch + a CUDA device, or GNMX_HARNESS
 """
 import pytest
 
-torch = pytest.importorskip("torch")
-import gnh  # noqa: E402
+from gpu_common import DEV, gnh, rel_err  # skips the module without torch / a device
+import torch
 
-if not gnh.available():
-    pytest.skip("no CUDA device for the GPU harness (GNMX_HARNESS_EMU=1: CPU emulator)",
-                allow_module_level=True)
-
-from test_gpu_dbn import make, ref_dbn, rel_err, to_groups  # noqa: E402
-
-DEV = gnh.DEVICE
+from test_gpu_dbn import make, ref_dbn, to_groups  # noqa: E402
 
 
 @pytest.mark.parametrize("scale", [1e-150, 1e100, 1e150])

@@ -13,15 +13,9 @@ import math
 
 import pytest
 
-torch = pytest.importorskip("torch")
-import gnh  # noqa: E402  (tests/gpu is on sys.path: pytest's rootdir-relative import)
+from gpu_common import DEV, DTYPES, gnh, ids, rel_err  # skips the module without torch / a device
+import torch
 
-if not gnh.available():
-    pytest.skip("no CUDA device for the GPU harness (GNMX_HARNESS_EMU=1: CPU emulator)",
-                allow_module_level=True)
-
-DEV = gnh.DEVICE
-DTYPES = [torch.float16, torch.float32, torch.float64]
 # (forward tol, backward tol) on the relative max error
 TOL = {torch.float16: (4e-3, 1.5e-2), torch.float32: (2e-5, 1e-4), torch.float64: (1e-11, 1e-9)}
 
@@ -38,19 +32,8 @@ SHAPES = [  # (shape, groups)
 SD_SHAPES = [((2, c, hw, hw), [32]) for c in (320, 640, 1280) for hw in (64, 32, 16, 8)]
 
 
-def ids(v):
-    if isinstance(v, torch.dtype):
-        return str(v).replace("torch.", "")
-    return str(v)
-
-
 def cases(shapes):
     return [(s, g) for s, gs in shapes for g in gs]
-
-
-def rel_err(a, ref):
-    a, ref = a.double(), ref.double()
-    return ((a - ref).abs().max() / max(1.0, ref.abs().max().item())).item()
 
 
 def ref_gn(x, gamma, beta, G, eps):
@@ -77,6 +60,18 @@ def make(shape, dtype, pdtype=None, offset=0.0, seed=0):
 
 def dtype_pairs():
     return [(d, d) for d in DTYPES] + [(torch.float16, torch.float32)]
+
+
+def over_shapes_and_dtype_pairs(test):
+    """test(shape, G, dtype, pdtype) over SHAPES x every (data, parameter) dtype pair."""
+    test = pytest.mark.parametrize("shape,G", cases(SHAPES), ids=ids)(test)
+    return pytest.mark.parametrize("dtype,pdtype", dtype_pairs(), ids=ids)(test)
+
+
+def over_sd_unet(test):
+    """test(shape, G, dtype) over the SD-UNet shapes x DTYPES."""
+    test = pytest.mark.parametrize("shape,G", cases(SD_SHAPES), ids=ids)(test)
+    return pytest.mark.parametrize("dtype", DTYPES, ids=ids)(test)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -136,14 +131,12 @@ def check_forward(shape, G, dtype, pdtype, use_ws=True, offset=0.0, eps=1e-5):
     return x, gamma, beta, y, mean, rstd
 
 
-@pytest.mark.parametrize("dtype,pdtype", dtype_pairs(), ids=ids)
-@pytest.mark.parametrize("shape,G", cases(SHAPES), ids=ids)
+@over_shapes_and_dtype_pairs
 def test_forward(shape, G, dtype, pdtype):
     check_forward(shape, G, dtype, pdtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape,G", cases(SD_SHAPES), ids=ids)
+@over_sd_unet
 def test_forward_sd_unet(shape, G, dtype):
     check_forward(shape, G, dtype, dtype)
 
@@ -221,14 +214,12 @@ def check_backward(shape, G, dtype, pdtype, stat_grads=False, param_grads=True, 
         assert e_dx <= max(tol, 2 * e_t), f"ours {e_dx} vs torch {e_t}"
 
 
-@pytest.mark.parametrize("dtype,pdtype", dtype_pairs(), ids=ids)
-@pytest.mark.parametrize("shape,G", cases(SHAPES), ids=ids)
+@over_shapes_and_dtype_pairs
 def test_backward(shape, G, dtype, pdtype):
     check_backward(shape, G, dtype, pdtype)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=ids)
-@pytest.mark.parametrize("shape,G", cases(SD_SHAPES), ids=ids)
+@over_sd_unet
 def test_backward_sd_unet(shape, G, dtype):
     check_backward(shape, G, dtype, dtype)
 

@@ -1,6 +1,5 @@
 """Rewrite the CUDA sources for the CPU emulator (see include/cuda_emu.h) and build
 libgn_harness_emu.so: python3 tests/gpu/emu/build_emu.py [out_dir]."""
-import glob
 import os
 import re
 import subprocess
@@ -22,11 +21,18 @@ def rewrite(src):
     return s
 
 
+def cuda_sources(kdir):
+    """The CUDA sources, from the one list that CMake and tests/gpu/build.sh read too."""
+    with open(os.path.join(kdir, "cuda_sources.txt")) as f:
+        names = [line.split("#", 1)[0].strip() for line in f]
+    return [os.path.join(kdir, n) for n in names if n]
+
+
 def main():
     os.makedirs(OUT, exist_ok=True)
     kdir = os.path.join(ROOT, "src", "operator", "kernels")
     srcs = []
-    for cu in sorted(glob.glob(os.path.join(kdir, "*_cuda.cu")) + glob.glob(os.path.join(kdir, "cuda_util.cu"))):
+    for cu in cuda_sources(kdir):
         dst = os.path.join(OUT, os.path.basename(cu)[:-3] + "_emu.cc")
         with open(dst, "w") as f:
             f.write(f'#line 1 "{cu}"\n' + rewrite(cu))

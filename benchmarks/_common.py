@@ -1,0 +1,54 @@
+"""Shared parent-side plumbing of the CPU benchmarks that time one child process per allocator
+regime (bench_fused_act.py, bench_in_network.py): the glibc "keep freed memory" environment, the
+common command-line options, and the loop that runs the script's own --child once per regime."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+
+# glibc told to keep freed memory: one arena, no mmap for big blocks, no trimming (fresh MXNet
+# outputs then land in warm pages instead of being page-faulted in on every call).
+KEPT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
+
+
+def add_timing_args(ap, regimes):
+    """--threads/--quick/--regimes/--rounds/--min-sample-ms/--max-cell-s/--out/--child."""
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--regimes", default=regimes)
+    ap.add_argument("--rounds", type=int, default=None)
+    ap.add_argument("--min-sample-ms", type=float, default=None)
+    ap.add_argument("--max-cell-s", type=float, default=None)
+    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+
+
+def timing_defaults(args, quick, full):
+    """Fills unset --rounds, --min-sample-ms, --max-cell-s from (rounds, ms, s) for --quick or not."""
+    rounds, min_ms, max_s = quick if args.quick else full
+    args.rounds = args.rounds or rounds
+    args.min_sample_ms = args.min_sample_ms or min_ms
+    args.max_cell_s = args.max_cell_s or max_s
+
+
+def run_regimes(script, args, regimes, extra=()):
+    """Runs `script --child` once per name in args.regimes, each in a fresh environment: every
+    variable any regime sets is cleared, then the regime's own ({name: env}) and
+    OMP_NUM_THREADS=args.threads are set. Returns {name: the child's JSON from stdout}."""
+    managed = set().union(*regimes.values())
+    runs = {}
+    for name in args.regimes.split(","):
+        env = {k: v for k, v in os.environ.items() if k not in managed}
+        env.update(regimes[name])
+        env["OMP_NUM_THREADS"] = str(args.threads)
+        print("running %s ..." % name, file=sys.stderr)
+        cmd = [sys.executable, os.path.abspath(script), "--child", "--rounds", str(args.rounds),
+               "--min-sample-ms", str(args.min_sample_ms), "--max-cell-s", str(args.max_cell_s)]
+        p = subprocess.run(cmd + list(extra), env=env, stdout=subprocess.PIPE, text=True)
+        if p.returncode != 0:
+            sys.exit("child %s failed" % name)
+        runs[name] = json.loads(p.stdout)
+    return runs
