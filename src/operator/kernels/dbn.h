@@ -42,8 +42,14 @@
  * block-parallel sweep maps well onto threads, QL's rotation chain is sequential). Both return
  * ascending eigenvalues with orthonormal eigenvectors to fp64 rounding, so the outputs agree to
  * rounding; eigenvector signs (and bases of repeated eigenvalues) may differ, which leaves W,
- * y and dx unchanged (they depend on U only through U f(l) U^T). The CPU's D x D products
- * (W, backward) are register-blocked copies of dbn_math.h's steps (dbn_small_cpu.h), same math.
+ * y and dx unchanged (they depend on U only through U f(l) U^T).
+ * Every D x D step after the eigensolver (clamp, W = U diag(l^-1/2) U^T, running statistics,
+ * the backward's W and B) is written once, in dbn_math.h, over an executor: the CPU runs it with
+ * plain loops and dbn_small_cpu.h's register-blocked AVX2 product (CpuExec), the CUDA kernels with
+ * one thread block per group (dbn_cuda.cu's BlockExec). Both sum every product in the same order,
+ * so the same U, l give the same W and B up to FMA contraction. The Jacobi rotation, scaling and
+ * stopping rule (kDbnJacobiTol, kDbnJacobiMaxSweeps) are dbn_math.h's too; only the order of the
+ * rotations differs (serial cyclic on the CPU, round-robin parallel on the GPU).
  *
  * Every entry point returns nullptr on success or an error string without an op prefix (the adapter
  * adds the op name once). CPU entry points use

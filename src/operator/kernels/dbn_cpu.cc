@@ -13,8 +13,9 @@
  * Panels are per thread; (group, chunk) items are spread over an OpenMP team. Tensors > 4 MB:
  * whole groups per thread when they divide evenly over the team (use_per_group), else the passes
  * in blocks of groups (group_block), so that a group's second read hits the last-level cache.
- * D x D math (eigh, W, backward matrices) is fp64: dbn_small_cpu.h (register-blocked products,
- * Householder + QL eigensolver for D > 8, Jacobi from dbn_math.h up to 8). float panels use
+ * D x D math (eigh, W, backward matrices) is fp64: dbn_math.h's steps run by dbn_small_cpu.h's
+ * CpuExec (register-blocked products), eigensolver in dbn_eigen_cpu.cc (Householder + QL for
+ * D > 8, Jacobi from dbn_math.h up to 8). float panels use
  * AVX2+FMA kernels when the CPU has them (6 x 16 register tiles for W P, 4 x 3 dot-product tiles
  * for X Y^T: ~85-97% of the FMA peak in cache; runtime dispatch; GNMX_CPU_ISA=generic disables
  * them), otherwise and for double the BLAS
@@ -133,7 +134,7 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
-  double* tmp;   // T x (2 D^2 + D), dbn_small::inv_sqrt scratch
+  double* tmp;   // T x (2 D^2 + D), dbn_whitening_matrix scratch (Ut, V, r)
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
@@ -186,6 +187,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
 #pragma omp parallel num_threads(nt)
   {
     const int t = threads::thread_id();
+    const dbn_small::CpuExec ex;
     // Pass 1: mean and covariance in one read of x. Each chunk is centred on its own mean while
     // it sits in cache (exact two-pass statistics of the chunk), then merged into the thread's
     // fp64 state with Chan's update, the matrix form of welford.h's merge:
@@ -268,8 +270,8 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         }
       if (finite) {
         eigh(sig, Di, U, l, es);
-        dbn_clamp_eigvals(l, Di, a.eps);
-        dbn_small::inv_sqrt(U, l, Di, Wd, L.tmp + t * (2 * DD + D));
+        double* tmp = L.tmp + t * (2 * DD + D);
+        dbn_whitening_matrix(ex, U, l, Di, a.eps, Wd, tmp, tmp + DD, tmp + 2 * DD);
       } else {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         std::fill(U, U + DD, nan);
@@ -281,20 +283,8 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         L.W[g * DD + i] = static_cast<A>(Wd[i]);
       }
       for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
-      if (a.running_proj) {
-        for (int64_t i = 0; i < DD; ++i) {
-          const double r = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i);
-          dbn_store_stat(a.stat_dtype, a.running_proj, g * DD + i,
-                    dbn_running_update(r, Wd[i], a.momentum));
-        }
-      }
-      if (a.running_mean) {
-        for (int64_t i = 0; i < D; ++i) {
-          const double r = dbn_load_stat(a.stat_dtype, a.running_mean, g * D + i);
-          dbn_store_stat(a.stat_dtype, a.running_mean, g * D + i,
-                    dbn_running_update(r, static_cast<double>(mean[g * D + i]), a.momentum));
-        }
-      }
+      dbn_update_running(ex, a.stat_dtype, a.running_proj, a.running_mean, g, Di, Wd, mean,
+                         a.momentum);
     };
     // Pass 3: whitening, y = W (x - mu).
     auto whiten_chunk = [&](int64_t it) {
@@ -347,7 +337,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
 //     Sigma path has zero column mean and only the direct path is centred:
 //        dX = W (dY - mean_cols(dY) 1^T) + (2/m) G_S Xc.
 //  D = 1 reduces to BatchNorm's dx = rstd (dy - mean(dy) - xhat mean(dy xhat)).
-// Pass 1 accumulates G_W and sum(dY) over panels; the D x D step (dbn_bwd_group) runs in fp64;
+// Pass 1 accumulates G_W and sum(dY) over panels; the D x D step (dbn_bwd_small) runs in fp64;
 // pass 2 is one gemm per panel with [W | B] (D x 2D) on the stacked panel [dY - mean(dY); Xc].
 // Xc is recomputed from x and the saved AccT mean (exactly the forward's centring), which keeps
 // fp16 inputs exact, unlike Xc = W^-1 Y from the rounded output.
@@ -366,7 +356,7 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x (4 D^2 + 2 D), dbn_small::bwd_group scratch
+  double* tmp;    // T x (3 D^2 + 2 D), dbn_bwd_small scratch (H, T, Ut, sq, r)
 };
 
 template <typename A>
@@ -386,7 +376,7 @@ BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * (4 * DD + 2 * q.D));
+  L.tmp = c->take<double>(T * (3 * DD + 2 * q.D));
   return L;
 }
 
@@ -413,6 +403,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
 #pragma omp parallel num_threads(nt)
   {
     const int t = threads::thread_id();
+    const dbn_small::CpuExec ex;
     double* acc_t = L.acc + t * q.G * DD;
     double* dys_t = L.dysum + t * q.G * D;
     A* pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
@@ -423,7 +414,8 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     double* GW = L.GW + t * DD;
     double* W = L.W + t * DD;
     double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * (4 * DD + 2 * D);
+    double* tmp = L.tmp + t * (3 * DD + 2 * D);
+    const DbnBwdScratch bs{tmp, tmp + DD, tmp + 2 * DD, tmp + 3 * DD, tmp + 3 * DD + D};
     A* out = L.out + t * D * q.ld;
     // Pass 1: G_W = dY Xc^T and sum(dY).
     auto gram_chunk = [&](int64_t it) {
@@ -450,7 +442,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
         L.dymean[g * D + d] = static_cast<A>(s / static_cast<double>(q.m));
         l[d] = static_cast<double>(eigval[g * D + d]);
       }
-      dbn_small::bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
+      dbn_bwd_small(ex, U, l, GW, Di, static_cast<double>(q.m), W, B, bs);
       A* a2 = L.A2 + g * 2 * DD;
       for (int64_t i = 0; i < D; ++i)
         for (int64_t j = 0; j < D; ++j) {

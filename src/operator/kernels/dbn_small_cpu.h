@@ -1,13 +1,13 @@
 /*
- * dbn_small_cpu.h: CPU versions of the per-group fp64 D x D steps of Decorrelated BN (W =
- * Sigma^{-1/2} from the eigendecomposition, and the backward's dbn_bwd_group), computed with
- * register-blocked fp64 products instead of dbn_math.h's plain loops.
+ * dbn_small_cpu.h: the CPU side of the per-group fp64 D x D math of Decorrelated BN: the
+ * register-blocked product dmm_nn behind CpuExec, the host executor that runs dbn_math.h's
+ * D x D steps (W = Sigma^{-1/2}, the backward's dbn_bwd_small), and the Householder + QL
+ * eigensolver for D > 8.
  *
- * Same formulas and contracts as dbn_inv_sqrt / dbn_bwd_group in dbn_math.h (which the CUDA kernel
- * mirrors): only the order of the fp64 additions differs. Why a CPU copy: dbn_math.h's
- * dbn_matmul_bt is a chain of dependent scalar FMAs (latency-bound, ~1 GFLOP/s), which made the
- * D x D steps ~20% of a D = 64 forward+backward. Here every product is C = A B with B row-major,
- * so the inner loop runs along contiguous rows of B and C (transposes are explicit D x D copies).
+ * Why a CPU product of its own: plain-loop products (a chain of dependent scalar FMAs per entry,
+ * latency-bound, ~1 GFLOP/s) made the D x D steps ~20% of a D = 64 forward+backward. dmm_nn
+ * computes C = A B with B row-major, so the inner loop runs along contiguous rows of B and C
+ * (the steps form their transposes explicitly, which the device executor also profits from).
  *
  * dmm_nn has an AVX2+FMA kernel (6 x 8 doubles of C in registers) chosen at run time like the
  * float panel kernels of dbn_cpu.cc (GNMX_CPU_ISA=generic forces the portable loop).
@@ -106,66 +106,25 @@ inline void dmm_nn(const double* A, int lda, const double* B, int ldb, double* C
   dmm_nn_generic(A, lda, B, ldb, C, ldc, M, N, K);
 }
 
-inline void transpose(const double* A, int D, double* At) {
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) At[j * D + i] = A[i * D + j];
-}
-
-// W = U diag(l^-1/2) U^T (= dbn_inv_sqrt). tmp: 2*D*D + D doubles.
-inline void inv_sqrt(const double* U, const double* l, int D, double* W, double* tmp) {
-  double* V = tmp;          // U diag(l^-1/2)
-  double* Ut = tmp + D * D;
-  double* r = tmp + 2 * D * D;  // l^-1/2: D square roots, not D^2
-  for (int k = 0; k < D; ++k) r[k] = 1.0 / std::sqrt(l[k]);
-  for (int i = 0; i < D; ++i)
-    for (int k = 0; k < D; ++k) {
-      V[i * D + k] = U[i * D + k] * r[k];
-      Ut[k * D + i] = U[i * D + k];
-    }
-  dmm_nn(V, D, Ut, D, W, D, D, D, D);
-  for (int i = 0; i < D; ++i)  // symmetric in exact arithmetic
-    for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
-}
-
-// The backward D x D step (= dbn_bwd_group): W = Sigma^{-1/2} and B = (2/m) U (K o (U^T sym(GW)
-// U)) U^T. tmp: 4*D*D + 2*D doubles.
-inline void bwd_group(const double* U, const double* l, const double* GW, int D, double m,
-                      double* W, double* B, double* tmp) {
-  double* H = tmp;
-  double* T = tmp + D * D;
-  double* Ut = tmp + 2 * D * D;
-  double* V = tmp + 3 * D * D;
-  double* sq = tmp + 4 * D * D;  // sqrt(l)
-  double* r = sq + D;            // l^-1/2
-  for (int k = 0; k < D; ++k) {
-    sq[k] = std::sqrt(l[k]);
-    r[k] = 1.0 / sq[k];
+// The host executor of dbn_math.h's D x D steps (dbn_whitening_matrix, dbn_bwd_small): plain
+// loops, and C = A B by dmm_nn.
+struct CpuExec {
+  template <class F> void each(int n, F&& f) const {
+    for (int e = 0; e < n; ++e) f(e);
   }
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) {
-      H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
-      Ut[i * D + j] = U[j * D + i];
-    }
-  dmm_nn(H, D, U, D, T, D, D, D, D);   // T = sym(GW) U
-  dmm_nn(Ut, D, T, D, H, D, D, D, D);  // H = U^T sym(GW) U
-  // K_ij = dbn_inv_sqrt_divdiff(l_i, l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j))),
-  // from the D square roots (D^2 sqrt calls were ~30% of this step at D = 64).
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) H[i * D + j] *= -1.0 / (sq[i] * sq[j] * (sq[i] + sq[j]));
-  dmm_nn(U, D, H, D, T, D, D, D, D);   // T = U H
-  dmm_nn(T, D, Ut, D, B, D, D, D, D);  // B = T U^T
-  const double two_over_m = 2.0 / m;
-  for (int i = 0; i < D; ++i)
-    for (int j = i; j < D; ++j) {
-      const double b = 0.5 * (B[i * D + j] + B[j * D + i]) * two_over_m;
-      B[i * D + j] = B[j * D + i] = b;
-    }
-  for (int i = 0; i < D; ++i)
-    for (int k = 0; k < D; ++k) V[i * D + k] = U[i * D + k] * r[k];
-  dmm_nn(V, D, Ut, D, W, D, D, D, D);  // W = U diag(l^-1/2) U^T
-  for (int i = 0; i < D; ++i)
-    for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
-}
+  template <class F> void each_ij(int D, F&& f) const {
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j) f(i, j);
+  }
+  template <class F> void each_lower(int D, F&& f) const {
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j <= i; ++j) f(i, j);
+  }
+  void sync() const {}
+  void mm(const double* A, const double* B, double* C, int D) const {
+    dmm_nn(A, D, B, D, C, D, D, D, D);
+  }
+};
 
 // ---- Symmetric eigensolver: Householder tridiagonalization + implicit QL -------------------------
 // For the group sizes of DBN (D ~ 8..128) this beats LAPACK dsyevd through OpenBLAS by 2-4x (no
