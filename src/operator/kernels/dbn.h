@@ -138,6 +138,25 @@ inline const char* dbn_group_size_error(int64_t D, int64_t limit, const char* de
   return buf;
 }
 
+// The shape of a call: G groups of D = C/G channels, each group a D x m matrix (m = N*S columns).
+// The CPU's panel geometry (PanelGeo) and the CUDA launch plan (DbnCudaPlan) extend it.
+struct DbnShape {
+  int64_t N = 0, C = 0, G = 1, D = 0, S = 1, m = 0;
+};
+inline DbnShape dbn_shape(int64_t N, int64_t C, int64_t G, int64_t S) {
+  DbnShape q;
+  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  return q;
+}
+
+// nullptr for a valid shape whose group size fits the device's `limit`; else the error.
+inline const char* dbn_check_shape(int64_t N, int64_t C, int64_t G, int64_t S, int64_t limit,
+                                   const char* device) {
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
+  if (C % G != 0) return "C must be divisible by G";
+  return dbn_group_size_error(C / G, limit, device);
+}
+
 // Running statistics have the data dtype or its accumulation dtype.
 inline bool dbn_stat_dtype_ok(DType data, DType stat) {
   return stat == data || stat == acc_dtype(data);

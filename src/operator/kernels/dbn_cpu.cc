@@ -81,9 +81,7 @@ static_assert(2 * kDbnMaxGroupSizeCpu * kDbnMaxGroupSizeCpu <= INT_MAX / 2 &&
               "kDbnMaxGroupSizeCpu overflows int indexing");
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
-  if (C % G != 0) return "C must be divisible by G";
-  return dbn_group_size_error(C / G, kDbnMaxGroupSizeCpu, "cpu");
+  return dbn_check_shape(N, C, G, S, kDbnMaxGroupSizeCpu, "cpu");
 }
 
 // ---- Group blocks -------------------------------------------------------------------------------

@@ -30,6 +30,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 
 #include "dbn.h"
 #include "dbn_math.h"
@@ -48,10 +49,11 @@ constexpr size_t kPanelBytes = 40 * 1024;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
 
 // ------------------------------------------------------------------------------------------------
-// Geometry and workspace
+// Launch plan and workspace
 
-struct Geo {
-  int64_t N = 0, C = 0, G = 1, D = 0, S = 1, m = 0;
+// The shape plus the launch plan of the gram and apply kernels (grid sizes, columns per block);
+// the CPU's PanelGeo is the same shape with its own panel plan.
+struct DbnCudaPlan : DbnShape {
   int K = 1;                 // panel columns
   int64_t gram_cols = 1;     // columns per gram block
   int64_t gram_chunks = 1;   // gram blocks per group
@@ -60,9 +62,7 @@ struct Geo {
 };
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
-  if (C % G != 0) return "C must be divisible by G";
-  if (const char* e = dbn_group_size_error(C / G, kMaxD, "gpu")) return e;
+  if (const char* e = dbn_check_shape(N, C, G, S, kMaxD, "gpu")) return e;
   if (G > INT_MAX || N * S > (int64_t(1) << 40)) return "tensor too large";
   return nullptr;
 }
@@ -76,10 +76,10 @@ int panel_k(int64_t D, int panels, size_t acc_size) {
 }
 
 // gram_wave / apply_wave: blocks of the gram / apply kernel that fill the GPU once.
-Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
-             int64_t gram_entries, int64_t gram_wave, int64_t apply_wave) {
-  Geo q;
-  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+DbnCudaPlan make_plan(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
+                      int64_t gram_entries, int64_t gram_wave, int64_t apply_wave) {
+  DbnCudaPlan q;
+  static_cast<DbnShape&>(q) = dbn_shape(N, C, G, S);
   q.K = panel_k(q.D, panels, acc_size);
   int64_t want = std::max<int64_t>(1, ceil_div(gram_wave, G));
   want = std::min(want, std::max<int64_t>(1, q.m / (4 * q.K)));
@@ -107,7 +107,7 @@ struct FwdWs {
   double* scratch;  // G x kFwdScratchMats x DD
 };
 template <typename A>
-FwdWs<A> fwd_ws(Carver* c, const Geo& q) {
+FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q) {
   const size_t DD = q.D * q.D;
   FwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * DD);
@@ -125,7 +125,7 @@ struct BwdWs {
   double* scratch;  // G x kBwdScratchMats x DD
 };
 template <typename A>
-BwdWs<A> bwd_ws(Carver* c, const Geo& q) {
+BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q) {
   const size_t DD = q.D * q.D;
   BwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * (DD + q.D));
@@ -142,7 +142,7 @@ struct InfWs {
   A* shift;  // C
 };
 template <typename A>
-InfWs<A> inf_ws(Carver* c, const Geo& q) {
+InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q) {
   InfWs<A> w;
   w.P = c->take<A>(q.G * q.D * q.D);
   w.shift = c->take<A>(q.C);
@@ -542,35 +542,35 @@ size_t smem_bytes(int D, int K, int panels, size_t acc) {
 // (kBlock threads, the panels' dynamic shared memory).
 template <typename A, typename GK, typename AK>
 const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, int64_t gram_entries,
-                     GK* gk, AK* ak, Geo* q) {
+                     GK* gk, AK* ak, DbnCudaPlan* q) {
   const int64_t D = C / G;
   const size_t sm = smem_bytes(static_cast<int>(D), panel_k(D, panels, sizeof(A)), panels, sizeof(A));
   int64_t gram_wave = 1, apply_wave = 1;
   if (const char* e = wave_blocks(gk, kBlock, sm, &gram_wave)) return e;
   if (const char* e = wave_blocks(ak, kBlock, sm, &apply_wave)) return e;
-  *q = make_geo(N, C, G, S, panels, sizeof(A), gram_entries, gram_wave, apply_wave);
+  *q = make_plan(N, C, G, S, panels, sizeof(A), gram_entries, gram_wave, apply_wave);
   return nullptr;
 }
 template <typename T>
-const char* fwd_geo(const DbnFwdArgs& a, Geo* q) {
+const char* plan_for(const DbnFwdArgs& a, DbnCudaPlan* q) {
   const int64_t D = a.C / a.G;
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, D * D, gram_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 template <typename T>
-const char* bwd_geo(const DbnBwdArgs& a, Geo* q) {
+const char* plan_for(const DbnBwdArgs& a, DbnCudaPlan* q) {
   const int64_t D = a.C / a.G;
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 2, D * D + D, gram_kernel<T, true>,
                            apply_kernel<T, true>, q);
 }
 template <typename T>
-const char* inf_geo(const DbnInferenceArgs& a, Geo* q) {  // no gram kernel: its plan is unused
+const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {  // no gram kernel: its plan is unused
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, 0, apply_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 
 template <typename T, bool kTwo>
-const char* launch_apply(const Geo& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
+const char* launch_apply(const DbnCudaPlan& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
                          const T* in2, const AccT<T>* shift2, const AccT<T>* M2, T* out,
                          cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>(q.G), static_cast<unsigned>(q.apply_blocks));
@@ -584,8 +584,8 @@ const char* launch_apply(const Geo& q, const T* in1, const AccT<T>* shift1, cons
 template <typename T>
 const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  Geo q;
-  if (const char* e = fwd_geo<T>(a, &q)) return e;
+  DbnCudaPlan q;
+  if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const FwdWs<A> w = fwd_ws<A>(&cv, q);
   const T* x = static_cast<const T*>(a.x);
@@ -609,8 +609,8 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
 template <typename T>
 const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  Geo q;
-  if (const char* e = bwd_geo<T>(a, &q)) return e;
+  DbnCudaPlan q;
+  if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const BwdWs<A> w = bwd_ws<A>(&cv, q);
   const T* x = static_cast<const T*>(a.x);
@@ -631,8 +631,8 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
 template <typename T>
 const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_t st) {
   using A = AccT<T>;
-  Geo q;
-  if (const char* e = inf_geo<T>(a, &q)) return e;
+  DbnCudaPlan q;
+  if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const InfWs<A> w = inf_ws<A>(&cv, q);
   const int D = static_cast<int>(q.D);
@@ -646,91 +646,93 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
                                 nullptr, nullptr, nullptr, static_cast<T*>(a.y), st);
 }
 
-template <typename Args, typename F>
-size_t ws_size(const Args& a, F&& layout) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  if (layout(&c)) return 0;
-  return c.off + kAlign;
-}
-
 const char* check_ws(const void* ws) {
   if (!ws) return "dbn CUDA: workspace is required";
   if (!aligned16(ws)) return "dbn CUDA: workspace must be 16-byte aligned";
   return nullptr;
 }
 
+// Workspace bytes of a call: the plan for the data dtype, then layout(tag, carver, plan) carves
+// what the kernels take; 0 for an invalid call.
+template <typename Args, typename F>
+size_t ws_size(const Args& a, F&& layout) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  Carver c;
+  const char* err = dispatch(a.dtype, [&](auto tag) -> const char* {
+    DbnCudaPlan q;
+    if (const char* e = plan_for<decltype(tag)>(a, &q)) return e;
+    layout(tag, &c, q);
+    return nullptr;
+  });
+  return err ? 0 : c.off + kAlign;
+}
+
+// An entry point: the shape check, then the first non-null of `errors` (argument checks), then
+// impl(tag) for the data dtype.
+template <typename Args, typename F>
+const char* checked_run(const Args& a, std::initializer_list<const char*> errors, F&& impl) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  for (const char* e : errors)
+    if (e) return e;
+  return dispatch(a.dtype, [&](auto tag) { return impl(tag); });
+}
+
 }  // namespace
 
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
-  return ws_size(a, [&](Carver* c) {
-    return dispatch(a.dtype, [&](auto tag) -> const char* {
-      using T = decltype(tag);
-      Geo q;
-      if (const char* e = fwd_geo<T>(a, &q)) return e;
-      fwd_ws<AccT<T>>(c, q);
-      return nullptr;
-    });
+  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
+    fwd_ws<AccT<decltype(tag)>>(c, q);
   });
 }
 
 size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a) {
-  return ws_size(a, [&](Carver* c) {
-    return dispatch(a.dtype, [&](auto tag) -> const char* {
-      using T = decltype(tag);
-      Geo q;
-      if (const char* e = bwd_geo<T>(a, &q)) return e;
-      bwd_ws<AccT<T>>(c, q);
-      return nullptr;
-    });
+  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
+    bwd_ws<AccT<decltype(tag)>>(c, q);
   });
 }
 
 size_t dbn_inference_workspace_cuda(const DbnInferenceArgs& a) {
-  return ws_size(a, [&](Carver* c) {
-    return dispatch(a.dtype, [&](auto tag) -> const char* {
-      using T = decltype(tag);
-      Geo q;
-      if (const char* e = inf_geo<T>(a, &q)) return e;
-      inf_ws<AccT<T>>(c, q);
-      return nullptr;
-    });
+  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
+    inf_ws<AccT<decltype(tag)>>(c, q);
   });
 }
 
 const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
-  if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) return "dbn_fwd_cuda: null pointer";
-  if (const char* e = check_ws(a.workspace)) return e;
-  if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_fwd_cuda: running statistics must have the data dtype or its accumulation dtype";
-  if (!(a.eps > 0)) return "dbn_fwd_cuda: eps must be > 0";
-  return dispatch(a.dtype, [&](auto tag) {
-    return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream));
-  });
+  const bool stats = a.running_mean || a.running_proj;
+  return checked_run(
+      a,
+      {(!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) ? "dbn_fwd_cuda: null pointer" : nullptr,
+       check_ws(a.workspace),
+       (stats && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
+           ? "dbn_fwd_cuda: running statistics must have the data dtype or its accumulation dtype"
+           : nullptr,
+       !(a.eps > 0) ? "dbn_fwd_cuda: eps must be > 0" : nullptr},
+      [&](auto tag) { return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
 const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
-  if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx)
-    return "dbn_bwd_cuda: null pointer";
-  if (const char* e = check_ws(a.workspace)) return e;
-  return dispatch(a.dtype, [&](auto tag) {
-    return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream));
-  });
+  return checked_run(
+      a,
+      {(!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx) ? "dbn_bwd_cuda: null pointer"
+                                                                      : nullptr,
+       check_ws(a.workspace)},
+      [&](auto tag) { return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
 static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward, void* stream) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
-  if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean))
-    return "dbn_inference_cuda: null pointer";
-  if (const char* e = check_ws(a.workspace)) return e;
-  if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_inference_cuda: running statistics must have the data dtype or its accumulation "
-           "dtype";
-  return dispatch(a.dtype, [&](auto tag) {
-    return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
-  });
+  return checked_run(
+      a,
+      {(!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean))
+           ? "dbn_inference_cuda: null pointer"
+           : nullptr,
+       check_ws(a.workspace),
+       !dbn_stat_dtype_ok(a.dtype, a.stat_dtype)
+           ? "dbn_inference_cuda: running statistics must have the data dtype or its "
+             "accumulation dtype"
+           : nullptr},
+      [&](auto tag) {
+        return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
+      });
 }
 
 const char* dbn_inference_cuda(const DbnInferenceArgs& a, void* stream) {

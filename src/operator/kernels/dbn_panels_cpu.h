@@ -10,6 +10,7 @@
 
 #include "../common/acc_type.h"
 #include "cpu_isa.h"
+#include "dbn.h"
 #include "dbn_blas_cpu.h"
 
 namespace gn_mx {
@@ -18,14 +19,15 @@ using namespace dbn_cpu;  // gemm / syrk_t
 
 constexpr int64_t kPanelElems = 32768;  // D*K AccT values per panel (128 KiB in fp32)
 
-struct PanelGeo {
-  int64_t N, C, G, D, S, m, K, nchunk;
+// The shape plus its column panels: K columns per panel, nchunk panels per group.
+struct PanelGeo : DbnShape {
+  int64_t K, nchunk;
   int64_t ld;  // panel row stride: K rounded up + 16, so panel rows are not 4 KiB apart (aliasing)
 };
 
 PanelGeo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   PanelGeo q;
-  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  static_cast<DbnShape&>(q) = dbn_shape(N, C, G, S);
   int64_t K = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(q.D, 1));
   K = (K + 15) / 16 * 16;
   q.K = std::min(q.m, K);
