@@ -115,6 +115,47 @@ bool use_per_group(const PanelGeo& q, size_t elem, int nt) {
   return q.G % nt == 0 && q.D * q.m * q.G * static_cast<int64_t>(elem) > kBlockBytes;
 }
 
+// Column chunk `it` of the (group, chunk) items: group g, columns [j0, j0 + kc).
+struct Chunk {
+  int64_t g, j0, kc;
+};
+inline Chunk chunk_of(const PanelGeo& q, int64_t it) {
+  const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * q.K;
+  return {g, j0, std::min(q.K, q.m - j0)};
+}
+
+// The three stages of a training pass, called by every thread of the team: pass1(it) over the
+// (group, chunk) items, step(g) per group, pass2(it). Whole groups per thread without barriers
+// (per_group, see use_per_group), else blocks of gb groups (group_block) with the stages
+// separated by the barriers of `omp for`. prof: DBN_PROF index of the first stage's end.
+template <typename P1, typename Step, typename P2>
+void run_stages(const PanelGeo& q, bool per_group, int64_t gb, int prof, P1&& pass1, Step&& step,
+                P2&& pass2) {
+  if (per_group) {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < q.G; ++g) {
+      const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
+      for (int64_t it = it0; it < it1; ++it) pass1(it);
+      step(g);
+      for (int64_t it = it0; it < it1; ++it) pass2(it);
+    }
+    DBN_PROF(prof); DBN_PROF(prof + 1); DBN_PROF(prof + 2);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < q.G; g0 += gb) {
+    const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
+#pragma omp for schedule(static)
+    for (int64_t it = it0; it < it1; ++it) pass1(it);
+    DBN_PROF(prof);
+#pragma omp for schedule(static)
+    for (int64_t g = g0; g < g1; ++g) step(g);
+    DBN_PROF(prof + 1);
+#pragma omp for schedule(static)
+    for (int64_t it = it0; it < it1; ++it) pass2(it);
+    DBN_PROF(prof + 2);
+  }
+}
+
 // ---- Training forward -------------------------------------------------------------------------
 template <typename A>
 struct FwdLayout {
@@ -173,7 +214,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
   A* mean = static_cast<A*>(a.mean);
   A* eigvec = static_cast<A*>(a.eigvec);
   A* eigval = static_cast<A*>(a.eigval);
-  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int64_t D = q.D, DD = D * D;
   const int Di = static_cast<int>(D);
   const int64_t gb = group_block(q, sizeof(T), nt);
   const bool per_group = use_per_group(q, sizeof(T), nt);
@@ -205,8 +246,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     double* Wd = L.Wd + t * DD;
     A* out = L.out + t * D * q.ld;
     auto stats_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather_sum(x, q, g, j0, kc, panel, q.ld, csum);
       for (int64_t d = 0; d < D; ++d) {
         A* row = panel + d * q.ld;
@@ -286,34 +326,11 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     };
     // Pass 3: whitening, y = W (x - mu).
     auto whiten_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
       apply_out(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     };
-    if (per_group) {  // each thread runs whole groups: no barrier between the passes
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < q.G; ++g) {
-        const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
-        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
-        finish_group(g);
-        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
-      }
-      DBN_PROF(1); DBN_PROF(2); DBN_PROF(3);
-    } else {
-      for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
-        const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
-        DBN_PROF(1);
-#pragma omp for schedule(static)
-        for (int64_t g = g0; g < g1; ++g) finish_group(g);
-        DBN_PROF(2);
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
-        DBN_PROF(3);
-      }
-    }
+    run_stages(q, per_group, gb, 1, stats_chunk, finish_group, whiten_chunk);
   }
   return nullptr;
 }
@@ -391,7 +408,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
   const A* mean = static_cast<const A*>(a.mean);
   const A* eigvec = static_cast<const A*>(a.eigvec);
   const A* eigval = static_cast<const A*>(a.eigval);
-  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int64_t D = q.D, DD = D * D;
   const int Di = static_cast<int>(D);
   const int64_t gb = group_block(q, sizeof(T), nt);
   const bool per_group = use_per_group(q, sizeof(T), nt);
@@ -417,8 +434,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     A* out = L.out + t * D * q.ld;
     // Pass 1: G_W = dY Xc^T and sum(dY).
     auto gram_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather_sum(dy, q, g, j0, kc, pdy, q.ld, L.rsum + t * D);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
       panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
@@ -450,35 +466,12 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     };
     // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
     auto apply_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, q.ld);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
       apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out, q, g, j0, dx);
     };
-    if (per_group) {  // each thread runs whole groups: no barrier between the passes
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < q.G; ++g) {
-        const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
-        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
-        group_step(g);
-        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
-      }
-      DBN_PROF(4); DBN_PROF(5); DBN_PROF(6);
-    } else {
-      for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
-        const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
-        DBN_PROF(4);
-#pragma omp for schedule(static)
-        for (int64_t g = g0; g < g1; ++g) group_step(g);
-        DBN_PROF(5);
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
-        DBN_PROF(6);
-      }
-    }
+    run_stages(q, per_group, gb, 4, gram_chunk, group_step, apply_chunk);
   }
   return nullptr;
 }
@@ -511,7 +504,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   const InfLayout<A> L = inf_layout<A>(&cv, q, nt);
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
-  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int64_t D = q.D, DD = D * D;
   const int Di = static_cast<int>(D);
   for (int64_t g = 0; g < q.G; ++g)
     for (int64_t i = 0; i < D; ++i)
@@ -529,8 +522,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
     A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
       apply_out(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     }

@@ -39,32 +39,11 @@ inline void dmm_nn_generic(const double* A, int lda, const double* B, int ldb, d
 }
 
 #if defined(GNMX_CPU_X86)
-// Rows [0, R) of C, columns [j, j + 8): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void dmm_tile(
-    const double* A, int lda, const double* B, int ldb, double* C, int ldc, int K) {
-  __m256d c0[R], c1[R];
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_pd();
-  const double* b = B;
-  for (int k = 0; k < K; ++k, b += ldb) {
-    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
-    for (int r = 0; r < R; ++r) {
-      const __m256d w = _mm256_broadcast_sd(A + static_cast<long>(r) * lda + k);
-      c0[r] = _mm256_fmadd_pd(w, b0, c0[r]);
-      c1[r] = _mm256_fmadd_pd(w, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_pd(C + static_cast<long>(r) * ldc, c0[r]);
-    _mm256_storeu_pd(C + static_cast<long>(r) * ldc + 4, c1[r]);
-  }
-}
-
 template <int R>
 __attribute__((target("avx2,fma"))) void dmm_rows_avx2(const double* A, int lda, const double* B,
                                                        int ldb, double* C, int ldc, int N, int K) {
   int j = 0;
-  for (; j + 8 <= N; j += 8) dmm_tile<R>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + 8 <= N; j += 8) avx2_tile2<double, R>(A, lda, B + j, ldb, C + j, ldc, K);
   if (j < N)  // remaining columns
     for (int r = 0; r < R; ++r) {
       double* c = C + static_cast<long>(r) * ldc;
@@ -86,14 +65,7 @@ inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, doub
                      ldc, N, K);
   const double* a = A + static_cast<long>(i) * lda;
   double* c = C + static_cast<long>(i) * ldc;
-  switch (M - i) {
-    case 5: dmm_rows_avx2<5>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 4: dmm_rows_avx2<4>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 3: dmm_rows_avx2<3>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 2: dmm_rows_avx2<2>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 1: dmm_rows_avx2<1>(a, lda, B, ldb, c, ldc, N, K); break;
-    default: break;
-  }
+  with_tail_rows(M - i, [&](auto r) { dmm_rows_avx2<decltype(r)::value>(a, lda, B, ldb, c, ldc, N, K); });
 }
 
 #endif
