@@ -539,33 +539,36 @@ const char* run_typed(DType t, F&& f) {
   return err;
 }
 
+// Workspace bytes of a call: layout(tag, carver, geometry, threads) carves what the kernels take
+// for the data dtype; 0 for an invalid shape.
+template <typename Args, typename L>
+size_t ws_size(const Args& a, L&& layout) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  Carver c;
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { layout(tag, &c, q, nt); });
+  return c.off + kAlign;
+}
+
 }  // namespace
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  cpu::dispatch_data(a.dtype, [&](auto tag) { fwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
-  return c.off + kAlign;
+  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    fwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  });
 }
 
 size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  cpu::dispatch_data(a.dtype, [&](auto tag) { bwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
-  return c.off + kAlign;
+  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    bwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  });
 }
 
 size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  cpu::dispatch_data(a.dtype, [&](auto tag) { inf_layout<AccT<decltype(tag)>>(&c, q, nt); });
-  return c.off + kAlign;
+  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    inf_layout<AccT<decltype(tag)>>(c, q, nt);
+  });
 }
 
 const char* dbn_fwd_cpu(const DbnFwdArgs& a) {

@@ -335,33 +335,25 @@ __device__ void block_jacobi(double* A, double* U, int D) {
         s_s[k] = s;
       }
       __syncthreads();
-      for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {  // A <- A J, U <- U J
-        const int k = idx / D, i = idx - k * D;
-        const double s = s_s[k];
-        if (s == 0.0) continue;
-        int p, q;
-        rr_pair(k, r, Dp, &p, &q);
-        const double c = s_c[k];
-        const double akp = A[i * D + p], akq = A[i * D + q];
-        A[i * D + p] = c * akp - s * akq;
-        A[i * D + q] = s * akp + c * akq;
-        const double ukp = U[i * D + p], ukq = U[i * D + q];
-        U[i * D + p] = c * ukp - s * ukq;
-        U[i * D + q] = s * ukp + c * ukq;
-      }
-      __syncthreads();
-      for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {  // A <- J^T A
-        const int k = idx / D, col = idx - k * D;
-        const double s = s_s[k];
-        if (s == 0.0) continue;
-        int p, q;
-        rr_pair(k, r, Dp, &p, &q);
-        const double c = s_c[k];
-        const double apk = A[p * D + col], aqk = A[q * D + col];
-        A[p * D + col] = c * apk - s * aqk;
-        A[q * D + col] = s * apk + c * aqk;
-      }
-      __syncthreads();
+      // f(p, q, c, s, i) for every rotation of the round that is not the identity and every
+      // row / column i, spread over the block.
+      auto each_rotation = [&](auto f) {
+        for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {
+          const int k = idx / D;
+          if (s_s[k] == 0.0) continue;
+          int p, q;
+          rr_pair(k, r, Dp, &p, &q);
+          f(p, q, s_c[k], s_s[k], idx - k * D);
+        }
+        __syncthreads();
+      };
+      each_rotation([&](int p, int q, double c, double s, int i) {  // A <- A J, U <- U J
+        dbn_rotate(&A[i * D + p], &A[i * D + q], c, s);
+        dbn_rotate(&U[i * D + p], &U[i * D + q], c, s);
+      });
+      each_rotation([&](int p, int q, double c, double s, int i) {  // A <- J^T A
+        dbn_rotate(&A[p * D + i], &A[q * D + i], c, s);
+      });
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
         if (s_s[k] == 0.0) continue;
         int p, q;

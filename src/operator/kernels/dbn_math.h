@@ -34,6 +34,13 @@ GN_HOST_DEVICE inline void dbn_jacobi_rotation(double app, double aqq, double ap
   *s = t * *c;
 }
 
+// The plane rotation of one pair of entries: (x, y) <- (c x - s y, s x + c y).
+GN_HOST_DEVICE inline void dbn_rotate(double* x, double* y, double c, double s) {
+  const double a = *x, b = *y;
+  *x = c * a - s * b;
+  *y = s * a + c * b;
+}
+
 // Cyclic Jacobi eigensolver for a symmetric matrix, serial (the CPU's solver for D <= 8 and the
 // last fallback above; dbn_cuda.cu's block_jacobi is its block-parallel form). `A` is destroyed; on return `l` holds the
 // eigenvalues in ascending order and U the matching orthonormal eigenvectors (columns).
@@ -79,22 +86,10 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
         if (apq == 0.0) continue;
         double c, s;
         dbn_jacobi_rotation(A[p * D + p], A[q * D + q], apq, &c, &s);
-        for (int k = 0; k < D; ++k) {  // A <- A J
-          const double akp = A[k * D + p], akq = A[k * D + q];
-          A[k * D + p] = c * akp - s * akq;
-          A[k * D + q] = s * akp + c * akq;
-        }
-        for (int k = 0; k < D; ++k) {  // A <- J^T A
-          const double apk = A[p * D + k], aqk = A[q * D + k];
-          A[p * D + k] = c * apk - s * aqk;
-          A[q * D + k] = s * apk + c * aqk;
-        }
+        for (int k = 0; k < D; ++k) dbn_rotate(&A[k * D + p], &A[k * D + q], c, s);  // A <- A J
+        for (int k = 0; k < D; ++k) dbn_rotate(&A[p * D + k], &A[q * D + k], c, s);  // A <- J^T A
         A[p * D + q] = A[q * D + p] = 0.0;
-        for (int k = 0; k < D; ++k) {  // U <- U J
-          const double ukp = U[k * D + p], ukq = U[k * D + q];
-          U[k * D + p] = c * ukp - s * ukq;
-          U[k * D + q] = s * ukp + c * ukq;
-        }
+        for (int k = 0; k < D; ++k) dbn_rotate(&U[k * D + p], &U[k * D + q], c, s);  // U <- U J
       }
     }
   }
