@@ -35,6 +35,19 @@
  * mean/eigvec/eigval are AccT. Running stats have `stat_dtype`, either `dtype` or AccT (fp32 running
  * stats with fp16 data). The eigensolver and all D x D math run in fp64 for every dtype.
  *
+ * Forward statistics, CPU and CUDA differ on purpose (both exact two-pass quality, no
+ * E[xx^T] - mu mu^T): the CPU reads x once, centring each column panel on its own mean while it
+ * is in cache and merging per-thread fp64 (count, mean, M2) with Chan's update (dbn_cpu.cc),
+ * because a separate mean pass costs a full read of x: measured 0.075 / 0.18 / 0.27 / 0.18 ms,
+ * i.e. 13 / 16 / 4 / 11% of the forward, for bench_dbn.py's four fp32 shapes at 1 thread (Zen 4,
+ * load ~1.3; tensors 2-8 MB, more when x is not cache-resident). The CUDA forward keeps the
+ * mean kernel followed by a gram kernel on x - mu: its gram blocks accumulate matrix entries in
+ * AccT registers spread over the threads (kMaxE per thread) and over column chunks, so with a
+ * known mean the chunk partials merge by a plain fp64 sum in eig_kernel; the CPU's per-panel
+ * centring would need every panel's mean in shared memory, a rank-one correction per entry and
+ * (count, mean) partials merged with Chan's update. Whether that pays on a GPU (where the mean
+ * pass reads x at HBM bandwidth) has not been measured: no GPU was available to this change.
+ *
  * Eigensolver, CPU and CUDA differ on purpose: the CPU uses cyclic Jacobi (dbn_math.h) for D <= 8
  * and Householder tridiagonalization + implicit QL (dbn_small_cpu.h) above, because QL costs
  * O(D^3) once where Jacobi costs O(D^3) per sweep (~8 sweeps), and beats OpenBLAS dsyevd 3-6x at
