@@ -174,6 +174,8 @@ inline const char* dbn_check_shape(int64_t N, int64_t C, int64_t G, int64_t S, i
 inline bool dbn_stat_dtype_ok(DType data, DType stat) {
   return stat == data || stat == acc_dtype(data);
 }
+constexpr const char* kDbnStatDtypeError =
+    "running statistics must have the data dtype or its accumulation dtype";
 
 // The one load/store of a running-statistics element of dtype `t`, widened to / narrowed from
 // fp64 (host and device).

@@ -576,7 +576,7 @@ const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
   if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval || !a.workspace)
     return "forward: null pointer";
   if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "running statistics must have the data dtype or its accumulation dtype";
+    return kDbnStatDtypeError;
   if (!(a.eps > 0)) return "eps must be > 0";
   return run_typed(a.dtype, [&](auto tag) { return fwd_impl<decltype(tag)>(a); });
 }
@@ -593,7 +593,7 @@ static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) 
   if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean) || !a.workspace)
     return "inference: null pointer";
   if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "running statistics must have the data dtype or its accumulation dtype";
+    return kDbnStatDtypeError;
   return run_typed(a.dtype, [&](auto tag) { return inference_impl<decltype(tag)>(a, backward); });
 }
 

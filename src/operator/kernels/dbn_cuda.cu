@@ -639,8 +639,8 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
 }
 
 const char* check_ws(const void* ws) {
-  if (!ws) return "dbn CUDA: workspace is required";
-  if (!aligned16(ws)) return "dbn CUDA: workspace must be 16-byte aligned";
+  if (!ws) return "workspace is required";
+  if (!aligned16(ws)) return "workspace must be 16-byte aligned";
   return nullptr;
 }
 
@@ -693,20 +693,18 @@ const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream) {
   const bool stats = a.running_mean || a.running_proj;
   return checked_run(
       a,
-      {(!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) ? "dbn_fwd_cuda: null pointer" : nullptr,
+      {(!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) ? "forward: null pointer" : nullptr,
        check_ws(a.workspace),
-       (stats && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-           ? "dbn_fwd_cuda: running statistics must have the data dtype or its accumulation dtype"
-           : nullptr,
-       !(a.eps > 0) ? "dbn_fwd_cuda: eps must be > 0" : nullptr},
+       (stats && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype)) ? kDbnStatDtypeError : nullptr,
+       !(a.eps > 0) ? "eps must be > 0" : nullptr},
       [&](auto tag) { return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
 const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream) {
   return checked_run(
       a,
-      {(!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx) ? "dbn_bwd_cuda: null pointer"
-                                                                      : nullptr,
+      {(!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx) ? "backward: null pointer"
+                                                                     : nullptr,
        check_ws(a.workspace)},
       [&](auto tag) { return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
@@ -715,13 +713,10 @@ static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward, 
   return checked_run(
       a,
       {(!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean))
-           ? "dbn_inference_cuda: null pointer"
+           ? "inference: null pointer"
            : nullptr,
        check_ws(a.workspace),
-       !dbn_stat_dtype_ok(a.dtype, a.stat_dtype)
-           ? "dbn_inference_cuda: running statistics must have the data dtype or its "
-             "accumulation dtype"
-           : nullptr},
+       !dbn_stat_dtype_ok(a.dtype, a.stat_dtype) ? kDbnStatDtypeError : nullptr},
       [&](auto tag) {
         return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
       });
