@@ -12,8 +12,10 @@
 #define GNMX_CPU_X86 1
 #include <immintrin.h>
 
+#include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <type_traits>
 
 namespace gn_mx {
 
@@ -40,6 +42,66 @@ __attribute__((target("avx2,fma"), always_inline)) inline __m128 hsum4(__m256 a,
                                                                       __m256 c, __m256 d) {
   const __m256 h = _mm256_hadd_ps(_mm256_hadd_ps(a, b), _mm256_hadd_ps(c, d));
   return _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+}
+
+// ---- Register tiles written once for float and double -----------------------------------------
+#define GNMX_AVX2_INLINE __attribute__((target("avx2,fma"), always_inline)) static inline
+template <typename S> struct Avx2Vec;
+template <> struct Avx2Vec<float> {
+  using V = __m256;
+  static constexpr int kLanes = 8;
+  GNMX_AVX2_INLINE V zero() { return _mm256_setzero_ps(); }
+  GNMX_AVX2_INLINE V load(const float* p) { return _mm256_loadu_ps(p); }
+  GNMX_AVX2_INLINE V bcast(const float* p) { return _mm256_broadcast_ss(p); }
+  GNMX_AVX2_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  GNMX_AVX2_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+};
+template <> struct Avx2Vec<double> {
+  using V = __m256d;
+  static constexpr int kLanes = 4;
+  GNMX_AVX2_INLINE V zero() { return _mm256_setzero_pd(); }
+  GNMX_AVX2_INLINE V load(const double* p) { return _mm256_loadu_pd(p); }
+  GNMX_AVX2_INLINE V bcast(const double* p) { return _mm256_broadcast_sd(p); }
+  GNMX_AVX2_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  GNMX_AVX2_INLINE void store(double* p, V v) { _mm256_storeu_pd(p, v); }
+};
+#undef GNMX_AVX2_INLINE
+
+// C rows [0, R) x columns [0, 2 lanes) = A (R x K, row stride lda) B (K x 2 lanes, row stride
+// ldb), k ascending per entry: 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers). DBN's
+// float panel products (16 columns) and fp64 D x D products (8 columns) are this tile.
+template <typename S, int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void avx2_tile2(
+    const S* A, int64_t lda, const S* B, int64_t ldb, S* C, int64_t ldc, int K) {
+  using X = Avx2Vec<S>;
+  typename X::V c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = X::zero();
+  const S* b = B;
+  for (int k = 0; k < K; ++k, b += ldb) {
+    const typename X::V b0 = X::load(b), b1 = X::load(b + X::kLanes);
+    for (int r = 0; r < R; ++r) {
+      const typename X::V w = X::bcast(A + r * lda + k);
+      c0[r] = X::fma(w, b0, c0[r]);
+      c1[r] = X::fma(w, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    X::store(C + r * ldc, c0[r]);
+    X::store(C + r * ldc + X::kLanes, c1[r]);
+  }
+}
+
+// Rows left by 6-row tiles: f(std::integral_constant<int, n>{}) for n in 1..5 (nothing for 0).
+template <typename F>
+inline void with_tail_rows(int n, F&& f) {
+  switch (n) {
+    case 5: f(std::integral_constant<int, 5>{}); break;
+    case 4: f(std::integral_constant<int, 4>{}); break;
+    case 3: f(std::integral_constant<int, 3>{}); break;
+    case 2: f(std::integral_constant<int, 2>{}); break;
+    case 1: f(std::integral_constant<int, 1>{}); break;
+    default: break;
+  }
 }
 
 }  // namespace gn_mx

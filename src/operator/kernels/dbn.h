@@ -35,6 +35,19 @@
  * mean/eigvec/eigval are AccT. Running stats have `stat_dtype`, either `dtype` or AccT (fp32 running
  * stats with fp16 data). The eigensolver and all D x D math run in fp64 for every dtype.
  *
+ * Forward statistics, CPU and CUDA differ on purpose (both exact two-pass quality, no
+ * E[xx^T] - mu mu^T): the CPU reads x once, centring each column panel on its own mean while it
+ * is in cache and merging per-thread fp64 (count, mean, M2) with Chan's update (dbn_cpu.cc),
+ * because a separate mean pass costs a full read of x: measured 0.075 / 0.18 / 0.27 / 0.18 ms,
+ * i.e. 13 / 16 / 4 / 11% of the forward, for bench_dbn.py's four fp32 shapes at 1 thread (Zen 4,
+ * load ~1.3; tensors 2-8 MB, more when x is not cache-resident). The CUDA forward keeps the
+ * mean kernel followed by a gram kernel on x - mu: its gram blocks accumulate matrix entries in
+ * AccT registers spread over the threads (kMaxE per thread) and over column chunks, so with a
+ * known mean the chunk partials merge by a plain fp64 sum in eig_kernel; the CPU's per-panel
+ * centring would need every panel's mean in shared memory, a rank-one correction per entry and
+ * (count, mean) partials merged with Chan's update. Whether that pays on a GPU (where the mean
+ * pass reads x at HBM bandwidth) has not been measured: no GPU was available to this change.
+ *
  * Eigensolver, CPU and CUDA differ on purpose: the CPU uses cyclic Jacobi (dbn_math.h) for D <= 8
  * and Householder tridiagonalization + implicit QL (dbn_small_cpu.h) above, because QL costs
  * O(D^3) once where Jacobi costs O(D^3) per sweep (~8 sweeps), and beats OpenBLAS dsyevd 3-6x at
@@ -42,8 +55,14 @@
  * block-parallel sweep maps well onto threads, QL's rotation chain is sequential). Both return
  * ascending eigenvalues with orthonormal eigenvectors to fp64 rounding, so the outputs agree to
  * rounding; eigenvector signs (and bases of repeated eigenvalues) may differ, which leaves W,
- * y and dx unchanged (they depend on U only through U f(l) U^T). The CPU's D x D products
- * (W, backward) are register-blocked copies of dbn_math.h's steps (dbn_small_cpu.h), same math.
+ * y and dx unchanged (they depend on U only through U f(l) U^T).
+ * Every D x D step after the eigensolver (clamp, W = U diag(l^-1/2) U^T, running statistics,
+ * the backward's W and B) is written once, in dbn_math.h, over an executor: the CPU runs it with
+ * plain loops and dbn_small_cpu.h's register-blocked AVX2 product (CpuExec), the CUDA kernels with
+ * one thread block per group (dbn_cuda.cu's BlockExec). Both sum every product in the same order,
+ * so the same U, l give the same W and B up to FMA contraction. The Jacobi rotation, scaling and
+ * stopping rule (kDbnJacobiTol, kDbnJacobiMaxSweeps) are dbn_math.h's too; only the order of the
+ * rotations differs (serial cyclic on the CPU, round-robin parallel on the GPU).
  *
  * Every entry point returns nullptr on success or an error string without an op prefix (the adapter
  * adds the op name once). CPU entry points use
@@ -132,10 +151,31 @@ inline const char* dbn_group_size_error(int64_t D, int64_t limit, const char* de
   return buf;
 }
 
+// The shape of a call: G groups of D = C/G channels, each group a D x m matrix (m = N*S columns).
+// The CPU's panel geometry (PanelGeo) and the CUDA launch plan (DbnCudaPlan) extend it.
+struct DbnShape {
+  int64_t N = 0, C = 0, G = 1, D = 0, S = 1, m = 0;
+};
+inline DbnShape dbn_shape(int64_t N, int64_t C, int64_t G, int64_t S) {
+  DbnShape q;
+  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  return q;
+}
+
+// nullptr for a valid shape whose group size fits the device's `limit`; else the error.
+inline const char* dbn_check_shape(int64_t N, int64_t C, int64_t G, int64_t S, int64_t limit,
+                                   const char* device) {
+  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
+  if (C % G != 0) return "C must be divisible by G";
+  return dbn_group_size_error(C / G, limit, device);
+}
+
 // Running statistics have the data dtype or its accumulation dtype.
 inline bool dbn_stat_dtype_ok(DType data, DType stat) {
   return stat == data || stat == acc_dtype(data);
 }
+constexpr const char* kDbnStatDtypeError =
+    "running statistics must have the data dtype or its accumulation dtype";
 
 // The one load/store of a running-statistics element of dtype `t`, widened to / narrowed from
 // fp64 (host and device).

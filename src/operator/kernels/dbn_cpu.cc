@@ -13,8 +13,9 @@
  * Panels are per thread; (group, chunk) items are spread over an OpenMP team. Tensors > 4 MB:
  * whole groups per thread when they divide evenly over the team (use_per_group), else the passes
  * in blocks of groups (group_block), so that a group's second read hits the last-level cache.
- * D x D math (eigh, W, backward matrices) is fp64: dbn_small_cpu.h (register-blocked products,
- * Householder + QL eigensolver for D > 8, Jacobi from dbn_math.h up to 8). float panels use
+ * D x D math (eigh, W, backward matrices) is fp64: dbn_math.h's steps run by dbn_small_cpu.h's
+ * CpuExec (register-blocked products), eigensolver in dbn_eigen_cpu.cc (Householder + QL for
+ * D > 8, Jacobi from dbn_math.h up to 8). float panels use
  * AVX2+FMA kernels when the CPU has them (6 x 16 register tiles for W P, 4 x 3 dot-product tiles
  * for X Y^T: ~85-97% of the FMA peak in cache; runtime dispatch; GNMX_CPU_ISA=generic disables
  * them), otherwise and for double the BLAS
@@ -80,9 +81,7 @@ static_assert(2 * kDbnMaxGroupSizeCpu * kDbnMaxGroupSizeCpu <= INT_MAX / 2 &&
               "kDbnMaxGroupSizeCpu overflows int indexing");
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
-  if (C % G != 0) return "C must be divisible by G";
-  return dbn_group_size_error(C / G, kDbnMaxGroupSizeCpu, "cpu");
+  return dbn_check_shape(N, C, G, S, kDbnMaxGroupSizeCpu, "cpu");
 }
 
 // ---- Group blocks -------------------------------------------------------------------------------
@@ -116,6 +115,47 @@ bool use_per_group(const PanelGeo& q, size_t elem, int nt) {
   return q.G % nt == 0 && q.D * q.m * q.G * static_cast<int64_t>(elem) > kBlockBytes;
 }
 
+// Column chunk `it` of the (group, chunk) items: group g, columns [j0, j0 + kc).
+struct Chunk {
+  int64_t g, j0, kc;
+};
+inline Chunk chunk_of(const PanelGeo& q, int64_t it) {
+  const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * q.K;
+  return {g, j0, std::min(q.K, q.m - j0)};
+}
+
+// The three stages of a training pass, called by every thread of the team: pass1(it) over the
+// (group, chunk) items, step(g) per group, pass2(it). Whole groups per thread without barriers
+// (per_group, see use_per_group), else blocks of gb groups (group_block) with the stages
+// separated by the barriers of `omp for`. prof: DBN_PROF index of the first stage's end.
+template <typename P1, typename Step, typename P2>
+void run_stages(const PanelGeo& q, bool per_group, int64_t gb, int prof, P1&& pass1, Step&& step,
+                P2&& pass2) {
+  if (per_group) {
+#pragma omp for schedule(static)
+    for (int64_t g = 0; g < q.G; ++g) {
+      const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
+      for (int64_t it = it0; it < it1; ++it) pass1(it);
+      step(g);
+      for (int64_t it = it0; it < it1; ++it) pass2(it);
+    }
+    DBN_PROF(prof); DBN_PROF(prof + 1); DBN_PROF(prof + 2);
+    return;
+  }
+  for (int64_t g0 = 0; g0 < q.G; g0 += gb) {
+    const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
+#pragma omp for schedule(static)
+    for (int64_t it = it0; it < it1; ++it) pass1(it);
+    DBN_PROF(prof);
+#pragma omp for schedule(static)
+    for (int64_t g = g0; g < g1; ++g) step(g);
+    DBN_PROF(prof + 1);
+#pragma omp for schedule(static)
+    for (int64_t it = it0; it < it1; ++it) pass2(it);
+    DBN_PROF(prof + 2);
+  }
+}
+
 // ---- Training forward -------------------------------------------------------------------------
 template <typename A>
 struct FwdLayout {
@@ -133,7 +173,7 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
-  double* tmp;   // T x (2 D^2 + D), dbn_small::inv_sqrt scratch
+  double* tmp;   // T x (2 D^2 + D), dbn_whitening_matrix scratch (Ut, V, r)
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
@@ -174,7 +214,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
   A* mean = static_cast<A*>(a.mean);
   A* eigvec = static_cast<A*>(a.eigvec);
   A* eigval = static_cast<A*>(a.eigval);
-  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int64_t D = q.D, DD = D * D;
   const int Di = static_cast<int>(D);
   const int64_t gb = group_block(q, sizeof(T), nt);
   const bool per_group = use_per_group(q, sizeof(T), nt);
@@ -186,6 +226,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
 #pragma omp parallel num_threads(nt)
   {
     const int t = threads::thread_id();
+    const dbn_small::CpuExec ex;
     // Pass 1: mean and covariance in one read of x. Each chunk is centred on its own mean while
     // it sits in cache (exact two-pass statistics of the chunk), then merged into the thread's
     // fp64 state with Chan's update, the matrix form of welford.h's merge:
@@ -205,8 +246,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
     double* Wd = L.Wd + t * DD;
     A* out = L.out + t * D * q.ld;
     auto stats_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather_sum(x, q, g, j0, kc, panel, q.ld, csum);
       for (int64_t d = 0; d < D; ++d) {
         A* row = panel + d * q.ld;
@@ -268,8 +308,8 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         }
       if (finite) {
         eigh(sig, Di, U, l, es);
-        dbn_clamp_eigvals(l, Di, a.eps);
-        dbn_small::inv_sqrt(U, l, Di, Wd, L.tmp + t * (2 * DD + D));
+        double* tmp = L.tmp + t * (2 * DD + D);
+        dbn_whitening_matrix(ex, U, l, Di, a.eps, Wd, tmp, tmp + DD, tmp + 2 * DD);
       } else {
         const double nan = std::numeric_limits<double>::quiet_NaN();
         std::fill(U, U + DD, nan);
@@ -281,51 +321,16 @@ const char* fwd_impl(const DbnFwdArgs& a) {
         L.W[g * DD + i] = static_cast<A>(Wd[i]);
       }
       for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
-      if (a.running_proj) {
-        for (int64_t i = 0; i < DD; ++i) {
-          const double r = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i);
-          dbn_store_stat(a.stat_dtype, a.running_proj, g * DD + i,
-                    dbn_running_update(r, Wd[i], a.momentum));
-        }
-      }
-      if (a.running_mean) {
-        for (int64_t i = 0; i < D; ++i) {
-          const double r = dbn_load_stat(a.stat_dtype, a.running_mean, g * D + i);
-          dbn_store_stat(a.stat_dtype, a.running_mean, g * D + i,
-                    dbn_running_update(r, static_cast<double>(mean[g * D + i]), a.momentum));
-        }
-      }
+      dbn_update_running(ex, a.stat_dtype, a.running_proj, a.running_mean, g, Di, Wd, mean,
+                         a.momentum);
     };
     // Pass 3: whitening, y = W (x - mu).
     auto whiten_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
       apply_out(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     };
-    if (per_group) {  // each thread runs whole groups: no barrier between the passes
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < q.G; ++g) {
-        const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
-        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
-        finish_group(g);
-        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
-      }
-      DBN_PROF(1); DBN_PROF(2); DBN_PROF(3);
-    } else {
-      for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
-        const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) stats_chunk(it);
-        DBN_PROF(1);
-#pragma omp for schedule(static)
-        for (int64_t g = g0; g < g1; ++g) finish_group(g);
-        DBN_PROF(2);
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) whiten_chunk(it);
-        DBN_PROF(3);
-      }
-    }
+    run_stages(q, per_group, gb, 1, stats_chunk, finish_group, whiten_chunk);
   }
   return nullptr;
 }
@@ -347,7 +352,7 @@ const char* fwd_impl(const DbnFwdArgs& a) {
 //     Sigma path has zero column mean and only the direct path is centred:
 //        dX = W (dY - mean_cols(dY) 1^T) + (2/m) G_S Xc.
 //  D = 1 reduces to BatchNorm's dx = rstd (dy - mean(dy) - xhat mean(dy xhat)).
-// Pass 1 accumulates G_W and sum(dY) over panels; the D x D step (dbn_bwd_group) runs in fp64;
+// Pass 1 accumulates G_W and sum(dY) over panels; the D x D step (dbn_bwd_small) runs in fp64;
 // pass 2 is one gemm per panel with [W | B] (D x 2D) on the stacked panel [dY - mean(dY); Xc].
 // Xc is recomputed from x and the saved AccT mean (exactly the forward's centring), which keeps
 // fp16 inputs exact, unlike Xc = W^-1 Y from the rounded output.
@@ -366,7 +371,7 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x (4 D^2 + 2 D), dbn_small::bwd_group scratch
+  double* tmp;    // T x (3 D^2 + 2 D), dbn_bwd_small scratch (H, T, Ut, sq, r)
 };
 
 template <typename A>
@@ -386,7 +391,7 @@ BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * (4 * DD + 2 * q.D));
+  L.tmp = c->take<double>(T * (3 * DD + 2 * q.D));
   return L;
 }
 
@@ -403,7 +408,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
   const A* mean = static_cast<const A*>(a.mean);
   const A* eigvec = static_cast<const A*>(a.eigvec);
   const A* eigval = static_cast<const A*>(a.eigval);
-  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int64_t D = q.D, DD = D * D;
   const int Di = static_cast<int>(D);
   const int64_t gb = group_block(q, sizeof(T), nt);
   const bool per_group = use_per_group(q, sizeof(T), nt);
@@ -413,6 +418,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
 #pragma omp parallel num_threads(nt)
   {
     const int t = threads::thread_id();
+    const dbn_small::CpuExec ex;
     double* acc_t = L.acc + t * q.G * DD;
     double* dys_t = L.dysum + t * q.G * D;
     A* pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
@@ -423,12 +429,12 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     double* GW = L.GW + t * DD;
     double* W = L.W + t * DD;
     double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * (4 * DD + 2 * D);
+    double* tmp = L.tmp + t * (3 * DD + 2 * D);
+    const DbnBwdScratch bs{tmp, tmp + DD, tmp + 2 * DD, tmp + 3 * DD, tmp + 3 * DD + D};
     A* out = L.out + t * D * q.ld;
     // Pass 1: G_W = dY Xc^T and sum(dY).
     auto gram_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather_sum(dy, q, g, j0, kc, pdy, q.ld, L.rsum + t * D);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
       panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
@@ -450,7 +456,7 @@ const char* bwd_impl(const DbnBwdArgs& a) {
         L.dymean[g * D + d] = static_cast<A>(s / static_cast<double>(q.m));
         l[d] = static_cast<double>(eigval[g * D + d]);
       }
-      dbn_small::bwd_group(U, l, GW, Di, static_cast<double>(q.m), W, B, tmp);
+      dbn_bwd_small(ex, U, l, GW, Di, static_cast<double>(q.m), W, B, bs);
       A* a2 = L.A2 + g * 2 * DD;
       for (int64_t i = 0; i < D; ++i)
         for (int64_t j = 0; j < D; ++j) {
@@ -460,35 +466,12 @@ const char* bwd_impl(const DbnBwdArgs& a) {
     };
     // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
     auto apply_chunk = [&](int64_t it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, q.ld);
       gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
       apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out, q, g, j0, dx);
     };
-    if (per_group) {  // each thread runs whole groups: no barrier between the passes
-#pragma omp for schedule(static)
-      for (int64_t g = 0; g < q.G; ++g) {
-        const int64_t it0 = g * q.nchunk, it1 = it0 + q.nchunk;
-        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
-        group_step(g);
-        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
-      }
-      DBN_PROF(4); DBN_PROF(5); DBN_PROF(6);
-    } else {
-      for (int64_t g0 = 0; g0 < q.G; g0 += gb) {  // blocks of groups, see group_block()
-        const int64_t g1 = std::min(q.G, g0 + gb), it0 = g0 * q.nchunk, it1 = g1 * q.nchunk;
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) gram_chunk(it);
-        DBN_PROF(4);
-#pragma omp for schedule(static)
-        for (int64_t g = g0; g < g1; ++g) group_step(g);
-        DBN_PROF(5);
-#pragma omp for schedule(static)
-        for (int64_t it = it0; it < it1; ++it) apply_chunk(it);
-        DBN_PROF(6);
-      }
-    }
+    run_stages(q, per_group, gb, 4, gram_chunk, group_step, apply_chunk);
   }
   return nullptr;
 }
@@ -521,7 +504,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
   const InfLayout<A> L = inf_layout<A>(&cv, q, nt);
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
-  const int64_t D = q.D, DD = D * D, K = q.K;
+  const int64_t D = q.D, DD = D * D;
   const int Di = static_cast<int>(D);
   for (int64_t g = 0; g < q.G; ++g)
     for (int64_t i = 0; i < D; ++i)
@@ -539,8 +522,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
     A* out = L.out + t * D * q.ld;
 #pragma omp for schedule(static)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t g = it / q.nchunk, j0 = (it % q.nchunk) * K;
-      const int64_t kc = std::min(K, q.m - j0);
+      const auto [g, j0, kc] = chunk_of(q, it);
       gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
       apply_out(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
     }
@@ -557,33 +539,36 @@ const char* run_typed(DType t, F&& f) {
   return err;
 }
 
+// Workspace bytes of a call: layout(tag, carver, geometry, threads) carves what the kernels take
+// for the data dtype; 0 for an invalid shape.
+template <typename Args, typename L>
+size_t ws_size(const Args& a, L&& layout) {
+  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  Carver c;
+  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
+  const int nt = resolve_threads(a.num_threads);
+  cpu::dispatch_data(a.dtype, [&](auto tag) { layout(tag, &c, q, nt); });
+  return c.off + kAlign;
+}
+
 }  // namespace
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  cpu::dispatch_data(a.dtype, [&](auto tag) { fwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
-  return c.off + kAlign;
+  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    fwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  });
 }
 
 size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  cpu::dispatch_data(a.dtype, [&](auto tag) { bwd_layout<AccT<decltype(tag)>>(&c, q, nt); });
-  return c.off + kAlign;
+  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    bwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  });
 }
 
 size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
-  Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  cpu::dispatch_data(a.dtype, [&](auto tag) { inf_layout<AccT<decltype(tag)>>(&c, q, nt); });
-  return c.off + kAlign;
+  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    inf_layout<AccT<decltype(tag)>>(c, q, nt);
+  });
 }
 
 const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
@@ -591,7 +576,7 @@ const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
   if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval || !a.workspace)
     return "forward: null pointer";
   if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "running statistics must have the data dtype or its accumulation dtype";
+    return kDbnStatDtypeError;
   if (!(a.eps > 0)) return "eps must be > 0";
   return run_typed(a.dtype, [&](auto tag) { return fwd_impl<decltype(tag)>(a); });
 }
@@ -608,7 +593,7 @@ static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) 
   if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean) || !a.workspace)
     return "inference: null pointer";
   if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "running statistics must have the data dtype or its accumulation dtype";
+    return kDbnStatDtypeError;
   return run_typed(a.dtype, [&](auto tag) { return inference_impl<decltype(tag)>(a, backward); });
 }
 

@@ -11,11 +11,12 @@
  *           registers (panel products from shared memory), partials written as fp64
  *           eig kernel, one block per group: Sigma = sum(partials)/m + eps I (fp64), parallel
  *           cyclic Jacobi (round-robin ordering: D/2 disjoint rotations per step, all threads
- *           applying them), ascending sort, clamp, W = V V^T with V = U l^-1/4, running stats
+ *           applying them), ascending sort, then dbn_math.h's dbn_whitening_matrix (clamp,
+ *           W = U diag(l^-1/2) U^T) and dbn_update_running run by BlockExec
  *           apply kernel, grid (G, column blocks): y = W (x - mu) panel by panel
  * Backward: gram kernel with dY: G_W = dY Xc^T and sum(dY)  -> fp64 partials
- *           small kernel, one block per group: dbn_bwd_group's steps as block-parallel fp64
- *           matrix products (W, B = (2/m) G_S)
+ *           small kernel, one block per group: dbn_math.h's dbn_bwd_small run by BlockExec
+ *           (W, B = (2/m) G_S)
  *           apply kernel: dX = W (dY - mean(dY)) + B Xc
  * Inference (and its backward, P^T): prep kernel (running stats -> AccT), apply kernel.
  * No host round trip, no per-group launch: the whole op is 3-4 launches on `stream`.
@@ -29,6 +30,7 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <initializer_list>
 
 #include "dbn.h"
 #include "dbn_math.h"
@@ -47,10 +49,11 @@ constexpr size_t kPanelBytes = 40 * 1024;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
 
 // ------------------------------------------------------------------------------------------------
-// Geometry and workspace
+// Launch plan and workspace
 
-struct Geo {
-  int64_t N = 0, C = 0, G = 1, D = 0, S = 1, m = 0;
+// The shape plus the launch plan of the gram and apply kernels (grid sizes, columns per block);
+// the CPU's PanelGeo is the same shape with its own panel plan.
+struct DbnCudaPlan : DbnShape {
   int K = 1;                 // panel columns
   int64_t gram_cols = 1;     // columns per gram block
   int64_t gram_chunks = 1;   // gram blocks per group
@@ -59,9 +62,7 @@ struct Geo {
 };
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
-  if (C % G != 0) return "C must be divisible by G";
-  if (const char* e = dbn_group_size_error(C / G, kMaxD, "gpu")) return e;
+  if (const char* e = dbn_check_shape(N, C, G, S, kMaxD, "gpu")) return e;
   if (G > INT_MAX || N * S > (int64_t(1) << 40)) return "tensor too large";
   return nullptr;
 }
@@ -75,10 +76,10 @@ int panel_k(int64_t D, int panels, size_t acc_size) {
 }
 
 // gram_wave / apply_wave: blocks of the gram / apply kernel that fill the GPU once.
-Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
-             int64_t gram_entries, int64_t gram_wave, int64_t apply_wave) {
-  Geo q;
-  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+DbnCudaPlan make_plan(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
+                      int64_t gram_entries, int64_t gram_wave, int64_t apply_wave) {
+  DbnCudaPlan q;
+  static_cast<DbnShape&>(q) = dbn_shape(N, C, G, S);
   q.K = panel_k(q.D, panels, acc_size);
   int64_t want = std::max<int64_t>(1, ceil_div(gram_wave, G));
   want = std::min(want, std::max<int64_t>(1, q.m / (4 * q.K)));
@@ -96,19 +97,22 @@ Geo make_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_
 
 using Carver = WorkspaceCarver<kAlign>;
 
+constexpr int kFwdScratchMats = 3;  // eig_kernel's D x D fp64 matrices per group
+constexpr int kBwdScratchMats = 5;  // bwd_small_kernel's
+
 template <typename A>
 struct FwdWs {
   double* part;     // G x chunks x DD
   A* W;             // G x DD
-  double* scratch;  // G x 3 x DD
+  double* scratch;  // G x kFwdScratchMats x DD
 };
 template <typename A>
-FwdWs<A> fwd_ws(Carver* c, const Geo& q) {
+FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q) {
   const size_t DD = q.D * q.D;
   FwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * DD);
   w.W = c->take<A>(q.G * DD);
-  w.scratch = c->take<double>(q.G * 3 * DD);
+  w.scratch = c->take<double>(q.G * kFwdScratchMats * DD);
   return w;
 }
 
@@ -118,17 +122,17 @@ struct BwdWs {
   A* W;             // G x DD
   A* B;             // G x DD
   A* dymean;        // C
-  double* scratch;  // G x 4 x DD
+  double* scratch;  // G x kBwdScratchMats x DD
 };
 template <typename A>
-BwdWs<A> bwd_ws(Carver* c, const Geo& q) {
+BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q) {
   const size_t DD = q.D * q.D;
   BwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * (DD + q.D));
   w.W = c->take<A>(q.G * DD);
   w.B = c->take<A>(q.G * DD);
   w.dymean = c->take<A>(q.C);
-  w.scratch = c->take<double>(q.G * 4 * DD);
+  w.scratch = c->take<double>(q.G * kBwdScratchMats * DD);
   return w;
 }
 
@@ -138,7 +142,7 @@ struct InfWs {
   A* shift;  // C
 };
 template <typename A>
-InfWs<A> inf_ws(Carver* c, const Geo& q) {
+InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q) {
   InfWs<A> w;
   w.P = c->take<A>(q.G * q.D * q.D);
   w.shift = c->take<A>(q.C);
@@ -147,22 +151,6 @@ InfWs<A> inf_ws(Carver* c, const Geo& q) {
 
 // ------------------------------------------------------------------------------------------------
 // Device helpers
-
-__device__ __forceinline__ double load_stat(DType t, const void* p, int64_t i) {
-  switch (t) {
-    case DType::kFloat16: return static_cast<double>(__half2float(static_cast<const __half*>(p)[i]));
-    case DType::kFloat32: return static_cast<double>(static_cast<const float*>(p)[i]);
-    default: return static_cast<const double*>(p)[i];
-  }
-}
-
-__device__ __forceinline__ void store_stat(DType t, void* p, int64_t i, double v) {
-  switch (t) {
-    case DType::kFloat16: static_cast<__half*>(p)[i] = __float2half_rn(static_cast<float>(v)); break;
-    case DType::kFloat32: static_cast<float*>(p)[i] = static_cast<float>(v); break;
-    default: static_cast<double*>(p)[i] = v; break;
-  }
-}
 
 // Offsets of panel columns j0..j0+kc of the flattened (n, s) index: n*C*S + s.
 __device__ __forceinline__ void panel_columns(int64_t* colbase, int64_t j0, int kc, int64_t C,
@@ -268,22 +256,36 @@ gram_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean, const T* 
   }
 }
 
-// Block-parallel C = op(A) op(B) for D x D row-major fp64 matrices (k accumulated in ascending
-// order, as dbn_matmul / dbn_matmul_bt). Ends with __syncthreads().
-__device__ void block_matmul(const double* A, bool ta, const double* B, bool tb, double* Cm,
-                             int D) {
-  for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
-    const int i = e / D, j = e - i * D;
-    double s = 0.0;
-    for (int k = 0; k < D; ++k) {
-      const double a = ta ? A[k * D + i] : A[i * D + k];
-      const double b = tb ? B[j * D + k] : B[k * D + j];
-      s += a * b;
-    }
-    Cm[e] = s;
+// The device executor of dbn_math.h's D x D steps: the thread block of one group strides over
+// every range; mm is C = A B by one dot product per entry (k ascending, as dmm_nn), threads of a
+// warp on consecutive j (B and C accesses coalesced, A's row broadcast).
+struct BlockExec {
+  template <class F> __device__ void each(int n, F&& f) const {
+    for (int e = threadIdx.x; e < n; e += blockDim.x) f(e);
   }
-  __syncthreads();
-}
+  template <class F> __device__ void each_ij(int D, F&& f) const {
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+      const int i = e / D;
+      f(i, e - i * D);
+    }
+  }
+  template <class F> __device__ void each_lower(int D, F&& f) const {
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+      const int i = e / D, j = e - i * D;
+      if (j <= i) f(i, j);
+    }
+  }
+  __device__ void sync() const { __syncthreads(); }
+  __device__ void mm(const double* A, const double* B, double* Cm, int D) const {
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+      const int i = e / D, j = e - i * D;
+      double s = 0.0;
+      for (int k = 0; k < D; ++k) s += A[i * D + k] * B[k * D + j];
+      Cm[e] = s;
+    }
+    __syncthreads();
+  }
+};
 
 // Round-robin (circle method) pair k of round r for Dp (even) players; p < q.
 __device__ __forceinline__ void rr_pair(int k, int r, int Dp, int* p, int* q) {
@@ -310,16 +312,16 @@ __device__ void block_jacobi(double* A, double* U, int D) {
   __syncthreads();
   part = 0.0;
   for (int e = threadIdx.x; e < D * D; e += blockDim.x) part += A[e] * A[e];
-  const double tol = 1e-30 * block_sum<kBlock>(part);  // also syncs U / A
+  const double fro2 = block_sum<kBlock>(part);  // also syncs U / A
   const int Dp = D + (D & 1), npairs = Dp / 2;
-  for (int sweep = 0; sweep < 100; ++sweep) {
+  for (int sweep = 0; sweep < kDbnJacobiMaxSweeps; ++sweep) {
     part = 0.0;
     for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
       const int i = e / D, j = e - i * D;
       if (i < j) part += A[e] * A[e];
     }
     const double off = block_sum<kBlock>(part);
-    if (off <= tol || off == 0.0) break;
+    if (dbn_jacobi_converged(off, fro2)) break;
     for (int r = 0; r < Dp - 1; ++r) {
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
         int p, q;
@@ -333,33 +335,25 @@ __device__ void block_jacobi(double* A, double* U, int D) {
         s_s[k] = s;
       }
       __syncthreads();
-      for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {  // A <- A J, U <- U J
-        const int k = idx / D, i = idx - k * D;
-        const double s = s_s[k];
-        if (s == 0.0) continue;
-        int p, q;
-        rr_pair(k, r, Dp, &p, &q);
-        const double c = s_c[k];
-        const double akp = A[i * D + p], akq = A[i * D + q];
-        A[i * D + p] = c * akp - s * akq;
-        A[i * D + q] = s * akp + c * akq;
-        const double ukp = U[i * D + p], ukq = U[i * D + q];
-        U[i * D + p] = c * ukp - s * ukq;
-        U[i * D + q] = s * ukp + c * ukq;
-      }
-      __syncthreads();
-      for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {  // A <- J^T A
-        const int k = idx / D, col = idx - k * D;
-        const double s = s_s[k];
-        if (s == 0.0) continue;
-        int p, q;
-        rr_pair(k, r, Dp, &p, &q);
-        const double c = s_c[k];
-        const double apk = A[p * D + col], aqk = A[q * D + col];
-        A[p * D + col] = c * apk - s * aqk;
-        A[q * D + col] = s * apk + c * aqk;
-      }
-      __syncthreads();
+      // f(p, q, c, s, i) for every rotation of the round that is not the identity and every
+      // row / column i, spread over the block.
+      auto each_rotation = [&](auto f) {
+        for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {
+          const int k = idx / D;
+          if (s_s[k] == 0.0) continue;
+          int p, q;
+          rr_pair(k, r, Dp, &p, &q);
+          f(p, q, s_c[k], s_s[k], idx - k * D);
+        }
+        __syncthreads();
+      };
+      each_rotation([&](int p, int q, double c, double s, int i) {  // A <- A J, U <- U J
+        dbn_rotate(&A[i * D + p], &A[i * D + q], c, s);
+        dbn_rotate(&U[i * D + p], &U[i * D + q], c, s);
+      });
+      each_rotation([&](int p, int q, double c, double s, int i) {  // A <- J^T A
+        dbn_rotate(&A[p * D + i], &A[q * D + i], c, s);
+      });
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
         if (s_s[k] == 0.0) continue;
         int p, q;
@@ -375,7 +369,8 @@ __device__ void block_jacobi(double* A, double* U, int D) {
   }
 }
 
-// One block per group: Sigma -> eigh -> W, outputs and running statistics.
+// One block per group: Sigma -> eigh (block_jacobi, stable ascending rank sort) ->
+// dbn_whitening_matrix (clamp, W), outputs and dbn_update_running.
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
 eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, double eps,
@@ -384,11 +379,12 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
            DType stat_dtype, void* running_mean, void* running_proj) {
   __shared__ double s_l[kMaxD], s_ls[kMaxD];
   __shared__ int s_rank[kMaxD];
+  const BlockExec ex;
   const int64_t g = blockIdx.x;
   const int DD = D * D;
-  double* Am = scratch + g * 3 * DD;  // Sigma, destroyed by Jacobi, then W
-  double* U = Am + DD;
-  double* V = U + DD;                 // sorted U, then U l^-1/4
+  double* Am = scratch + g * kFwdScratchMats * DD;  // Sigma, destroyed by Jacobi, then U^T
+  double* U = Am + DD;                              // Jacobi's U, then V = U diag(l^-1/2)
+  double* Us = U + DD;                              // sorted U, then W
   int finite = 1;
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     double s = 0.0;
@@ -412,54 +408,37 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     __syncthreads();
     for (int e = threadIdx.x; e < DD; e += blockDim.x) {
       const int i = e / D, k = e - i * D;
-      V[i * D + s_rank[k]] = U[e];
+      Us[i * D + s_rank[k]] = U[e];
     }
-    if (threadIdx.x == 0) dbn_clamp_eigvals(s_ls, D, eps);
-    __syncthreads();
   } else {
     const double nan = __longlong_as_double(0x7ff8000000000000LL);
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) V[e] = nan;
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) Us[e] = nan;
     for (int i = threadIdx.x; i < D; i += blockDim.x) s_ls[i] = nan;
-    __syncthreads();
   }
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) eigvec[g * DD + e] = static_cast<A>(V[e]);
+  __syncthreads();
+  // eigvec is written before dbn_whitening_matrix's first barrier, so W may overwrite Us.
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) eigvec[g * DD + e] = static_cast<A>(Us[e]);
+  dbn_whitening_matrix(ex, Us, s_ls, D, eps, /*W=*/Us, /*Ut=*/Am, /*V=*/U, /*r=*/s_l);
   for (int i = threadIdx.x; i < D; i += blockDim.x) eigval[g * D + i] = static_cast<A>(s_ls[i]);
-  __syncthreads();
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // V = U diag(l^-1/4)
-    const int k = e % D;
-    V[e] *= 1.0 / sqrt(sqrt(s_ls[k]));
-  }
-  __syncthreads();
-  block_matmul(V, false, V, true, Am, D);  // W = V V^T
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    Wout[g * DD + e] = static_cast<A>(Am[e]);
-    if (running_proj) {
-      const double r = load_stat(stat_dtype, running_proj, g * DD + e);
-      store_stat(stat_dtype, running_proj, g * DD + e, dbn_running_update(r, Am[e], momentum));
-    }
-  }
-  if (running_mean) {
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      const double r = load_stat(stat_dtype, running_mean, g * D + i);
-      store_stat(stat_dtype, running_mean, g * D + i,
-                 dbn_running_update(r, static_cast<double>(mean[g * D + i]), momentum));
-    }
-  }
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) Wout[g * DD + e] = static_cast<A>(Us[e]);
+  dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, Us, mean, momentum);
 }
 
-// One block per group: the steps of dbn_bwd_group as block-parallel fp64 products.
+// One block per group: dbn_bwd_small (W, B = (2/m) G_S) on the summed gram partials.
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
                  A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch) {
-  __shared__ double s_l[kMaxD];
+  __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD];
+  const BlockExec ex;
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
-  double* GW = scratch + g * 4 * DD;
-  double* H = GW + DD;
+  double* GW = scratch + g * kBwdScratchMats * DD;  // G_W, then B
+  double* H = GW + DD;                              // then W
   double* T = H + DD;
   double* U = T + DD;
+  double* Ut = U + DD;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     double s = 0.0;
     for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
@@ -472,31 +451,11 @@ bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double 
   }
   for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = static_cast<double>(eigval[g * D + i]);
   __syncthreads();
+  dbn_bwd_small(ex, U, s_l, GW, D, m, /*W=*/H, /*B=*/GW, DbnBwdScratch{H, T, Ut, s_sq, s_r});
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    const int i = e / D, j = e - i * D;
-    H[e] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
+    Bout[g * DD + e] = static_cast<A>(GW[e]);
+    Wout[g * DD + e] = static_cast<A>(H[e]);
   }
-  __syncthreads();
-  block_matmul(H, false, U, false, T, D);   // T = sym(G_W) U
-  block_matmul(U, true, T, false, H, D);    // H = U^T T
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    const int i = e / D, j = e - i * D;
-    H[e] *= dbn_inv_sqrt_divdiff(s_l[i], s_l[j]);
-  }
-  __syncthreads();
-  block_matmul(U, false, H, false, T, D);   // T = U H
-  block_matmul(T, false, U, true, GW, D);   // GW := B = T U^T
-  const double two_over_m = 2.0 / m;
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    const int i = e / D, j = e - i * D;
-    Bout[g * DD + e] = static_cast<A>(0.5 * (GW[i * D + j] + GW[j * D + i]) * two_over_m);
-  }
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // V = U diag(l^-1/4) into H
-    H[e] = U[e] * (1.0 / sqrt(sqrt(s_l[e % D])));
-  }
-  __syncthreads();
-  block_matmul(H, false, H, true, T, D);    // W = V V^T
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) Wout[g * DD + e] = static_cast<A>(T[e]);
 }
 
 // P[g] (AccT) = running_proj[g] (transposed for the backward); shift = running_mean.
@@ -512,9 +471,9 @@ inference_prep_kernel(DType stat_dtype, const void* running_proj, const void* ru
     if (e < total) {
       const int64_t g = e / DD, r = e - g * DD, i = r / D, j = r - i * D;
       P[g * DD + (transpose ? j * D + i : i * D + j)] =
-          static_cast<A>(load_stat(stat_dtype, running_proj, e));
+          static_cast<A>(dbn_load_stat(stat_dtype, running_proj, e));
     } else if (running_mean) {
-      shift[e - total] = static_cast<A>(load_stat(stat_dtype, running_mean, e - total));
+      shift[e - total] = static_cast<A>(dbn_load_stat(stat_dtype, running_mean, e - total));
     }
   }
 }
@@ -571,41 +530,39 @@ size_t smem_bytes(int D, int K, int panels, size_t acc) {
   return (K * sizeof(int64_t) + 15) / 16 * 16 + size_t(panels) * D * (K + 1) * acc;
 }
 
-bool stat_dtype_ok(DType data, DType stat) { return stat == data || stat == acc_dtype(data); }
-
 // Geometry with waves from the occupancy of the gram kernel `gk` and apply kernel `ak` as launched
 // (kBlock threads, the panels' dynamic shared memory).
 template <typename A, typename GK, typename AK>
 const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, int64_t gram_entries,
-                     GK* gk, AK* ak, Geo* q) {
+                     GK* gk, AK* ak, DbnCudaPlan* q) {
   const int64_t D = C / G;
   const size_t sm = smem_bytes(static_cast<int>(D), panel_k(D, panels, sizeof(A)), panels, sizeof(A));
   int64_t gram_wave = 1, apply_wave = 1;
   if (const char* e = wave_blocks(gk, kBlock, sm, &gram_wave)) return e;
   if (const char* e = wave_blocks(ak, kBlock, sm, &apply_wave)) return e;
-  *q = make_geo(N, C, G, S, panels, sizeof(A), gram_entries, gram_wave, apply_wave);
+  *q = make_plan(N, C, G, S, panels, sizeof(A), gram_entries, gram_wave, apply_wave);
   return nullptr;
 }
 template <typename T>
-const char* fwd_geo(const DbnFwdArgs& a, Geo* q) {
+const char* plan_for(const DbnFwdArgs& a, DbnCudaPlan* q) {
   const int64_t D = a.C / a.G;
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, D * D, gram_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 template <typename T>
-const char* bwd_geo(const DbnBwdArgs& a, Geo* q) {
+const char* plan_for(const DbnBwdArgs& a, DbnCudaPlan* q) {
   const int64_t D = a.C / a.G;
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 2, D * D + D, gram_kernel<T, true>,
                            apply_kernel<T, true>, q);
 }
 template <typename T>
-const char* inf_geo(const DbnInferenceArgs& a, Geo* q) {  // no gram kernel: its plan is unused
+const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {  // no gram kernel: its plan is unused
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, 0, apply_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 
 template <typename T, bool kTwo>
-const char* launch_apply(const Geo& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
+const char* launch_apply(const DbnCudaPlan& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
                          const T* in2, const AccT<T>* shift2, const AccT<T>* M2, T* out,
                          cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>(q.G), static_cast<unsigned>(q.apply_blocks));
@@ -619,8 +576,8 @@ const char* launch_apply(const Geo& q, const T* in1, const AccT<T>* shift1, cons
 template <typename T>
 const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  Geo q;
-  if (const char* e = fwd_geo<T>(a, &q)) return e;
+  DbnCudaPlan q;
+  if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const FwdWs<A> w = fwd_ws<A>(&cv, q);
   const T* x = static_cast<const T*>(a.x);
@@ -644,8 +601,8 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
 template <typename T>
 const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  Geo q;
-  if (const char* e = bwd_geo<T>(a, &q)) return e;
+  DbnCudaPlan q;
+  if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const BwdWs<A> w = bwd_ws<A>(&cv, q);
   const T* x = static_cast<const T*>(a.x);
@@ -666,8 +623,8 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
 template <typename T>
 const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_t st) {
   using A = AccT<T>;
-  Geo q;
-  if (const char* e = inf_geo<T>(a, &q)) return e;
+  DbnCudaPlan q;
+  if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
   const InfWs<A> w = inf_ws<A>(&cv, q);
   const int D = static_cast<int>(q.D);
@@ -681,91 +638,88 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
                                 nullptr, nullptr, nullptr, static_cast<T*>(a.y), st);
 }
 
+const char* check_ws(const void* ws) {
+  if (!ws) return "workspace is required";
+  if (!aligned16(ws)) return "workspace must be 16-byte aligned";
+  return nullptr;
+}
+
+// Workspace bytes of a call: the plan for the data dtype, then layout(tag, carver, plan) carves
+// what the kernels take; 0 for an invalid call.
 template <typename Args, typename F>
 size_t ws_size(const Args& a, F&& layout) {
   if (check_geo(a.N, a.C, a.G, a.S)) return 0;
   Carver c;
-  if (layout(&c)) return 0;
-  return c.off + kAlign;
+  const char* err = dispatch(a.dtype, [&](auto tag) -> const char* {
+    DbnCudaPlan q;
+    if (const char* e = plan_for<decltype(tag)>(a, &q)) return e;
+    layout(tag, &c, q);
+    return nullptr;
+  });
+  return err ? 0 : c.off + kAlign;
 }
 
-const char* check_ws(const void* ws) {
-  if (!ws) return "dbn CUDA: workspace is required";
-  if (!aligned16(ws)) return "dbn CUDA: workspace must be 16-byte aligned";
-  return nullptr;
+// An entry point: the shape check, then the first non-null of `errors` (argument checks), then
+// impl(tag) for the data dtype.
+template <typename Args, typename F>
+const char* checked_run(const Args& a, std::initializer_list<const char*> errors, F&& impl) {
+  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  for (const char* e : errors)
+    if (e) return e;
+  return dispatch(a.dtype, [&](auto tag) { return impl(tag); });
 }
 
 }  // namespace
 
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
-  return ws_size(a, [&](Carver* c) {
-    return dispatch(a.dtype, [&](auto tag) -> const char* {
-      using T = decltype(tag);
-      Geo q;
-      if (const char* e = fwd_geo<T>(a, &q)) return e;
-      fwd_ws<AccT<T>>(c, q);
-      return nullptr;
-    });
+  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
+    fwd_ws<AccT<decltype(tag)>>(c, q);
   });
 }
 
 size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a) {
-  return ws_size(a, [&](Carver* c) {
-    return dispatch(a.dtype, [&](auto tag) -> const char* {
-      using T = decltype(tag);
-      Geo q;
-      if (const char* e = bwd_geo<T>(a, &q)) return e;
-      bwd_ws<AccT<T>>(c, q);
-      return nullptr;
-    });
+  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
+    bwd_ws<AccT<decltype(tag)>>(c, q);
   });
 }
 
 size_t dbn_inference_workspace_cuda(const DbnInferenceArgs& a) {
-  return ws_size(a, [&](Carver* c) {
-    return dispatch(a.dtype, [&](auto tag) -> const char* {
-      using T = decltype(tag);
-      Geo q;
-      if (const char* e = inf_geo<T>(a, &q)) return e;
-      inf_ws<AccT<T>>(c, q);
-      return nullptr;
-    });
+  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
+    inf_ws<AccT<decltype(tag)>>(c, q);
   });
 }
 
 const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
-  if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) return "dbn_fwd_cuda: null pointer";
-  if (const char* e = check_ws(a.workspace)) return e;
-  if ((a.running_mean || a.running_proj) && !stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_fwd_cuda: running statistics must have the data dtype or its accumulation dtype";
-  if (!(a.eps > 0)) return "dbn_fwd_cuda: eps must be > 0";
-  return dispatch(a.dtype, [&](auto tag) {
-    return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream));
-  });
+  const bool stats = a.running_mean || a.running_proj;
+  return checked_run(
+      a,
+      {(!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) ? "forward: null pointer" : nullptr,
+       check_ws(a.workspace),
+       (stats && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype)) ? kDbnStatDtypeError : nullptr,
+       !(a.eps > 0) ? "eps must be > 0" : nullptr},
+      [&](auto tag) { return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
 const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
-  if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx)
-    return "dbn_bwd_cuda: null pointer";
-  if (const char* e = check_ws(a.workspace)) return e;
-  return dispatch(a.dtype, [&](auto tag) {
-    return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream));
-  });
+  return checked_run(
+      a,
+      {(!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx) ? "backward: null pointer"
+                                                                     : nullptr,
+       check_ws(a.workspace)},
+      [&](auto tag) { return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
 static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward, void* stream) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
-  if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean))
-    return "dbn_inference_cuda: null pointer";
-  if (const char* e = check_ws(a.workspace)) return e;
-  if (!stat_dtype_ok(a.dtype, a.stat_dtype))
-    return "dbn_inference_cuda: running statistics must have the data dtype or its accumulation "
-           "dtype";
-  return dispatch(a.dtype, [&](auto tag) {
-    return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
-  });
+  return checked_run(
+      a,
+      {(!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean))
+           ? "inference: null pointer"
+           : nullptr,
+       check_ws(a.workspace),
+       !dbn_stat_dtype_ok(a.dtype, a.stat_dtype) ? kDbnStatDtypeError : nullptr},
+      [&](auto tag) {
+        return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
+      });
 }
 
 const char* dbn_inference_cuda(const DbnInferenceArgs& a, void* stream) {

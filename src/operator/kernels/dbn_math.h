@@ -1,13 +1,19 @@
 /*
  * dbn_math.h: per-group fp64 small-matrix math of Decorrelated BN, shared by the CPU and CUDA
- * kernels (GN_HOST_DEVICE, no allocation, no LAPACK). All matrices are D x D, row-major, double.
+ * kernels (GN_HOST_DEVICE, no allocation, no LAPACK): the Jacobi rotation, its scaling and stopping
+ * rule, and every D x D step after the eigensolver, written once over an "executor" (below) that
+ * runs them serially on the host and block-parallel on the device. All matrices are D x D,
+ * row-major, double.
  * An eigenvector matrix U stores eigenvector j in column j: U[i*D + j].
  * Formulas are documented in dbn.h (forward) and dbn_cpu.cc (backward derivation).
  */
 #pragma once
 #include <cmath>
 
+#include <cstdint>
+
 #include "../common/acc_type.h"
+#include "dbn.h"
 
 namespace gn_mx {
 
@@ -28,8 +34,15 @@ GN_HOST_DEVICE inline void dbn_jacobi_rotation(double app, double aqq, double ap
   *s = t * *c;
 }
 
-// Cyclic Jacobi eigensolver for a symmetric matrix: a fallback for dsyevd_ (missing LAPACK or
-// info != 0) and usable per thread on a device. `A` is destroyed; on return `l` holds the
+// The plane rotation of one pair of entries: (x, y) <- (c x - s y, s x + c y).
+GN_HOST_DEVICE inline void dbn_rotate(double* x, double* y, double c, double s) {
+  const double a = *x, b = *y;
+  *x = c * a - s * b;
+  *y = s * a + c * b;
+}
+
+// Cyclic Jacobi eigensolver for a symmetric matrix, serial (the CPU's solver for D <= 8 and the
+// last fallback above; dbn_cuda.cu's block_jacobi is its block-parallel form). `A` is destroyed; on return `l` holds the
 // eigenvalues in ascending order and U the matching orthonormal eigenvectors (columns).
 // Each rotation is J = [[c, s], [-s, c]] in the (p, q) plane chosen so that (J^T A J)_pq = 0.
 // Range: A is first scaled by the power of two 2^-e that brings max|A_ij| into [0.5, 1) (exact:
@@ -42,6 +55,16 @@ GN_HOST_DEVICE inline int dbn_jacobi_scale_exponent(double amax) {
   return e;
 }
 
+// The stopping rule of both Jacobi solvers (dbn_jacobi_eigh here, block_jacobi in dbn_cuda.cu), on
+// the scaled matrix: stop before a sweep once off(A) = sum_{p<q} A_pq^2 <= kDbnJacobiTol *
+// ||A_0||_F^2 (its Frobenius norm before the first rotation) or off(A) = 0, or after
+// kDbnJacobiMaxSweeps sweeps (cyclic Jacobi converges quadratically: ~6-10 sweeps in practice).
+constexpr double kDbnJacobiTol = 1e-30;
+constexpr int kDbnJacobiMaxSweeps = 100;
+GN_HOST_DEVICE inline bool dbn_jacobi_converged(double off, double fro2) {
+  return off <= kDbnJacobiTol * fro2 || off == 0.0;
+}
+
 GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int D) {
   for (int i = 0; i < D; ++i)
     for (int j = 0; j < D; ++j) U[i * D + j] = (i == j) ? 1.0 : 0.0;
@@ -50,36 +73,23 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
   const int e = dbn_jacobi_scale_exponent(amax);
   if (e != 0)
     for (int i = 0; i < D * D; ++i) A[i] = ldexp(A[i], -e);
-  double scale = 0.0;
-  for (int i = 0; i < D * D; ++i) scale += A[i] * A[i];
-  const double tol = 1e-30 * scale;
-  for (int sweep = 0; sweep < 100; ++sweep) {
+  double fro2 = 0.0;
+  for (int i = 0; i < D * D; ++i) fro2 += A[i] * A[i];
+  for (int sweep = 0; sweep < kDbnJacobiMaxSweeps; ++sweep) {
     double off = 0.0;
     for (int p = 0; p < D; ++p)
       for (int q = p + 1; q < D; ++q) off += A[p * D + q] * A[p * D + q];
-    if (off <= tol || off == 0.0) break;
+    if (dbn_jacobi_converged(off, fro2)) break;
     for (int p = 0; p < D; ++p) {
       for (int q = p + 1; q < D; ++q) {
         const double apq = A[p * D + q];
         if (apq == 0.0) continue;
         double c, s;
         dbn_jacobi_rotation(A[p * D + p], A[q * D + q], apq, &c, &s);
-        for (int k = 0; k < D; ++k) {  // A <- A J
-          const double akp = A[k * D + p], akq = A[k * D + q];
-          A[k * D + p] = c * akp - s * akq;
-          A[k * D + q] = s * akp + c * akq;
-        }
-        for (int k = 0; k < D; ++k) {  // A <- J^T A
-          const double apk = A[p * D + k], aqk = A[q * D + k];
-          A[p * D + k] = c * apk - s * aqk;
-          A[q * D + k] = s * apk + c * aqk;
-        }
+        for (int k = 0; k < D; ++k) dbn_rotate(&A[k * D + p], &A[k * D + q], c, s);  // A <- A J
+        for (int k = 0; k < D; ++k) dbn_rotate(&A[p * D + k], &A[q * D + k], c, s);  // A <- J^T A
         A[p * D + q] = A[q * D + p] = 0.0;
-        for (int k = 0; k < D; ++k) {  // U <- U J
-          const double ukp = U[k * D + p], ukq = U[k * D + q];
-          U[k * D + p] = c * ukp - s * ukq;
-          U[k * D + q] = s * ukp + c * ukq;
-        }
+        for (int k = 0; k < D; ++k) dbn_rotate(&U[k * D + p], &U[k * D + q], c, s);  // U <- U J
       }
     }
   }
@@ -97,84 +107,132 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
   }
 }
 
+// ---- The D x D steps, written once over an executor ------------------------------------------
+// An executor `ex` says how a step runs; the steps below are the only source of this math for the
+// CPU (dbn_small_cpu.h's CpuExec: plain loops, register-blocked products) and the CUDA kernels
+// (dbn_cuda.cu's BlockExec: one thread block per group). Its members:
+//   ex.each(n, f)        f(e) for every e in [0, n)        (host: a loop; device: the block's
+//   ex.each_ij(D, f)     f(i, j) for every i, j in [0, D)   threads stride over the range)
+//   ex.each_lower(D, f)  f(i, j) for every 0 <= j <= i < D
+//   ex.sync()            what each()/each_ij() wrote is visible to all (host: nothing;
+//                        device: __syncthreads())
+//   ex.mm(A, B, C, D)    C = A B for D x D row-major fp64 matrices, inputs already visible,
+//                        C visible on return (host: dbn_small::dmm_nn; device: block dot products
+//                        + __syncthreads())
+// No step writes what another thread of the same each() reads, so the host's serial order and the
+// device's parallel one compute the same values (sums run over k in ascending order in both).
+
 // The exact eigenvalues of cov + eps*I are >= eps; rounding in the covariance can push the
-// smallest ones slightly below (even negative for badly scaled data), so clamp to eps.
-GN_HOST_DEVICE inline void dbn_clamp_eigvals(double* l, int D, double eps) {
-  for (int i = 0; i < D; ++i)
-    if (!(l[i] >= eps)) l[i] = (l[i] != l[i]) ? l[i] : eps;  // keep NaN as NaN
+// smallest ones slightly below (even negative for badly scaled data), so clamp to eps (NaN stays).
+GN_HOST_DEVICE inline double dbn_clamp_eigval(double l, double eps) {
+  return (l >= eps || l != l) ? l : eps;
 }
 
-// C = A B for D x D row-major matrices, i-k-j order (unit stride inner loop, vectorizable).
-GN_HOST_DEVICE inline void dbn_matmul(const double* A, const double* B, int D, double* C) {
-  for (int i = 0; i < D * D; ++i) C[i] = 0.0;
-  for (int i = 0; i < D; ++i)
-    for (int k = 0; k < D; ++k) {
-      const double a = A[i * D + k];
-      for (int j = 0; j < D; ++j) C[i * D + j] += a * B[k * D + j];
-    }
+// B <- scale * (B + B^T) / 2 in place: symmetric in exact arithmetic, exactly symmetric after.
+// Each pair (i, j <= i) is read and written by one call of f, so it is safe in parallel. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_symmetrize(Ex& ex, double* B, int D, double scale) {
+  ex.each_lower(D, [&](int i, int j) {
+    const double b = 0.5 * (B[i * D + j] + B[j * D + i]) * scale;
+    B[i * D + j] = B[j * D + i] = b;
+  });
+  ex.sync();
 }
 
-// C = A B^T (rows of both are contiguous): dot products of rows.
-GN_HOST_DEVICE inline void dbn_matmul_bt(const double* A, const double* B, int D, double* C) {
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) {
-      double s = 0.0;
-      for (int k = 0; k < D; ++k) s += A[i * D + k] * B[j * D + k];
-      C[i * D + j] = s;
-    }
+// W = U diag(l^-1/2) U^T = Sigma^{-1/2} from V = U diag(l^-1/2) and Ut = U^T (formed by the
+// caller, each together with other work): W = V Ut, symmetrized (its rounding is not). Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_inv_sqrt(Ex& ex, const double* V, const double* Ut, int D, double* W) {
+  ex.mm(V, Ut, W, D);
+  dbn_symmetrize(ex, W, D, 1.0);
 }
 
-// W = U diag(l^-1/2) U^T = Sigma^{-1/2}, as V V^T with V = U diag(l^-1/4).
-// V: D*D scratch.
-GN_HOST_DEVICE inline void dbn_inv_sqrt(const double* U, const double* l, int D, double* W,
-                                        double* V) {
-  for (int k = 0; k < D; ++k) {
-    const double s = 1.0 / sqrt(sqrt(l[k]));
-    for (int i = 0; i < D; ++i) V[i * D + k] = U[i * D + k] * s;
-  }
-  dbn_matmul_bt(V, V, D, W);
-}
-
-// Daleckii-Krein divided difference of f(l) = l^-1/2:
-//   (f(l_i) - f(l_j)) / (l_i - l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j)))
-// which is also f'(l_i) = -1/2 l_i^-3/2 on the diagonal, so equal eigenvalues need no guard.
-GN_HOST_DEVICE inline double dbn_inv_sqrt_divdiff(double li, double lj) {
-  const double si = sqrt(li), sj = sqrt(lj);
-  return -1.0 / (si * sj * (si + sj));
-}
-
-// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
-// GW = dY Xc^T (not necessarily symmetric), m = number of columns. Outputs: W = Sigma^{-1/2} and
-// B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that dX = W (dY - mean(dY)) + B Xc.
-// tmp: 3*D*D doubles.
-GN_HOST_DEVICE inline void dbn_bwd_group(const double* U, const double* l, const double* GW, int D,
-                                         double m, double* W, double* B, double* tmp) {
-  double* H = tmp;              // sym(GW), later K o (U^T sym(GW) U)
-  double* T = tmp + D * D;      // products
-  double* Ut = tmp + 2 * D * D; // U^T
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) {
-      H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
-      Ut[i * D + j] = U[j * D + i];
-    }
-  dbn_matmul(H, U, D, T);   // T = sym(GW) U
-  dbn_matmul(Ut, T, D, H);  // H = U^T sym(GW) U
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) H[i * D + j] *= dbn_inv_sqrt_divdiff(l[i], l[j]);
-  dbn_matmul(U, H, D, T);   // T = U H
-  dbn_matmul_bt(T, U, D, B);  // B = T U^T
-  const double two_over_m = 2.0 / m;
-  for (int i = 0; i < D; ++i)  // symmetrize (exact in exact arithmetic) and scale
-    for (int j = i; j < D; ++j) {
-      const double b = 0.5 * (B[i * D + j] + B[j * D + i]) * two_over_m;
-      B[i * D + j] = B[j * D + i] = b;
-    }
-  dbn_inv_sqrt(U, l, D, W, T);
+// The forward's post-processing of an eigendecomposition Sigma = U diag(l) U^T (ascending l):
+// clamp l to >= eps in place, then W = U diag(l^-1/2) U^T. Scratch: Ut, V (D*D), r (D); W may
+// alias U (last read before the product). Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_whitening_matrix(Ex& ex, const double* U, double* l, int D, double eps,
+                                         double* W, double* Ut, double* V, double* r) {
+  ex.each(D, [&](int k) {
+    l[k] = dbn_clamp_eigval(l[k], eps);
+    r[k] = 1.0 / sqrt(l[k]);  // D roots, not D^2
+  });
+  ex.sync();
+  ex.each_ij(D, [&](int i, int k) {
+    const double u = U[i * D + k];
+    V[i * D + k] = u * r[k];
+    Ut[k * D + i] = u;
+  });
+  ex.sync();
+  dbn_inv_sqrt(ex, V, Ut, D, W);
 }
 
 // r = momentum * r + (1 - momentum) * batch, computed in double.
 GN_HOST_DEVICE inline double dbn_running_update(double r, double batch, double momentum) {
   return momentum * r + (1.0 - momentum) * batch;
+}
+
+// Running statistics of group g (stat dtype `t`, either pointer may be null: no update):
+// running_proj[g] <- update(running_proj[g], W), running_mean[g*D:] <- update(.., mean[g*D:]).
+template <class Ex, typename M>
+GN_HOST_DEVICE void dbn_update_running(Ex& ex, DType t, void* running_proj, void* running_mean,
+                                       int64_t g, int D, const double* W, const M* mean,
+                                       double momentum) {
+  const int64_t DD = int64_t(D) * D;
+  if (running_proj)
+    ex.each(D * D, [&](int e) {
+      const int64_t i = g * DD + e;
+      dbn_store_stat(t, running_proj, i,
+                     dbn_running_update(dbn_load_stat(t, running_proj, i), W[e], momentum));
+    });
+  if (running_mean)
+    ex.each(D, [&](int d) {
+      const int64_t i = g * D + d;
+      dbn_store_stat(t, running_mean, i,
+                     dbn_running_update(dbn_load_stat(t, running_mean, i),
+                                        static_cast<double>(mean[i]), momentum));
+    });
+}
+
+// Daleckii-Krein divided difference of f(l) = l^-1/2, from si = sqrt(l_i), sj = sqrt(l_j):
+//   (f(l_i) - f(l_j)) / (l_i - l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j)))
+// which is also f'(l_i) = -1/2 l_i^-3/2 on the diagonal, so equal eigenvalues need no guard.
+GN_HOST_DEVICE inline double dbn_inv_sqrt_divdiff(double si, double sj) {
+  return -1.0 / (si * sj * (si + sj));
+}
+
+// Scratch of dbn_bwd_small: H, T, Ut (D*D each), sq (D) and r (D).
+struct DbnBwdScratch {
+  double *H, *T, *Ut, *sq, *r;
+};
+
+// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
+// GW = dY Xc^T (not necessarily symmetric), m = number of columns. Outputs: W = Sigma^{-1/2} and
+// B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that dX = W (dY - mean(dY)) + B Xc
+// (derivation above bwd_impl in dbn_cpu.cc). B may alias GW; W may alias s.H. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, const double* GW,
+                                  int D, double m, double* W, double* B, DbnBwdScratch s) {
+  double *H = s.H, *T = s.T, *Ut = s.Ut;
+  ex.each(D, [&](int k) {  // K and l^-1/2 from D roots, not D^2
+    s.sq[k] = sqrt(l[k]);
+    s.r[k] = 1.0 / s.sq[k];
+  });
+  ex.each_ij(D, [&](int i, int j) {
+    H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
+    Ut[j * D + i] = U[i * D + j];
+  });
+  ex.sync();
+  ex.mm(H, U, T, D);   // T = sym(GW) U
+  ex.mm(Ut, T, H, D);  // H = U^T sym(GW) U
+  ex.each_ij(D, [&](int i, int j) { H[i * D + j] *= dbn_inv_sqrt_divdiff(s.sq[i], s.sq[j]); });
+  ex.sync();
+  ex.mm(U, H, T, D);   // T = U (K o H)
+  ex.mm(T, Ut, B, D);  // B = T U^T
+  dbn_symmetrize(ex, B, D, 2.0 / m);
+  ex.each_ij(D, [&](int i, int k) { T[i * D + k] = U[i * D + k] * s.r[k]; });  // V, in T
+  ex.sync();
+  dbn_inv_sqrt(ex, T, Ut, D, W);
 }
 
 }  // namespace gn_mx

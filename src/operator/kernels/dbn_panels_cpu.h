@@ -10,6 +10,7 @@
 
 #include "../common/acc_type.h"
 #include "cpu_isa.h"
+#include "dbn.h"
 #include "dbn_blas_cpu.h"
 
 namespace gn_mx {
@@ -18,14 +19,15 @@ using namespace dbn_cpu;  // gemm / syrk_t
 
 constexpr int64_t kPanelElems = 32768;  // D*K AccT values per panel (128 KiB in fp32)
 
-struct PanelGeo {
-  int64_t N, C, G, D, S, m, K, nchunk;
+// The shape plus its column panels: K columns per panel, nchunk panels per group.
+struct PanelGeo : DbnShape {
+  int64_t K, nchunk;
   int64_t ld;  // panel row stride: K rounded up + 16, so panel rows are not 4 KiB apart (aliasing)
 };
 
 PanelGeo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   PanelGeo q;
-  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  static_cast<DbnShape&>(q) = dbn_shape(N, C, G, S);
   int64_t K = std::max<int64_t>(64, kPanelElems / std::max<int64_t>(q.D, 1));
   K = (K + 15) / 16 * 16;
   q.K = std::min(q.m, K);
@@ -43,27 +45,6 @@ PanelGeo make_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
 // measured 2-3x slower for D = 16..32, 1.2x at 64); double, other CPUs and GNMX_CPU_ISA=generic
 // use BLAS.
 #if defined(GNMX_CPU_X86)
-
-// Q rows [i, i+R) x 16 columns [c, c+16): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void apply_tile16(
-    const float* M, int Din, const float* P, int64_t ld, float* Q, int64_t ldq) {
-  __m256 acc0[R], acc1[R];
-  for (int r = 0; r < R; ++r) acc0[r] = acc1[r] = _mm256_setzero_ps();
-  const float* p = P;
-  for (int k = 0; k < Din; ++k, p += ld) {
-    const __m256 p0 = _mm256_loadu_ps(p), p1 = _mm256_loadu_ps(p + 8);
-    for (int r = 0; r < R; ++r) {
-      const __m256 w = _mm256_broadcast_ss(M + r * Din + k);
-      acc0[r] = _mm256_fmadd_ps(w, p0, acc0[r]);
-      acc1[r] = _mm256_fmadd_ps(w, p1, acc1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_ps(Q + r * ldq, acc0[r]);
-    _mm256_storeu_ps(Q + r * ldq + 8, acc1[r]);
-  }
-}
 
 // The same for one 8-column vector (column tails), R <= 6.
 template <int R>
@@ -105,7 +86,7 @@ template <int R>
 __attribute__((target("avx2,fma"))) void apply_rows_avx2(const float* M, int Din, const float* P,
                                                          int64_t ld, int kc, const OutCols& oc) {
   int c = 0;
-  for (; c + 16 <= kc; c += 16) apply_tile16<R>(M, Din, P + c, ld, oc.at(c), oc.rs);
+  for (; c + 16 <= kc; c += 16) avx2_tile2<float, R>(M, Din, P + c, ld, oc.at(c), oc.rs, Din);
   for (; c + 8 <= kc; c += 8) apply_tile8<R>(M, Din, P + c, ld, oc.at(c), oc.rs);
   for (; c < kc; ++c) {
     float* q = oc.at(c);
@@ -125,14 +106,7 @@ void apply_f32_avx2(const float* M, int Dout, int Din, const float* P, int64_t l
     apply_rows_avx2<6>(M + static_cast<int64_t>(i) * Din, Din, P, ld, kc, oc.rows(i));
   const float* m = M + static_cast<int64_t>(i) * Din;
   const OutCols q = oc.rows(i);
-  switch (Dout - i) {
-    case 5: apply_rows_avx2<5>(m, Din, P, ld, kc, q); break;
-    case 4: apply_rows_avx2<4>(m, Din, P, ld, kc, q); break;
-    case 3: apply_rows_avx2<3>(m, Din, P, ld, kc, q); break;
-    case 2: apply_rows_avx2<2>(m, Din, P, ld, kc, q); break;
-    case 1: apply_rows_avx2<1>(m, Din, P, ld, kc, q); break;
-    default: break;
-  }
+  with_tail_rows(Dout - i, [&](auto r) { apply_rows_avx2<decltype(r)::value>(m, Din, P, ld, kc, q); });
 }
 
 
@@ -244,24 +218,33 @@ void apply_out(const A* M, int Dout, int Din, const A* P, int64_t ld, int kc, A*
 }
 
 // ---- Panel gather / scatter -------------------------------------------------------------------
-// P[d*ldp + k] = x[n, g*D + d, s] - shift[d] for the kc columns starting at j0 (j = n*S + s).
-template <typename T, typename A>
-void gather(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, const A* shift, A* P,
-            int64_t ldp) {
+// Columns j0 .. j0+kc of group g split into runs inside one sample n: f(off, k, run) for each,
+// where panel columns k .. k+run come from tensor elements off + d*S + r (channel g*D + d).
+template <typename F>
+__attribute__((always_inline)) inline void for_each_run(const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, F&& f) {
   int64_t j = j0, k = 0;
   while (k < kc) {
     const int64_t n = j / q.S, s = j % q.S;
     const int64_t run = std::min(q.S - s, kc - k);
-    const T* base = x + (n * q.C + g * q.D) * q.S + s;
-    for (int64_t d = 0; d < q.D; ++d) {
-      const T* src = base + d * q.S;
+    f((n * q.C + g * q.D) * q.S + s, k, run);
+    k += run;
+    j += run;
+  }
+}
+
+// P[d*ldp + k] = x[n, g*D + d, s] - shift[d] for the kc columns starting at j0 (j = n*S + s).
+template <typename T, typename A>
+void gather(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, const A* shift, A* P,
+            int64_t ldp) {
+  const int64_t D = q.D, S = q.S;
+  for_each_run(q, g, j0, kc, [&](int64_t off, int64_t k, int64_t run) __attribute__((always_inline)) {
+    for (int64_t d = 0; d < D; ++d) {
+      const T* src = x + off + d * S;
       A* dst = P + d * ldp + k;
       const A sh = shift ? shift[d] : A(0);
       for (int64_t r = 0; r < run; ++r) dst[r] = to_acc(src[r]) - sh;
     }
-    k += run;
-    j += run;
-  }
+  });
 }
 
 // gather without shift that also returns the row sums of the panel: sum[d] = sum_k P[d*ldp + k]
@@ -269,14 +252,11 @@ void gather(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, co
 template <typename T, typename A>
 void gather_sum(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, A* P, int64_t ldp,
                 A* sum) {
-  for (int64_t d = 0; d < q.D; ++d) sum[d] = A(0);
-  int64_t j = j0, k = 0;
-  while (k < kc) {
-    const int64_t n = j / q.S, s = j % q.S;
-    const int64_t run = std::min(q.S - s, kc - k);
-    const T* base = x + (n * q.C + g * q.D) * q.S + s;
-    for (int64_t d = 0; d < q.D; ++d) {
-      const T* src = base + d * q.S;
+  const int64_t D = q.D, S = q.S;
+  for (int64_t d = 0; d < D; ++d) sum[d] = A(0);
+  for_each_run(q, g, j0, kc, [&](int64_t off, int64_t k, int64_t run) __attribute__((always_inline)) {
+    for (int64_t d = 0; d < D; ++d) {
+      const T* src = x + off + d * S;
       A* dst = P + d * ldp + k;
       A acc = 0;
 #pragma omp simd reduction(+ : acc)
@@ -287,26 +267,19 @@ void gather_sum(const T* x, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc
       }
       sum[d] += acc;
     }
-    k += run;
-    j += run;
-  }
+  });
 }
 
 template <typename T, typename A>
 void scatter(const A* P, int64_t ldp, const PanelGeo& q, int64_t g, int64_t j0, int64_t kc, T* y) {
-  int64_t j = j0, k = 0;
-  while (k < kc) {
-    const int64_t n = j / q.S, s = j % q.S;
-    const int64_t run = std::min(q.S - s, kc - k);
-    T* base = y + (n * q.C + g * q.D) * q.S + s;
-    for (int64_t d = 0; d < q.D; ++d) {
-      T* dst = base + d * q.S;
+  const int64_t D = q.D, S = q.S;
+  for_each_run(q, g, j0, kc, [&](int64_t off, int64_t k, int64_t run) __attribute__((always_inline)) {
+    for (int64_t d = 0; d < D; ++d) {
+      T* dst = y + off + d * S;
       const A* src = P + d * ldp + k;
       for (int64_t r = 0; r < run; ++r) dst[r] = from_acc<T>(src[r]);
     }
-    k += run;
-    j += run;
-  }
+  });
 }
 
 }  // namespace

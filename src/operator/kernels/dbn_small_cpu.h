@@ -1,13 +1,13 @@
 /*
- * dbn_small_cpu.h: CPU versions of the per-group fp64 D x D steps of Decorrelated BN (W =
- * Sigma^{-1/2} from the eigendecomposition, and the backward's dbn_bwd_group), computed with
- * register-blocked fp64 products instead of dbn_math.h's plain loops.
+ * dbn_small_cpu.h: the CPU side of the per-group fp64 D x D math of Decorrelated BN: the
+ * register-blocked product dmm_nn behind CpuExec, the host executor that runs dbn_math.h's
+ * D x D steps (W = Sigma^{-1/2}, the backward's dbn_bwd_small), and the Householder + QL
+ * eigensolver for D > 8.
  *
- * Same formulas and contracts as dbn_inv_sqrt / dbn_bwd_group in dbn_math.h (which the CUDA kernel
- * mirrors): only the order of the fp64 additions differs. Why a CPU copy: dbn_math.h's
- * dbn_matmul_bt is a chain of dependent scalar FMAs (latency-bound, ~1 GFLOP/s), which made the
- * D x D steps ~20% of a D = 64 forward+backward. Here every product is C = A B with B row-major,
- * so the inner loop runs along contiguous rows of B and C (transposes are explicit D x D copies).
+ * Why a CPU product of its own: plain-loop products (a chain of dependent scalar FMAs per entry,
+ * latency-bound, ~1 GFLOP/s) made the D x D steps ~20% of a D = 64 forward+backward. dmm_nn
+ * computes C = A B with B row-major, so the inner loop runs along contiguous rows of B and C
+ * (the steps form their transposes explicitly, which the device executor also profits from).
  *
  * dmm_nn has an AVX2+FMA kernel (6 x 8 doubles of C in registers) chosen at run time like the
  * float panel kernels of dbn_cpu.cc (GNMX_CPU_ISA=generic forces the portable loop).
@@ -39,32 +39,11 @@ inline void dmm_nn_generic(const double* A, int lda, const double* B, int ldb, d
 }
 
 #if defined(GNMX_CPU_X86)
-// Rows [0, R) of C, columns [j, j + 8): 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers).
-template <int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void dmm_tile(
-    const double* A, int lda, const double* B, int ldb, double* C, int ldc, int K) {
-  __m256d c0[R], c1[R];
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = _mm256_setzero_pd();
-  const double* b = B;
-  for (int k = 0; k < K; ++k, b += ldb) {
-    const __m256d b0 = _mm256_loadu_pd(b), b1 = _mm256_loadu_pd(b + 4);
-    for (int r = 0; r < R; ++r) {
-      const __m256d w = _mm256_broadcast_sd(A + static_cast<long>(r) * lda + k);
-      c0[r] = _mm256_fmadd_pd(w, b0, c0[r]);
-      c1[r] = _mm256_fmadd_pd(w, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    _mm256_storeu_pd(C + static_cast<long>(r) * ldc, c0[r]);
-    _mm256_storeu_pd(C + static_cast<long>(r) * ldc + 4, c1[r]);
-  }
-}
-
 template <int R>
 __attribute__((target("avx2,fma"))) void dmm_rows_avx2(const double* A, int lda, const double* B,
                                                        int ldb, double* C, int ldc, int N, int K) {
   int j = 0;
-  for (; j + 8 <= N; j += 8) dmm_tile<R>(A, lda, B + j, ldb, C + j, ldc, K);
+  for (; j + 8 <= N; j += 8) avx2_tile2<double, R>(A, lda, B + j, ldb, C + j, ldc, K);
   if (j < N)  // remaining columns
     for (int r = 0; r < R; ++r) {
       double* c = C + static_cast<long>(r) * ldc;
@@ -86,14 +65,7 @@ inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, doub
                      ldc, N, K);
   const double* a = A + static_cast<long>(i) * lda;
   double* c = C + static_cast<long>(i) * ldc;
-  switch (M - i) {
-    case 5: dmm_rows_avx2<5>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 4: dmm_rows_avx2<4>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 3: dmm_rows_avx2<3>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 2: dmm_rows_avx2<2>(a, lda, B, ldb, c, ldc, N, K); break;
-    case 1: dmm_rows_avx2<1>(a, lda, B, ldb, c, ldc, N, K); break;
-    default: break;
-  }
+  with_tail_rows(M - i, [&](auto r) { dmm_rows_avx2<decltype(r)::value>(a, lda, B, ldb, c, ldc, N, K); });
 }
 
 #endif
@@ -106,66 +78,25 @@ inline void dmm_nn(const double* A, int lda, const double* B, int ldb, double* C
   dmm_nn_generic(A, lda, B, ldb, C, ldc, M, N, K);
 }
 
-inline void transpose(const double* A, int D, double* At) {
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) At[j * D + i] = A[i * D + j];
-}
-
-// W = U diag(l^-1/2) U^T (= dbn_inv_sqrt). tmp: 2*D*D + D doubles.
-inline void inv_sqrt(const double* U, const double* l, int D, double* W, double* tmp) {
-  double* V = tmp;          // U diag(l^-1/2)
-  double* Ut = tmp + D * D;
-  double* r = tmp + 2 * D * D;  // l^-1/2: D square roots, not D^2
-  for (int k = 0; k < D; ++k) r[k] = 1.0 / std::sqrt(l[k]);
-  for (int i = 0; i < D; ++i)
-    for (int k = 0; k < D; ++k) {
-      V[i * D + k] = U[i * D + k] * r[k];
-      Ut[k * D + i] = U[i * D + k];
-    }
-  dmm_nn(V, D, Ut, D, W, D, D, D, D);
-  for (int i = 0; i < D; ++i)  // symmetric in exact arithmetic
-    for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
-}
-
-// The backward D x D step (= dbn_bwd_group): W = Sigma^{-1/2} and B = (2/m) U (K o (U^T sym(GW)
-// U)) U^T. tmp: 4*D*D + 2*D doubles.
-inline void bwd_group(const double* U, const double* l, const double* GW, int D, double m,
-                      double* W, double* B, double* tmp) {
-  double* H = tmp;
-  double* T = tmp + D * D;
-  double* Ut = tmp + 2 * D * D;
-  double* V = tmp + 3 * D * D;
-  double* sq = tmp + 4 * D * D;  // sqrt(l)
-  double* r = sq + D;            // l^-1/2
-  for (int k = 0; k < D; ++k) {
-    sq[k] = std::sqrt(l[k]);
-    r[k] = 1.0 / sq[k];
+// The host executor of dbn_math.h's D x D steps (dbn_whitening_matrix, dbn_bwd_small): plain
+// loops, and C = A B by dmm_nn.
+struct CpuExec {
+  template <class F> void each(int n, F&& f) const {
+    for (int e = 0; e < n; ++e) f(e);
   }
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) {
-      H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
-      Ut[i * D + j] = U[j * D + i];
-    }
-  dmm_nn(H, D, U, D, T, D, D, D, D);   // T = sym(GW) U
-  dmm_nn(Ut, D, T, D, H, D, D, D, D);  // H = U^T sym(GW) U
-  // K_ij = dbn_inv_sqrt_divdiff(l_i, l_j) = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j))),
-  // from the D square roots (D^2 sqrt calls were ~30% of this step at D = 64).
-  for (int i = 0; i < D; ++i)
-    for (int j = 0; j < D; ++j) H[i * D + j] *= -1.0 / (sq[i] * sq[j] * (sq[i] + sq[j]));
-  dmm_nn(U, D, H, D, T, D, D, D, D);   // T = U H
-  dmm_nn(T, D, Ut, D, B, D, D, D, D);  // B = T U^T
-  const double two_over_m = 2.0 / m;
-  for (int i = 0; i < D; ++i)
-    for (int j = i; j < D; ++j) {
-      const double b = 0.5 * (B[i * D + j] + B[j * D + i]) * two_over_m;
-      B[i * D + j] = B[j * D + i] = b;
-    }
-  for (int i = 0; i < D; ++i)
-    for (int k = 0; k < D; ++k) V[i * D + k] = U[i * D + k] * r[k];
-  dmm_nn(V, D, Ut, D, W, D, D, D, D);  // W = U diag(l^-1/2) U^T
-  for (int i = 0; i < D; ++i)
-    for (int j = i + 1; j < D; ++j) W[i * D + j] = W[j * D + i] = 0.5 * (W[i * D + j] + W[j * D + i]);
-}
+  template <class F> void each_ij(int D, F&& f) const {
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j < D; ++j) f(i, j);
+  }
+  template <class F> void each_lower(int D, F&& f) const {
+    for (int i = 0; i < D; ++i)
+      for (int j = 0; j <= i; ++j) f(i, j);
+  }
+  void sync() const {}
+  void mm(const double* A, const double* B, double* C, int D) const {
+    dmm_nn(A, D, B, D, C, D, D, D, D);
+  }
+};
 
 // ---- Symmetric eigensolver: Householder tridiagonalization + implicit QL -------------------------
 // For the group sizes of DBN (D ~ 8..128) this beats LAPACK dsyevd through OpenBLAS by 2-4x (no
