@@ -2,7 +2,8 @@
 # One-stop set-up + run, for a fresh machine with Python 3.8-3.11 and a C++ compiler:
 #   bash dev.sh demo            # venv + deps + build, then examples/quickstart.py
 #   bash dev.sh test [ARGS]     # venv + deps + build, then pytest tests [ARGS]
-# Environment: PYTHON (interpreter for the venv, default python3), GNMX_VENV (default .venv).
+# Environment: PYTHON (interpreter for the venv, default python3), GNMX_VENV (default .venv),
+#   GNMX_HOROVOD=1 (also build Horovod, requirements-horovod.txt; CI sets it).
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")"
 cmd="${1:-}"
@@ -23,6 +24,25 @@ if ! cmp -s requirements-dev.txt "$stamp" 2>/dev/null; then
   "$VPY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
   cp requirements-dev.txt "$stamp"
 fi
+
+# --- Horovod (optional; tests/test_horovod.py, examples/horovod_train.py) -------------------------
+# GNMX_HOROVOD=1 (set by .ci/run) builds Horovod with MXNet + Gloo from source, once per change of
+# requirements-horovod.txt (~4 min on 2 cores). Unset: nothing happens and the Horovod test skips.
+if [ "${GNMX_HOROVOD:-0}" = 1 ]; then
+  hstamp="$VENV/.gnmx-requirements-horovod"
+  if ! cmp -s requirements-horovod.txt "$hstamp" 2>/dev/null; then
+    echo "[gn_mx] building Horovod (requirements-horovod.txt; MXNet + Gloo, no MPI)"
+    # --no-cache-dir: the HOROVOD_* choices are not part of pip's wheel-cache key.
+    PATH="$VENV/bin:$PATH" HOROVOD_WITH_MXNET=1 HOROVOD_WITHOUT_TENSORFLOW=1 \
+      HOROVOD_WITHOUT_PYTORCH=1 HOROVOD_WITH_GLOO=1 HOROVOD_WITHOUT_MPI=1 \
+      HOROVOD_CPU_OPERATIONS=GLOO CMAKE_POLICY_VERSION_MINIMUM=3.5 \
+      MAKEFLAGS="${MAKEFLAGS:--j${GNMX_JOBS:-2}}" \
+      "$VPY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-cache-dir \
+      -r requirements-horovod.txt
+    cp requirements-horovod.txt "$hstamp"
+  fi
+fi
+# ---------------------------------------------------------------------------------------------------
 
 # Build the op library against this venv's mxnet (CMake rebuilds incrementally).
 echo "[gn_mx] building libgn_mx.so"

@@ -7,8 +7,16 @@ the first context's copy only (the BatchNorm convention), and in distributed tra
 has its own. :func:`sync_running_stats` averages them so every copy, and every worker, holds the
 same statistics (call it before ``export``/``save_parameters``, or every few steps).
 
+Across processes it uses MXNet's distributed kvstore (``dist_*``, the servers sum) or Horovod's
+allreduce (``hvd.DistributedTrainer``, a Trainer with ``hvd.DistributedOptimizer``, or the
+``horovod.mxnet`` module itself). Horovod is recognised by the module its classes come from and is
+never imported here: without Horovod installed nothing of it is touched.
+
 GroupNorm has no running statistics (per-sample statistics), so it needs nothing of this.
 """
+import sys as _sys
+import types as _types
+
 import numpy as _onp
 
 from . import _compat, _np
@@ -33,25 +41,121 @@ def dbn_layers(block):
     return found
 
 
-def _kvstore_of(kvstore):
-    """A KVStore from a KVStore, a gluon Trainer or None; rejects optimizer-updating stores."""
+_HOROVOD = "horovod.mxnet"
+_SUPPORTED = ("supported: MXNet's dist_sync/dist_device_sync kvstores (a Trainer with "
+              "update_on_kvstore=False) and Horovod (hvd.DistributedTrainer, a Trainer with "
+              "hvd.DistributedOptimizer, or the horovod.mxnet module)")
+
+
+def _from_horovod(obj):
+    """Whether ``obj`` is a Horovod module or an instance of a class defined in Horovod (by module
+    name: nothing is imported)."""
+    if isinstance(obj, _types.ModuleType):
+        return obj.__name__.split(".")[0] == "horovod"
+    return any((getattr(c, "__module__", None) or "").split(".")[0] == "horovod"
+               for c in type(obj).__mro__)
+
+
+def _horovod_api(module=None):
+    """The ``horovod.mxnet`` functions sync_running_stats uses (a module passed by the user, else
+    the one already imported), initialized."""
+    hvd = module if module is not None else _sys.modules.get(_HOROVOD)
+    if hvd is None or not all(hasattr(hvd, f) for f in ("grouped_allreduce_", "size")):
+        name = getattr(module, "__name__", _HOROVOD)
+        raise ValueError(f"sync_running_stats: '{name}' is not Horovod's MXNet module (it needs "
+                         f"grouped_allreduce_ and size); pass horovod.mxnet (import horovod.mxnet "
+                         f"as hvd) or its DistributedTrainer")
+    if hasattr(hvd, "is_initialized") and not hvd.is_initialized():
+        raise ValueError("sync_running_stats: Horovod is not initialized; call hvd.init() first")
+    return hvd
+
+
+class _Horovod:
+    """Cross-process sum through Horovod: one grouped allreduce of all statistics (per dtype)."""
+
+    def __init__(self, hvd):
+        self.hvd = hvd
+        self.workers = int(hvd.size())
+
+    def sum_(self, arrays):
+        by_dtype = {}
+        for a in arrays:
+            by_dtype.setdefault(_onp.dtype(a.dtype).name, []).append(a)
+        for dtype, group in sorted(by_dtype.items()):
+            # every rank makes the same calls in the same order: the same layers, the same name
+            self.hvd.grouped_allreduce_(group, average=False,
+                                        name=f"gn_mx.sync_running_stats.{dtype}")
+
+
+class _DistKVStore:
+    """Cross-worker sum through a dist_* kvstore's push/pull (the servers sum)."""
+
+    def __init__(self, kv):
+        self.kv = kv
+        self.workers = kv.num_workers
+
+    def sum_(self, arrays):
+        import mxnet as mx
+        seen = self.kv.__dict__.setdefault("_gnmx_stat_keys", set())
+        for key, acc in enumerate(arrays, _KEY_BASE):
+            if key not in seen:
+                self.kv.init(key, mx.nd.zeros(acc.shape, ctx=acc.context, dtype=acc.dtype))
+                seen.add(key)
+            self.kv.push(key, acc)
+            self.kv.pull(key, out=acc)
+
+
+def _check_trainer_kvstore(trainer, kv):
+    num_params, update_on_kvstore = _compat.trainer_info(trainer)
+    if num_params >= _KEY_BASE:
+        raise ValueError(f"sync_running_stats: more than {_KEY_BASE} parameters in the Trainer")
+    if update_on_kvstore and "dist" in kv.type:
+        raise ValueError("sync_running_stats: the Trainer updates on the kvstore (the servers "
+                         "would apply the optimizer to the statistics); create it with "
+                         "update_on_kvstore=False")
+
+
+def _cross_process(kvstore):
+    """How to sum over processes for sync_running_stats' ``kvstore`` argument: None (this process
+    only), or an object with ``workers`` and ``sum_(arrays)`` (in place). Raises for a multi-worker
+    run it cannot synchronize rather than averaging the local contexts only."""
     if kvstore is None:
         return None
     from mxnet.gluon import Trainer
+    if isinstance(kvstore, _types.ModuleType):
+        if not _from_horovod(kvstore):
+            raise TypeError(f"sync_running_stats: module '{kvstore.__name__}' is not Horovod's "
+                            f"MXNet module; pass horovod.mxnet, a Trainer or a KVStore")
+        return _Horovod(_horovod_api(kvstore))
     if isinstance(kvstore, Trainer):
         trainer = kvstore
+        if _from_horovod(trainer) or _from_horovod(getattr(trainer, "_optimizer", None)):
+            return _Horovod(_horovod_api())  # DistributedTrainer / DistributedOptimizer
         kv = _compat.trainer_kvstore(trainer)
         if kv is None:
+            hvd = _sys.modules.get(_HOROVOD)
+            if (hvd is not None and getattr(hvd, "is_initialized", lambda: False)()
+                    and hvd.size() > 1):
+                raise ValueError(f"sync_running_stats: a gluon Trainer without kvstore in a Horovod "
+                                 f"run of {hvd.size()} processes would average this process's "
+                                 f"statistics only; pass hvd.DistributedTrainer or the horovod.mxnet "
+                                 f"module ({_SUPPORTED})")
             return None
-        num_params, update_on_kvstore = _compat.trainer_info(trainer)
-        if num_params >= _KEY_BASE:
-            raise ValueError(f"sync_running_stats: more than {_KEY_BASE} parameters in the Trainer")
-        if update_on_kvstore and "dist" in kv.type:
-            raise ValueError("sync_running_stats: the Trainer updates on the kvstore (the servers "
-                             "would apply the optimizer to the statistics); create it with "
-                             "update_on_kvstore=False")
-        return kv
-    return kvstore
+        _check_trainer_kvstore(trainer, kv)
+    else:
+        kv = kvstore
+    if _from_horovod(kv):
+        return _Horovod(_horovod_api())
+    if not (hasattr(kv, "type") and hasattr(kv, "num_workers")):
+        raise TypeError(f"sync_running_stats: kvstore must be None, a KVStore, a gluon Trainer or "
+                        f"horovod.mxnet, not {type(kv).__name__}")
+    kv_type = str(kv.type)
+    if "dist" in kv_type and "async" not in kv_type:  # dist_async servers need an optimizer
+        return _DistKVStore(kv) if kv.num_workers > 1 else None
+    if kv.num_workers > 1:
+        raise ValueError(f"sync_running_stats: cannot average the statistics over the "
+                         f"{kv.num_workers} workers of a '{kv_type}' kvstore ({_SUPPORTED})")
+    return None
 
 
 def init_kvstore(trainer):
@@ -72,48 +176,50 @@ def init_kvstore(trainer):
 
 def sync_running_stats(block, kvstore=None):
     """Average every DecorrelatedBatchNorm's ``running_mean`` and ``running_projection`` over the
-    contexts it lives on and, with a distributed ``kvstore``, over all workers; write the average
-    into every copy. Returns the number of layers synchronized.
+    contexts it lives on and, in a multi-process run, over all processes; write the average into
+    every copy. Returns the number of layers synchronized.
 
     block: any Block (the DBN layers inside it are found recursively); its parameters must be
-    initialized. kvstore: None (devices of this process only), a ``mx.kv`` KVStore, or a gluon
-    ``Trainer`` (its kvstore). A distributed kvstore is used through its own push/pull: the servers
-    sum each worker's value, so they must not run an optimizer (a Trainer with
-    ``update_on_kvstore=False``; a raw kvstore without ``set_optimizer``). Every worker must call
-    this at the same point (it is a collective operation). Local kvstores are not needed for the
-    device average and are not used.
+    initialized. kvstore: one of
+      * None: the devices of this process only;
+      * a gluon ``Trainer`` or a ``mx.kv`` KVStore: a distributed kvstore (``dist_sync``,
+        ``dist_device_sync``) is used through its own push/pull: the servers sum each worker's
+        value, so they must not run an optimizer (a Trainer with ``update_on_kvstore=False``; a
+        raw kvstore without ``set_optimizer``). Local kvstores are not needed for the device
+        average and are not used;
+      * Horovod: ``hvd.DistributedTrainer``, a Trainer with ``hvd.DistributedOptimizer``, the
+        ``horovod.mxnet`` module itself (``hvd``): one grouped ``allreduce`` of all the
+        statistics (``hvd.init()`` must have been called).
+    A trainer or kvstore of a multi-process run that none of these can synchronize (``dist_async``,
+    other kvstore types with several workers, a plain Trainer without kvstore while Horovod runs
+    several processes) raises ValueError instead of averaging the local contexts only.
 
+    Every process must call this at the same point (it is a collective operation).
     The average is taken in float32 (float64 for float64 statistics) and cast back.
     """
-    import mxnet as mx
-    kv = _kvstore_of(kvstore)
-    workers = kv.num_workers if kv is not None and "dist" in kv.type else 1
+    remote = _cross_process(kvstore)
     layers = dbn_layers(block)
-    if workers > 1:
-        seen = kv.__dict__.setdefault("_gnmx_stat_keys", set())
-    key = _KEY_BASE
+    copies, accs = [], []
     for layer in layers:
         for param in (layer.running_mean, layer.running_projection):
-            copies = [_np.to_legacy(d) for d in param.list_data()]
-            acc_dtype = "float64" if copies[0].dtype == _onp.float64 else "float32"
-            ctx0 = copies[0].context
-            acc = copies[0].astype(acc_dtype, copy=True)
-            for d in copies[1:]:
+            per_ctx = [_np.to_legacy(d) for d in param.list_data()]
+            acc_dtype = "float64" if per_ctx[0].dtype == _onp.float64 else "float32"
+            ctx0 = per_ctx[0].context
+            acc = per_ctx[0].astype(acc_dtype, copy=True)
+            for d in per_ctx[1:]:
                 acc += d.as_in_context(ctx0).astype(acc_dtype, copy=False)
-            if len(copies) > 1:
-                acc /= len(copies)
-            if workers > 1:
-                if key not in seen:
-                    kv.init(key, mx.nd.zeros(acc.shape, ctx=ctx0, dtype=acc_dtype))
-                    seen.add(key)
-                kv.push(key, acc)
-                kv.pull(key, out=acc)  # the servers' sum over workers
-                acc /= workers
-            for d in copies:
-                acc.astype(d.dtype, copy=False).copyto(d)
-            key += 1
-    for layer in layers:
-        for param in (layer.running_mean, layer.running_projection):
-            for d in param.list_data():
-                d.wait_to_read()
+            if len(per_ctx) > 1:
+                acc /= len(per_ctx)
+            copies.append(per_ctx)
+            accs.append(acc)
+    if remote is not None and remote.workers > 1 and accs:
+        remote.sum_(accs)
+        for acc in accs:
+            acc /= remote.workers
+    for per_ctx, acc in zip(copies, accs):
+        for d in per_ctx:
+            acc.astype(d.dtype, copy=False).copyto(d)
+    for per_ctx in copies:
+        for d in per_ctx:
+            d.wait_to_read()
     return len(layers)
