@@ -1,9 +1,9 @@
 """Data-parallel training of a GroupNorm + DecorrelatedBatchNorm net with Horovod (one process per
 rank; gradients averaged by Horovod's allreduce).
 
-Every rank trains on its own data; `hvd.DistributedTrainer` keeps the weights identical. DBN's running
-statistics are per rank: call `gn_mx.sync_running_stats(net, trainer)` on every rank before export
-(it averages them with one Horovod allreduce), then export on rank 0.
+Every rank trains on its own data; `hvd.DistributedTrainer` keeps the weights identical. DBN's
+running statistics are per rank: call `gn_mx.sync_running_stats(net, trainer)` on every rank
+before export (it averages them with one Horovod allreduce), then export on rank 0.
 
 Needs Horovod built with MXNet (docs/distributed.md; `GNMX_HOROVOD=1 bash dev.sh test` builds it).
 
@@ -12,9 +12,9 @@ Needs Horovod built with MXNet (docs/distributed.md; `GNMX_HOROVOD=1 bash dev.sh
     horovodrun -np 8 -H host1:4,host2:4 python examples/horovod_train.py --out DIR   # two machines
 
 DIR (default examples/export/horovod, git-ignored) receives rank 0's exported model
-(model-symbol.json, model-0000.params) and, per rank, rank{r}.npz: its parameters, its DBN statistics
-before and after the average, its weights after the first step, and a probe input with the
-output of the trained net (rank{r}.npz is what tests/test_horovod.py checks).
+(model-symbol.json, model-0000.params) and, per rank, rank{r}.npz: its parameters, its DBN
+statistics before and after the average, its weights after the first step, and a probe input with
+the output of the trained net (rank{r}.npz is what tests/test_horovod.py checks).
 """
 import argparse
 import os

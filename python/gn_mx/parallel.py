@@ -129,17 +129,17 @@ def _cross_process(kvstore):
         return _Horovod(_horovod_api(kvstore))
     if isinstance(kvstore, Trainer):
         trainer = kvstore
-        if _from_horovod(trainer) or _from_horovod(getattr(trainer, "_optimizer", None)):
+        if _from_horovod(trainer) or _from_horovod(trainer.optimizer):
             return _Horovod(_horovod_api())  # DistributedTrainer / DistributedOptimizer
         kv = _compat.trainer_kvstore(trainer)
         if kv is None:
             hvd = _sys.modules.get(_HOROVOD)
             if (hvd is not None and getattr(hvd, "is_initialized", lambda: False)()
                     and hvd.size() > 1):
-                raise ValueError(f"sync_running_stats: a gluon Trainer without kvstore in a Horovod "
-                                 f"run of {hvd.size()} processes would average this process's "
-                                 f"statistics only; pass hvd.DistributedTrainer or the horovod.mxnet "
-                                 f"module ({_SUPPORTED})")
+                raise ValueError(f"sync_running_stats: a gluon Trainer without kvstore in a "
+                                 f"Horovod run of {hvd.size()} processes would average this "
+                                 f"process's statistics only; pass hvd.DistributedTrainer or the "
+                                 f"horovod.mxnet module ({_SUPPORTED})")
             return None
         _check_trainer_kvstore(trainer, kv)
     else:
