@@ -297,6 +297,34 @@ def _channels_from_shapes(sym, arg_params, aux_params, data_shapes):
     return result
 
 
+# Ops whose output has the channel count of their first input (followed when looking for the
+# layer that sets a norm's channel count).
+_SAME_CHANNELS = {"Activation", "relu", "sigmoid", "tanh", "LeakyReLU", "BatchNorm", "Dropout",
+                  "elemwise_add", "elemwise_sub", "elemwise_mul", "_Plus", "_plus", "_add",
+                  "broadcast_add", "_copy", "identity", "clip", "_plus_scalar", "_minus_scalar",
+                  "_mul_scalar", "_div_scalar", "Pooling", "GroupNorm", "InstanceNorm",
+                  "gn_group_norm", "Cast", "amp_cast"}
+
+
+def _channels_from_producer(nodes, entry):
+    """C of a node's output entry, read from the Convolution/Deconvolution (num_filter) or
+    FullyConnected (num_hidden) that produces it, through channel-preserving ops; None if unknown."""
+    seen = 0
+    while seen < 1000:
+        seen += 1
+        node = nodes[entry[0]]
+        op = node["op"]
+        if op in ("Convolution", "Deconvolution") and "num_filter" in node.get("attrs", {}):
+            return int(node["attrs"]["num_filter"])
+        if op == "FullyConnected" and "num_hidden" in node.get("attrs", {}):
+            flatten = str(_attr(node, "flatten", "True")).lower() in ("true", "1")
+            return int(node["attrs"]["num_hidden"]) if flatten else None
+        if op not in _SAME_CHANNELS or not node["inputs"]:
+            return None
+        entry = node["inputs"][0]
+    return None
+
+
 def _entry_name(nodes, entry):
     node = nodes[entry[0]]
     if node["op"] == "null":
@@ -328,7 +356,9 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
 
     Returns ``(sym, arg_params, aux_params)`` (new dicts; the inputs are not modified). MXNet
     GroupNorm's per-group gamma/beta (G,) become per-channel (C,) (same names); C comes from shape
-    inference over the parameters (and ``data_shapes`` {input name: shape} when given). With
+    inference when ``data_shapes`` {input name: shape} is given, else from the Convolution /
+    Deconvolution (num_filter) or FullyConnected (num_hidden) that feeds the norm through
+    channel-preserving ops (activations, BatchNorm, additions, pooling, ...). With
     ``fuse_activation`` a norm whose only consumer is ``Activation(act_type='relu')`` becomes one
     ``gn_group_norm(act_type='relu')`` node (named as the activation). Nodes that cannot be mapped
     exactly stay, with the reason in ``report`` (a :class:`ConversionReport`, when given).
@@ -364,9 +394,13 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
             groups, eps = c, float(_attr(node, "eps", "0.001"))
         else:
             groups, eps = int(_attr(node, "num_groups", "1")), float(_attr(node, "eps", "1e-05"))
-            if channels is None:
-                channels = _channels_from_shapes(sym, arg_params, aux_params, data_shapes)
-            c = channels.get(_entry_name(nodes, node["inputs"][0]))
+            c = None
+            if data_shapes:
+                if channels is None:
+                    channels = _channels_from_shapes(sym, arg_params, aux_params, data_shapes)
+                c = channels.get(_entry_name(nodes, node["inputs"][0]))
+            if c is None:
+                c = _channels_from_producer(nodes, node["inputs"][0])
             if c is None:
                 report.left.append((name, "GroupNorm: the channel count of its input is unknown "
                                           "(pass data_shapes / --data-shape)"))
