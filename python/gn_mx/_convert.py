@@ -334,18 +334,18 @@ def _entry_name(nodes, entry):
 
 
 def _num_outputs(node):
-    # Only what the rewrite needs: every node an exported Gluon/Module graph feeds a norm with.
+    """Outputs of a node (when the JSON has no node_row_ptr): a one-node graph of its op."""
     op = node["op"]
     if op == "null":
         return 1
+    k = len(node["inputs"])
     try:
         return len(mx.sym.load_json(json.dumps({
-            "nodes": [{"op": "null", "name": f"in{i}", "inputs": []}
-                      for i in range(len(node["inputs"]))] +
+            "nodes": [{"op": "null", "name": f"in{i}", "inputs": []} for i in range(k)] +
                      [{"op": op, "name": node["name"], "attrs": node.get("attrs", {}),
-                       "inputs": [[i, 0, 0] for i in range(len(node["inputs"]))]}],
-            "arg_nodes": list(range(len(node["inputs"]))),
-            "heads": [[len(node["inputs"]), 0, 0]]})).list_outputs())
+                       "inputs": [[i, 0, 0] for i in range(k)]}],
+            "arg_nodes": list(range(k)), "heads": [[k, 0, 0]],
+            "attrs": {"mxnet_version": ["int", 10901]}})).list_outputs())
     except mx.base.MXNetError:
         return 1
 
@@ -366,6 +366,11 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     report = report if report is not None else ConversionReport()
     g = json.loads(sym.tojson())
     nodes = g["nodes"]
+    row_ptr = g.get("node_row_ptr")
+    if row_ptr and len(row_ptr) == len(nodes) + 1:
+        n_out = [row_ptr[i + 1] - row_ptr[i] for i in range(len(nodes))]
+    else:
+        n_out = [_num_outputs(n) for n in nodes]
     arg_params = dict(arg_params)
     aux_params = dict(aux_params or {})
     channels = None
@@ -432,7 +437,7 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
             if "__shape__" in var.get("attrs", {}):
                 var["attrs"]["__shape__"] = str((c,))
     # Rewrite the node list
-    new_nodes, remap = [], {}
+    new_nodes, new_nout, remap = [], [], {}
     fused_into = {f: i for i, (_, _, f, _, _) in plans.items() if f is not None}
     for i, node in enumerate(nodes):
         if i in plans and plans[i][2] is not None:
@@ -448,6 +453,7 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
                    "inputs": [list(remap[tuple(e[:2])]) + [0] for e in norm["inputs"]]}
             remap[(i, 0)] = (len(new_nodes), 0)
             new_nodes.append(out)
+            new_nout.append(3)  # out, mean, rstd
             what = f"{norm['op']} -> gn_group_norm(num_groups={groups}, eps={eps}" + \
                 (f", act_type='{act}')" if act else ")")
             report.replaced.append((norm["name"], what))
@@ -457,14 +463,17 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
         out = copy.deepcopy(node)
         out["inputs"] = [list(remap[tuple(e[:2])]) + [e[2] if len(e) > 2 else 0]
                          for e in node["inputs"]]
-        for k in range(max(1, _num_outputs(node) if node["op"] != "null" else 1)):
+        for k in range(n_out[i]):
             remap[(i, k)] = (len(new_nodes), k)
         new_nodes.append(out)
+        new_nout.append(n_out[i])
     result = {"nodes": new_nodes,
               "arg_nodes": [k for k, n in enumerate(new_nodes) if n["op"] == "null"],
               "heads": [list(remap[tuple(h[:2])]) + [0] for h in g["heads"]],
               "attrs": g.get("attrs", {})}
-    result["attrs"].pop("node_row_ptr", None)
+    result["node_row_ptr"] = [0]
+    for k in new_nout:
+        result["node_row_ptr"].append(result["node_row_ptr"][-1] + k)
     new_sym = mx.sym.load_json(json.dumps(result))
     return new_sym, arg_params, aux_params
 
