@@ -194,3 +194,66 @@ def test_gradient_penalty_example(hybridize):
             p.set_data(mx.nd.array(base, dtype=np.float64))
             num = (vals[0] - vals[1]) / 2e-6
             np.testing.assert_allclose(grads[name][i], num, rtol=1e-5, atol=1e-8, err_msg=name)
+
+
+def test_moments_op_vjp_matches_finite_differences():
+    """_backward_gn_moments: [dmean, dvar, data, mean, var] -> ddata, gradient into all five."""
+    rs = np.random.RandomState(4)
+    x = rs.randn(2, 4, 3)
+    mean, var = mx.nd.gn_moments(mx.nd.array(x, dtype=np.float64), num_groups=2)
+    vals = [rs.randn(2, 2), rs.randn(2, 2), x, mean.asnumpy(), var.asnumpy()]
+    head = rs.randn(*x.shape)
+
+    def L(vs):
+        out = mx.nd._internal._backward_gn_moments(*[mx.nd.array(v, dtype=np.float64) for v in vs],
+                                                   num_groups=2)
+        return float((out.asnumpy() * head).sum())
+
+    arrs = [mx.nd.array(v, dtype=np.float64) for v in vals]
+    for a in arrs:
+        a.attach_grad()
+    with autograd.record():
+        out = mx.nd._internal._backward_gn_moments(*arrs, num_groups=2)
+    out.backward(mx.nd.array(head, dtype=np.float64))
+    for k in range(5):
+        num = np.zeros_like(vals[k])
+        for i in np.ndindex(*vals[k].shape):
+            vp = [v.copy() for v in vals]
+            vm = [v.copy() for v in vals]
+            vp[k][i] += 1e-6
+            vm[k][i] -= 1e-6
+            num[i] = (L(vp) - L(vm)) / 2e-6
+        np.testing.assert_allclose(arrs[k].grad.asnumpy(), num, rtol=1e-6, atol=1e-8,
+                                   err_msg=["dmean", "dvar", "data", "mean", "var"][k])
+
+
+@pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
+def test_grad_of_grad_through_moments(dtype):
+    rs = np.random.RandomState(6)
+    x0 = np.asarray(rs.randn(2, 6, 4), dtype=dtype).astype(np.float64)
+    vm, vv, w = rs.randn(2, 3), rs.randn(2, 3), rs.randn(2, 6, 4)
+
+    def first(x, dt, create_graph=False):
+        xs = mx.nd.array(x, dtype=dt)
+        xs.attach_grad()
+        acc = np.float64 if dt == np.float64 else np.float32
+        with autograd.record():
+            m, v = mx.nd.gn_moments(xs, num_groups=3)
+            g = autograd.grad([m, v], [xs], head_grads=[mx.nd.array(vm, dtype=acc),
+                                                        mx.nd.array(vv, dtype=acc)],
+                              create_graph=create_graph, retain_graph=True)[0]
+            if not create_graph:
+                return g.asnumpy().astype(np.float64)
+            z = (g * mx.nd.array(w, dtype=dt)).sum()
+        z.backward()
+        return xs.grad.asnumpy().astype(np.float64)
+
+    num = np.zeros_like(x0)
+    for i in np.ndindex(*x0.shape):
+        xp, xm = x0.copy(), x0.copy()
+        xp[i] += 1e-6
+        xm[i] -= 1e-6
+        num[i] = ((first(xp, np.float64) * w).sum() - (first(xm, np.float64) * w).sum()) / 2e-6
+    got = first(x0, dtype, create_graph=True)
+    tol = {np.float64: 1e-7, np.float32: 1e-4, np.float16: 2e-2}[dtype]
+    np.testing.assert_allclose(got, num, rtol=tol, atol=tol * max(1, np.abs(num).max()))

@@ -75,9 +75,29 @@ struct GroupNormGrad2Args {
   Act act = Act::kNone;
 };
 
+// Double backward of gn_moments. Its first-order backward, as a function of its five inputs
+// f(dmean_o, dvar_o, x, mu, var) = dx = dmean_o/m + 2 dvar_o (x - mu)/m, has the vector-Jacobian
+// product, for an incoming gradient Gx of dx (per group: Q = sum Gx, P = sum Gx (x - mu)):
+//   d dmean_o = Q/m,  d dvar_o = 2P/m,  d x = 2 dvar_o Gx/m,  d mu = -2 dvar_o Q/m,  d var = 0.
+struct MomentsGrad2Args {
+  DType dtype = DType::kFloat32;  // x / gdx / dx dtype
+  const void* dmean_o = nullptr;  // (N, G) AccT
+  const void* dvar_o = nullptr;   // (N, G) AccT
+  const void* x = nullptr;        // (N, C, S)
+  const void* mean = nullptr;     // (N, G) AccT
+  const void* gdx = nullptr;      // (N, C, S), nullptr = 0
+  void* ddmean_o = nullptr;       // (N, G) AccT
+  void* ddvar_o = nullptr;        // (N, G) AccT
+  void* dx = nullptr;             // (N, C, S)
+  void* dmean = nullptr;          // (N, G) AccT
+  int64_t N = 0, C = 0, G = 1, S = 1;
+};
+
 size_t group_norm_grad2_workspace_cpu(const GroupNormGrad2Args& a);
 const char* group_norm_grad2_cpu(const GroupNormGrad2Args& a);
+const char* moments_grad2_cpu(const MomentsGrad2Args& a);
 #if defined(GNMX_WITH_CUDA)
+const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream);
 size_t group_norm_grad2_workspace_cuda(const GroupNormGrad2Args& a);
 const char* group_norm_grad2_cuda(const GroupNormGrad2Args& a, void* stream);
 #endif

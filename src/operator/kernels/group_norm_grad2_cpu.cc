@@ -114,7 +114,39 @@ struct Grad2Impl {
   }
 };
 
+template <typename T>
+void moments_grad2_typed(const MomentsGrad2Args& a) {
+  using A = AccT<T>;
+  const int64_t D = a.C / a.G, M = D * a.S, NG = a.N * a.G;
+  const T* x = static_cast<const T*>(a.x);
+  const T* gdx = static_cast<const T*>(a.gdx);
+  T* dx = static_cast<T*>(a.dx);
+  const A inv_m = A(1) / static_cast<A>(M);
+#pragma omp parallel for schedule(static) if (threads::team_size() > 1 && NG > 1)
+  for (int64_t ng = 0; ng < NG; ++ng) {
+    const A mu = static_cast<const A*>(a.mean)[ng];
+    const A dvo = a.dvar_o ? static_cast<const A*>(a.dvar_o)[ng] : A(0);
+    const int64_t off = ng * M;  // a group is contiguous: (n, g*D .. g*D+D-1, S)
+    A P = 0, Q = 0;
+    for (int64_t i = off; i < off + M; ++i) {
+      const A g = gdx ? static_cast<A>(to_acc(gdx[i])) : A(0);
+      P += g * (to_acc(x[i]) - mu);
+      Q += g;
+      dx[i] = from_acc<T>(A(2) * dvo * g * inv_m);
+    }
+    static_cast<A*>(a.ddmean_o)[ng] = Q * inv_m;
+    static_cast<A*>(a.ddvar_o)[ng] = A(2) * P * inv_m;
+    static_cast<A*>(a.dmean)[ng] = -A(2) * dvo * Q * inv_m;
+  }
+}
+
 }  // namespace
+
+const char* moments_grad2_cpu(const MomentsGrad2Args& a) {
+  if (!a.x || !a.mean || !a.ddmean_o || !a.ddvar_o || !a.dx || !a.dmean) return "null pointer";
+  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
+  return cpu::dispatch_data(a.dtype, [&](auto t) { moments_grad2_typed<decltype(t)>(a); });
+}
 
 size_t group_norm_grad2_workspace_cpu(const GroupNormGrad2Args& a) {
   const size_t acc = dtype_size(acc_dtype(a.dtype));

@@ -136,7 +136,44 @@ const char* grad2_typed(const GroupNormGrad2Args& a, cudaStream_t st) {
   return nullptr;
 }
 
+template <typename T>
+__global__ void moments_grad2_kernel(MomentsGrad2Args a) {
+  using A = AccT<T>;
+  const int64_t ng = blockIdx.x, M = (a.C / a.G) * a.S, off = ng * M;
+  const T* x = static_cast<const T*>(a.x);
+  T* dx = static_cast<T*>(a.dx);
+  const A inv_m = A(1) / static_cast<A>(M);
+  const A mu = static_cast<const A*>(a.mean)[ng];
+  const A dvo = ld<A, A>(a.dvar_o, ng);
+  A P = 0, Q = 0;
+  for (int64_t i = off + threadIdx.x; i < off + M; i += blockDim.x) {
+    const A g = ld<T, A>(a.gdx, i);
+    P += g * (to_acc(x[i]) - mu);
+    Q += g;
+    dx[i] = from_acc<T>(A(2) * dvo * g * inv_m);
+  }
+  const Pair<A> pq = block_sum<kThreads>(Pair<A>{P, Q});
+  if (threadIdx.x == 0) {
+    static_cast<A*>(a.ddmean_o)[ng] = pq.b * inv_m;
+    static_cast<A*>(a.ddvar_o)[ng] = A(2) * pq.a * inv_m;
+    static_cast<A*>(a.dmean)[ng] = -A(2) * dvo * pq.b * inv_m;
+  }
+}
+
 }  // namespace
+
+const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream) {
+  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  if (!a.x || !a.mean || !a.ddmean_o || !a.ddvar_o || !a.dx || !a.dmean) return "null pointer";
+  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
+  if (a.N * a.G > 2147483647) return "too many groups (N * num_groups >= 2^31)";
+  return dispatch_data(a.dtype, [&](auto t) -> const char* {
+    moments_grad2_kernel<decltype(t)><<<static_cast<unsigned>(a.N * a.G), kThreads, 0,
+                                        static_cast<cudaStream_t>(stream)>>>(a);
+    GN_CUDA_CHECK_LAUNCH();
+    return nullptr;
+  });
+}
 
 size_t group_norm_grad2_workspace_cuda(const GroupNormGrad2Args& a) {
   return static_cast<size_t>(a.N) * static_cast<size_t>(a.C) * 3 * dtype_size(acc_dtype(a.dtype));

@@ -18,6 +18,7 @@
  *
  * Backward inputs (lib_api): [gdx, gdgamma, gdbeta, the 9 inputs, the 3 outputs]; outputs: one
  * gradient per input (the `out` input's is zero: the first-order backward does not read it).
+ * `_backward_gn_moments` ([dmean, dvar, data, mean, var] -> [ddata]) is re-registered the same way.
  */
 #include "group_norm_grad2_ops.h"
 
@@ -163,6 +164,93 @@ MXReturnValue grad2(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector
   });
 }
 
+// ---------------------------------------------------------------------------------------------
+// _backward_gn_moments: [dmean, dvar, data, mean, var] -> [ddata]; backward: kernels'
+// MomentsGrad2Args (the gradient of `var` is zero: the first-order backward does not read it).
+
+constexpr char kMOp[] = "_backward_gn_moments";
+const Kernel<MomentsGrad2Args> kMomentsGrad2Kernel{moments_grad2_cpu, nullptr,
+                                                   GNMX_CUDA_ENTRY(moments_grad2_cuda), nullptr};
+enum MIn { kMDMean = 0, kMDVar, kMData, kMMean, kMVar, kMNumIn };
+
+const char* m_input_name(int i) {
+  static const char* names[kMNumIn] = {"dmean", "dvar", "data", "mean", "var"};
+  return names[i];
+}
+
+MXReturnValue m_parse(const AttrMap& attrs, int* num_in, int* num_out) {
+  return guarded(kMOp, [&] {
+    moments_num_groups(attrs);
+    *num_in = kMNumIn;
+    *num_out = 1;
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue m_infer_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return guarded(kMOp, [&] {
+    const int t = (*in)[kMData];
+    check_float_data(kMOp, t);
+    if (t == kDtypeUnknown) return MX_SUCCESS;
+    const int acc = mx_acc_dtype(t);
+    for (int i : {kMDMean, kMDVar, kMMean, kMVar}) {
+      int& v = (*in)[i];
+      if (v == kDtypeUnknown) v = acc;
+      if (v != acc)
+        fail(kMOp, ": input '", m_input_name(i), "' must be ", mx_dtype_name(acc), " for data ",
+             mx_dtype_name(t), "; got ", mx_dtype_name(v));
+    }
+    (*out)[0] = t;
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue m_infer_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
+                            std::vector<std::vector<unsigned>>* out) {
+  return guarded(kMOp, [&] {
+    const auto& ds = (*in)[kMData];
+    if (shape_unknown(ds)) return MX_SUCCESS;
+    const GroupShape gs = data_groups(kMOp, to_i64(ds), moments_num_groups(attrs));
+    const std::vector<unsigned> stat = {static_cast<unsigned>(gs.N), static_cast<unsigned>(gs.G)};
+    for (int i : {kMDMean, kMDVar, kMMean, kMVar}) {
+      auto& s = (*in)[i];
+      if (shape_unknown(s)) {
+        s = stat;
+      } else if (s != stat) {
+        fail(kMOp, ": input '", m_input_name(i), "' must have shape ", shape_str(to_i64(stat)),
+             " for data shape ", shape_str(to_i64(ds)), "; got ", shape_str(to_i64(s)));
+      }
+    }
+    (*out)[0] = ds;
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue m_grad2(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                      const OpResource& res) {
+  return guarded(kMOp, [&] {
+    constexpr int kOff = 1;  // [gddata, the 5 inputs, ddata]
+    const MXTensor& x = (*in)[kOff + kMData];
+    const Device dev = device_of(kMOp, x, res);
+    const GroupShape gs = data_groups(kMOp, x.shape, moments_num_groups(attrs));
+    check_grad_dtype(kMOp, (*in)[0], x.dtype, "ddata");
+    MomentsGrad2Args a;
+    a.dtype = to_dtype(x.dtype);
+    a.dmean_o = (*in)[kOff + kMDMean].data_ptr;
+    a.dvar_o = (*in)[kOff + kMDVar].data_ptr;
+    a.x = x.data_ptr;
+    a.mean = (*in)[kOff + kMMean].data_ptr;
+    a.gdx = (*in)[0].data_ptr;
+    a.ddmean_o = (*out)[kMDMean].data_ptr;
+    a.ddvar_o = (*out)[kMDVar].data_ptr;
+    a.dx = (*out)[kMData].data_ptr;
+    a.dmean = (*out)[kMMean].data_ptr;
+    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    run(kMOp, dev, kMomentsGrad2Kernel, a, {&(*out)[kMVar]});
+    return MX_SUCCESS;
+  });
+}
+
 }  // namespace
 
 void register_group_norm_grad2() {
@@ -178,6 +266,19 @@ void register_group_norm_grad2() {
 #if defined(GNMX_WITH_CUDA)
         .setForward(group_norm_backward, "gpu")
         .setBackward(grad2, "gpu")
+#endif
+        ;
+    Registry<CustomOp>::get()
+        ->add(kMOp)
+        .setParseAttrs(m_parse)
+        .setInferType(m_infer_type)
+        .setInferShape(m_infer_shape)
+        .setInferSType(dense_storage<kMOp>)
+        .setForward(moments_backward, "cpu")
+        .setBackward(m_grad2, "cpu")
+#if defined(GNMX_WITH_CUDA)
+        .setForward(moments_backward, "gpu")
+        .setBackward(m_grad2, "gpu")
 #endif
         ;
     return true;

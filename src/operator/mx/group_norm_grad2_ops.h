@@ -12,7 +12,7 @@
 namespace gn_mx {
 namespace mxa {
 
-// gn_group_norm's validated attributes and its first-order backward callback
+// gn_group_norm's / gn_moments' validated attributes and first-order backward callbacks
 // (defined in group_norm_ops.cc, where they live).
 struct GroupNormAttrs {
   int64_t num_groups = 1;
@@ -21,8 +21,11 @@ struct GroupNormAttrs {
 GroupNormAttrs group_norm_attrs(const AttrMap& attrs);
 MXReturnValue group_norm_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
                                   std::vector<MXTensor>* out, const OpResource& res);
+int64_t moments_num_groups(const AttrMap& attrs);  // gn_moments' validated num_groups
+MXReturnValue moments_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
+                               std::vector<MXTensor>* out, const OpResource& res);
 
-// Adds `_backward_gn_group_norm` to lib_api's op registry, once per process; called from
+// Adds `_backward_gn_group_norm` and `_backward_gn_moments` to lib_api's op registry, once per process; called from
 // initialize(), i.e. after every static REGISTER_OP (gn_group_norm's included) has run.
 void register_group_norm_grad2();
 

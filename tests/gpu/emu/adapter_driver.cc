@@ -320,6 +320,11 @@ int main() {
       check_op(std::string("_backward_gn_group_norm ") + d + " " + act, "_backward_gn_group_norm",
                {{"num_groups", "3"}, {"eps", "1e-5"}, {"act_type", act}}, in, rng, true, {}, {6});
     }
+    std::vector<Buf> min = {random_buf({2, 3}, sdt, rng, -1, 1), random_buf({2, 3}, sdt, rng, -1, 1),
+                            random_buf({2, 6, 4, 3}, dt, rng, -2, 2), random_buf({2, 3}, sdt, rng, -0.3, 0.3),
+                            random_buf({2, 3}, sdt, rng, 0.5, 1.5)};
+    check_op("_backward_gn_moments " + d, "_backward_gn_moments", {{"num_groups", "3"}}, min, rng, true,
+             {}, {4});
   }
   // A group split across blocks: the CUDA forward statistics need their workspace.
   {
