@@ -221,6 +221,20 @@ def test_layer_norm_and_unmappable_layers_stay_with_reason():
     assert "axis=2" in dict(cv.gn_mx_report.left)["0"] and isinstance(cv[0], CVGroupNorm)
 
 
+def test_gluoncv_without_scale_ignores_gamma():
+    net = nn.HybridSequential()
+    net.add(CVGroupNorm(ngroups=2, in_channels=4, scale=False))
+    net.initialize()
+    net[0].gamma.set_data(mx.nd.array([2.0, 3.0, 4.0, 5.0]))  # ignored by its forward
+    net[0].beta.set_data(mx.nd.array([0.1, 0.2, 0.3, 0.4]))
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 4, 3, 3))
+    want = net(x).asnumpy()
+    gn_mx.convert(net)
+    assert isinstance(net[0], gn_mx.GroupNorm) and net[0].gamma.grad_req == "null"
+    np.testing.assert_array_equal(net[0].gamma.data().asnumpy(), np.ones(4))
+    assert np.abs(net(x).asnumpy() - want).max() <= 1e-5
+
+
 def test_convert_without_sample_reports_unknown_channels():
     net = make_net("group_norm")
     net.initialize()

@@ -20,7 +20,6 @@ import argparse
 import copy
 import json
 import sys
-from collections import OrderedDict
 
 import mxnet as mx
 from mxnet import gluon
@@ -82,7 +81,7 @@ def _act_of(b):
     return None
 
 
-def _plan(b, path, ndim):
+def _plan(b, ndim):
     """(kind, num_groups or None, eps, reason): how block b maps onto gn_mx.GroupNorm.
     kind None means not a norm layer; reason set means a norm layer that stays."""
     nn = gluon.nn
@@ -132,12 +131,14 @@ def _new_block(old, kind, num_groups, eps, act):
             return None, f"MXNet GroupNorm: C={c} is not divisible by num_groups={num_groups}"
         gamma_v = gamma_v.repeat(c // num_groups)
         beta_v = beta_v.repeat(c // num_groups)
+    if kind == "gluoncv_group_norm" and not old.scale and gamma_v is not None:
+        gamma_v = gamma_v.ones_like()  # its forward ignores gamma: y + beta
     if kind == "instance_norm":
         if not c:
             return None, ("InstanceNorm: the channel count is unknown (parameters not initialized; "
                           "pass sample= to convert)")
         num_groups = c
-    scale = g_old.grad_req != "null"
+    scale = g_old.grad_req != "null" and not (kind == "gluoncv_group_norm" and not old.scale)
     center = b_old.grad_req != "null"
     new = GroupNorm(num_groups=num_groups, epsilon=eps, center=center, scale=scale,
                     gamma_initializer=g_old.init or "ones", beta_initializer=b_old.init or "zeros",
@@ -185,7 +186,7 @@ def _record_input_ranks(block, sample):
             b._gn_mx_channels = int(x.shape[1])
 
     for b in blocks:
-        if _plan(b, "", 0)[0] is not None:
+        if _plan(b, 0)[0] is not None:
             handles.append(b.register_forward_pre_hook(hook))
     try:
         for b, a in active:
@@ -228,14 +229,14 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
     if sample is not None:
         _record_input_ranks(block, sample)
     root = block
-    top_kind = _plan(block, "", getattr(block, "_gn_mx_ndim", None))
-    if top_kind[0] is not None:  # the block itself is a norm layer: wrap so the walk can replace it
+    if _plan(block, getattr(block, "_gn_mx_ndim", None))[0] is not None:
+        # the block itself is a norm layer: wrap it so that the walk can replace it
         holder = gluon.nn.HybridSequential(prefix="")
         holder._children["0"] = block
         root = holder
     targets = []
     for parent, key, child, path in _walk(root):
-        kind, groups, eps, reason = _plan(child, path, getattr(child, "_gn_mx_ndim", None))
+        kind, groups, eps, reason = _plan(child, getattr(child, "_gn_mx_ndim", None))
         if kind is None:
             continue
         if reason:
@@ -264,6 +265,8 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
     for b in [root] + [c for _, _, c, _ in _walk(root)]:
         if isinstance(b, gluon.HybridBlock):
             b._clear_cached_op()
+        for attr in ("_gn_mx_ndim", "_gn_mx_channels"):  # this call's sample only
+            b.__dict__.pop(attr, None)
     result = root._children["0"] if root is not block else block
     result.gn_mx_report = report
     if verbose:
