@@ -4,7 +4,8 @@ backward").
 The penalty lambda * (||dD/dx|| - 1)^2 needs the gradient of the critic's gradient. MXNet 1.9's
 Convolution (and Activation, Pooling, BatchNorm) have no second-order gradients, so
 autograd.grad(create_graph=True) cannot give it for a conv critic. What works: write the critic's
-input gradient with forward ops -- Deconvolution (the transpose of the convolution, same weight) and
+input gradient with forward ops -- the convolution's transpose (a convolution with the flipped,
+channel-swapped weight) and
 `_backward_gn_group_norm` called as an op (gn_mx registers its gradient, the double backward) --
 then take one ordinary backward. The penalty block hybridizes.
 
@@ -47,8 +48,12 @@ class _CriticParams(gluon.HybridBlock):
         dh = F._internal._backward_gn_group_norm(dy, F.zeros_like(mean), F.zeros_like(rstd), h,
                                                  gamma, beta, y, mean, rstd, num_groups=G,
                                                  act_type="relu")[0]
-        return F.Deconvolution(dh, weight, kernel=(3, 3), pad=(1, 1), num_filter=C_IN,
-                               no_bias=True)
+        # the convolution's transpose (stride 1, pad 1): a convolution with the weight's in/out
+        # channels swapped and its kernel flipped. (F.Deconvolution(dh, weight, ...) computes the
+        # same, but with MKLDNN on, MXNet 1.9.1's Deconvolution weight gradient fails in the
+        # optimizer step: "could not execute a primitive".)
+        wt = F.flip(F.flip(F.swapaxes(weight, 0, 1), axis=2), axis=3)
+        return F.Convolution(dh, wt, kernel=(3, 3), pad=(1, 1), num_filter=C_IN, no_bias=True)
 
     def input_grad(self, x):
         ctx = x.context
@@ -95,6 +100,7 @@ def main(steps=5, lam=10.0):
     critic.hybridize()
     penalty.hybridize()
     trainer = gluon.Trainer(critic.collect_params(), "adam", {"learning_rate": 1e-3})
+    history = []
     for step in range(steps):
         real = mx.nd.array(rs.randn(8, C_IN, 8, 8) + 1.0)
         fake = mx.nd.array(rs.randn(8, C_IN, 8, 8))
@@ -107,6 +113,8 @@ def main(steps=5, lam=10.0):
         trainer.step(1)
         print(f"step {step}: critic loss {loss.asscalar():+.4f}  gradient penalty "
               f"{gp.asscalar():.4f}")
+        history.append((float(loss.asscalar()), float(gp.asscalar())))
+    return history
 
 
 if __name__ == "__main__":
