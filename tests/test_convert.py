@@ -306,6 +306,35 @@ def test_convert_symbol_matches_and_reloads(tmp_path, kind, fuse):
     assert r.returncode == 0 and "(2, 6)" in r.stdout, r.stderr[-2000:]
 
 
+def test_convert_symbol_fuses_swish(tmp_path):
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(8, 3, padding=1, in_channels=3), nn.GroupNorm(num_groups=4), nn.Swish(),
+            nn.Conv2D(4, 1), nn.InstanceNorm(in_channels=4), nn.Swish(beta=2.0))  # beta 2: not silu
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 3, 5, 5))
+    net(x)
+    rs = np.random.RandomState(1)
+    for p in net.collect_params().values():
+        if p.name.endswith(("gamma", "beta")):
+            p.set_data(mx.nd.array(rs.randn(*p.shape)))
+    want = net(x).asnumpy()
+    prefix = str(tmp_path / "sw")
+    net.export(prefix)
+    sym, arg, aux = mx.model.load_checkpoint(prefix, 0)
+    rep = gn_mx._convert.ConversionReport()
+    sym2, arg2, aux2 = gn_mx.convert_symbol(sym, arg, aux, fuse_activation=True, report=rep)
+    nodes = json.loads(sym2.tojson())["nodes"]
+    gn = [n for n in nodes if n["op"] == "gn_group_norm"]
+    assert len(gn) == 2 and len(rep.fused) == 1, rep
+    assert gn[0]["attrs"].get("act_type") == "silu" and "act_type" not in gn[1]["attrs"]
+    assert [n["op"] for n in nodes].count("sigmoid") == 1  # only the beta=2 swish's
+    out = str(tmp_path / "swc")
+    mx.model.save_checkpoint(out, 0, sym2, arg2, aux2)
+    blk = gluon.SymbolBlock.imports(out + "-symbol.json", ["data"], out + "-0000.params")
+    assert np.abs(blk(x).asnumpy() - want).max() <= 1e-5
+
+
 def test_convert_symbol_fp16(tmp_path):
     """An fp16 model (norm-only: MXNet's CPU has no fp16 conv/dense), shapes given on the CLI way."""
     net = nn.HybridSequential()

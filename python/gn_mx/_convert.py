@@ -353,6 +353,33 @@ def _num_outputs(node):
         return 1
 
 
+def _swish_after(nodes, consumers, heads, i):
+    """(mul node, [nodes to drop]) when norm node i's only use is x * sigmoid(x) (gluon.nn.Swish
+    with beta = 1 exports as _mul_scalar(x, 1) -> sigmoid -> elemwise_mul(x, .)), else None."""
+    ids = {j for j, _ in consumers[i]}
+    if len(consumers[i]) != 2 or len(ids) != 2 or (i, 0) in heads:
+        return None
+    muls = [j for j in ids if nodes[j]["op"] in ("elemwise_mul", "broadcast_mul", "_mul", "_Mul")]
+    if len(muls) != 1:
+        return None
+    m = muls[0]
+    first = (ids - {m}).pop()
+    chain, s = [first], first
+    if nodes[first]["op"] == "_mul_scalar":
+        if float(_attr(nodes[first], "scalar", "nan")) != 1.0 or len(consumers[first]) != 1:
+            return None
+        s = consumers[first][0][0]
+        chain.append(s)
+    is_sigmoid = nodes[s]["op"] == "sigmoid" or (
+        nodes[s]["op"] == "Activation" and _attr(nodes[s], "act_type", "") == "sigmoid")
+    if not is_sigmoid or len(consumers[s]) != 1 or consumers[s][0][0] != m \
+            or any((k, 0) in heads for k in chain):
+        return None
+    if sorted(tuple(e[:2]) for e in nodes[m]["inputs"]) != sorted([(i, 0), (s, 0)]):
+        return None
+    return m, chain
+
+
 def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shapes=None,
                    report=None):
     """Rewrite the ``GroupNorm`` / ``InstanceNorm`` nodes of an exported symbol into ``gn_group_norm``.
@@ -362,8 +389,9 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     inference when ``data_shapes`` {input name: shape} is given, else from the Convolution /
     Deconvolution (num_filter) or FullyConnected (num_hidden) that feeds the norm through
     channel-preserving ops (activations, BatchNorm, additions, pooling, ...). With
-    ``fuse_activation`` a norm whose only consumer is ``Activation(act_type='relu')`` becomes one
-    ``gn_group_norm(act_type='relu')`` node (named as the activation). Nodes that cannot be mapped
+    ``fuse_activation`` a norm whose only consumer is ``Activation(act_type='relu')`` / ``relu``, or
+    whose only use is a swish ``x * sigmoid(x)`` (gluon.nn.Swish(beta=1)), becomes one
+    ``gn_group_norm(act_type='relu' | 'silu')`` node (named as the activation / the product). Nodes that cannot be mapped
     exactly stay, with the reason in ``report`` (a :class:`ConversionReport`, when given).
     """
     report = report if report is not None else ConversionReport()
@@ -382,7 +410,8 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
         for e in node["inputs"]:
             consumers[e[0]].append((i, e[1]))
     heads = {tuple(h[:2]) for h in g["heads"]}
-    plans = {}  # norm node id -> (num_groups, eps, fused activation node id or None, act)
+    plans = {}  # norm node id -> (num_groups, eps, fused activation node id or None, act, C)
+    dropped = set()  # the _mul_scalar / sigmoid nodes of a fused swish
     for i, node in enumerate(nodes):
         if node["op"] not in ("GroupNorm", "InstanceNorm"):
             continue
@@ -423,6 +452,11 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
             if (nodes[j]["op"] == "Activation" and _attr(nodes[j], "act_type", "") == "relu") \
                     or nodes[j]["op"] == "relu":
                 fused, act = j, "relu"
+        if fuse_activation and fused is None:
+            sw = _swish_after(nodes, consumers, heads, i)
+            if sw is not None:
+                (fused, chain), act = sw, "silu"
+                dropped.update(chain)
         plans[i] = (groups, eps, fused, act, c)
     # Per-channel parameters for MXNet GroupNorm nodes
     done = set()
@@ -443,8 +477,8 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     new_nodes, new_nout, remap = [], [], {}
     fused_into = {f: i for i, (_, _, f, _, _) in plans.items() if f is not None}
     for i, node in enumerate(nodes):
-        if i in plans and plans[i][2] is not None:
-            continue  # emitted at the activation's position
+        if (i in plans and plans[i][2] is not None) or i in dropped:
+            continue  # a fused norm is emitted at its activation's position
         src = fused_into.get(i)
         if src is not None or i in plans:
             norm = nodes[src if src is not None else i]
