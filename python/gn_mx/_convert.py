@@ -531,7 +531,7 @@ def main(argv=None):
     ap.add_argument("epoch", type=int)
     ap.add_argument("out_prefix")
     ap.add_argument("--fuse-activation", action="store_true",
-                    help="fuse a norm followed by Activation('relu') into one op")
+                    help="fuse a norm followed by a relu or a swish (x * sigmoid(x)) into one op")
     ap.add_argument("--data-shape", action="append", type=_parse_shape, default=[],
                     metavar="NAME:D0,D1,...",
                     help="an input shape, when the channel count of a GroupNorm cannot be inferred "
