@@ -77,7 +77,8 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
     assert r.returncode == 0 and not failed, "\n".join(failed) + r.stderr[-2000:]
     passed = [l for l in lines if l.startswith("PASS")]
     # Every op ran on both contexts, for every dtype, and the error checks ran.
-    for op in ("gn_moments", "gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference"):
+    for op in ("gn_moments", "gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference",
+               "_backward_gn_group_norm", "_backward_gn_moments"):
         for dt in ("f32", "f16", "f64"):
             assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
     assert any("exceeds the gpu limit 512" in l for l in passed)

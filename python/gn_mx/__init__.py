@@ -19,10 +19,11 @@ from . import ops, parallel, sym  # noqa: E402
 from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
 from .parallel import sync_running_stats  # noqa: E402
 from .zoo import norm_layer  # noqa: E402
+from ._convert import convert, convert_symbol  # noqa: E402  (docs/convert.md)
 from ._library import register_onnx_converters as _onnx  # noqa: E402
 
 _onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is installed
 
 __version__ = "0.1.0"
-__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "norm_layer", "ops", "parallel",
-           "sym", "sync_running_stats", "__version__"]
+__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "convert", "convert_symbol", "library_path",
+           "norm_layer", "ops", "parallel", "sym", "sync_running_stats", "__version__"]

@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "device.h"
+#include "group_norm_grad2_ops.h"
 #include "validate.h"
 #include "../kernels/group_norm.h"
 
@@ -247,6 +248,22 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
 }
 
 }  // namespace
+
+// For the re-registered _backward_gn_group_norm / _backward_gn_moments (group_norm_grad2_ops.cc).
+GroupNormAttrs group_norm_attrs(const AttrMap& attrs) {
+  const GnParams p = parse_gn(kGroupNorm, attrs);
+  return GroupNormAttrs{p.num_groups, p.act};
+}
+MXReturnValue group_norm_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
+                                  std::vector<MXTensor>* out, const OpResource& res) {
+  return gn_bwd(attrs, in, out, res);
+}
+int64_t moments_num_groups(const AttrMap& attrs) { return parse_gn(kMoments, attrs).num_groups; }
+MXReturnValue moments_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
+                               std::vector<MXTensor>* out, const OpResource& res) {
+  return moments_bwd(attrs, in, out, res);
+}
+
 }  // namespace mxa
 }  // namespace gn_mx
 

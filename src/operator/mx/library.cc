@@ -5,11 +5,15 @@
 #include <string>
 
 #include "errors.h"
+#include "group_norm_grad2_ops.h"
 
 using namespace mxnet::ext;
 
 MXReturnValue initialize(int version) {
-  if (version >= 10900) return MX_SUCCESS;
+  if (version >= 10900) {
+    gn_mx::mxa::register_group_norm_grad2();  // after gn_group_norm: see group_norm_grad2_ops.cc
+    return MX_SUCCESS;
+  }
   gn_mx::mxa::ErrorList::set("gn_mx: needs MXNet >= 1.9.0 (got version code " +
                              std::to_string(version) +
                              "); install mxnet==1.9.1 or mxnet-cu112==1.9.1 with numpy<1.24");

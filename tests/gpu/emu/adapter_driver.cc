@@ -275,6 +275,8 @@ void expect_error(const std::string& label, const char* name, const Attrs& attrs
 }  // namespace
 
 int main() {
+  // lib_api's initialize() adds _backward_gn_group_norm (group_norm_grad2_ops.cc), as MXLoadLib's call does
+  if (initialize(10901) != MX_SUCCESS) report(false, "initialize: " + last_error());
   std::mt19937 rng(1234);
   for (int dt : {kFloat32, kFloat16, kFloat64}) {
     const std::string d = dt == kFloat32 ? "f32" : dt == kFloat16 ? "f16" : "f64";
@@ -302,6 +304,27 @@ int main() {
     Buf rp = random_buf({2, 3, 3}, sdt, rng, -1, 1);
     check_op("gn_dbn_inference " + d, "gn_dbn_inference", {{"num_groups", "2"}}, {xd, rmean, rp},
              rng, true, {}, {1, 2});
+  }
+  // gn_group_norm's double backward: the re-registered _backward_gn_group_norm, forward (= the first
+  // order backward) and backward (group_norm_grad2_*), inputs [dout, dmean, drstd, data, gamma, beta,
+  // out, mean, rstd]; the gradient of `out` (input 6) is zeros.
+  for (int dt : {kFloat32, kFloat16, kFloat64}) {
+    const std::string d = dt == kFloat32 ? "f32" : dt == kFloat16 ? "f16" : "f64";
+    const int pdt = dt == kFloat16 ? kFloat32 : dt, sdt = dt == kFloat64 ? kFloat64 : kFloat32;
+    for (const char* act : {"none", "relu", "silu"}) {
+      std::vector<Buf> in = {random_buf({2, 6, 4, 3}, dt, rng, -1, 1), random_buf({2, 3}, sdt, rng, -1, 1),
+                             random_buf({2, 3}, sdt, rng, -1, 1), random_buf({2, 6, 4, 3}, dt, rng, -2, 2),
+                             random_buf({6}, pdt, rng, 0.5, 1.5), random_buf({6}, pdt, rng, -1, 1),
+                             random_buf({2, 6, 4, 3}, dt, rng, -1, 1), random_buf({2, 3}, sdt, rng, -0.3, 0.3),
+                             random_buf({2, 3}, sdt, rng, 0.5, 1.5)};
+      check_op(std::string("_backward_gn_group_norm ") + d + " " + act, "_backward_gn_group_norm",
+               {{"num_groups", "3"}, {"eps", "1e-5"}, {"act_type", act}}, in, rng, true, {}, {6});
+    }
+    std::vector<Buf> min = {random_buf({2, 3}, sdt, rng, -1, 1), random_buf({2, 3}, sdt, rng, -1, 1),
+                            random_buf({2, 6, 4, 3}, dt, rng, -2, 2), random_buf({2, 3}, sdt, rng, -0.3, 0.3),
+                            random_buf({2, 3}, sdt, rng, 0.5, 1.5)};
+    check_op("_backward_gn_moments " + d, "_backward_gn_moments", {{"num_groups", "3"}}, min, rng, true,
+             {}, {4});
   }
   // A group split across blocks: the CUDA forward statistics need their workspace.
   {

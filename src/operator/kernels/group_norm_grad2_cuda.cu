@@ -1,0 +1,193 @@
+/*
+ * group_norm_grad2_cuda.cu: CUDA double backward of gn_group_norm, twin of group_norm_grad2_cpu.cc
+ * (formulas: group_norm_grad2.h / group_norm_grad2_math.h).
+ *
+ * grad2_group_kernel: one block per group (n, g), two passes over the group like the CPU twin; the
+ * per-channel sums are block reductions, the per-(n, c) partials of d gamma / d beta go to the
+ * workspace (pg (N, C), pb (N, 2C), AccT), reduced over n by grad2_param_kernel in a fixed order
+ * (deterministic, no atomics). Simple rather than fast: it runs only for second derivatives.
+ */
+#include <cuda_runtime.h>
+
+#include "group_norm_grad2.h"
+#include "cuda_common.cuh"
+#include "group_norm_grad2_math.h"
+#include "../common/dispatch.h"
+
+namespace gn_mx {
+namespace {
+
+constexpr int kThreads = 256;
+
+template <typename V, typename A>
+__device__ __forceinline__ A ld(const void* p, int64_t i) {
+  return p ? static_cast<A>(to_acc(static_cast<const V*>(p)[i])) : A(0);
+}
+
+template <typename T, typename P, int ACT>
+__global__ void grad2_group_kernel(GroupNormGrad2Args a) {
+  using A = AccT<T>;
+  const int64_t ng = blockIdx.x;
+  const int64_t n = ng / a.G, g = ng % a.G;
+  const int64_t D = a.C / a.G, S = a.S;
+  const A mu = ld<A, A>(a.mean, ng), r = ld<A, A>(a.rstd, ng);
+  const A dmo = ld<A, A>(a.dmean_o, ng), dro = ld<A, A>(a.drstd_o, ng);
+  const A inv_m = A(1) / static_cast<A>(D * S);
+  const T* x = static_cast<const T*>(a.x);
+  const T* dy = static_cast<const T*>(a.dy);
+  A* pg = static_cast<A*>(a.workspace) + n * a.C;
+  A* pb = static_cast<A*>(a.workspace) + a.N * a.C + n * 2 * a.C;
+  Grad2Sums<A> s;
+  A tP = 0, tQ = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t c = g * D + d, off = (n * a.C + c) * S;
+    const A gam = ld<P, A>(a.gamma, c), bet = ld<P, A>(a.beta, c);
+    const A ggam = ld<P, A>(a.gdgamma, c);
+    A gxg = 0, dsc = 0, db = 0;
+    for (int64_t i = off + threadIdx.x; i < off + S; i += blockDim.x) {
+      const A u = to_acc(x[i]) - mu;
+      const A gv = gn_act_grad<ACT>(u * r * gam + bet, static_cast<A>(to_acc(dy[i])));
+      const A gx = ld<T, A>(a.gdx, i);
+      gxg += gx * gv;
+      dsc += gv * u;
+      db += gv;
+      tP += gx * u;
+      tQ += gx;
+    }
+    const Pair<A> p1 = block_sum<kThreads>(Pair<A>{gxg, dsc});
+    db = block_sum<kThreads>(db);
+    s.sa += gam * p1.b;
+    s.sb += gam * db;
+    s.t1 += gam * p1.a + ggam * p1.b;
+    if (threadIdx.x == 0) {
+      pg[c] = p1.a;
+      pb[c] = p1.b;
+      pb[a.C + c] = db;
+    }
+  }
+  const Pair<A> pq = block_sum<kThreads>(Pair<A>{tP, tQ});
+  s.P = pq.a;
+  s.Q = pq.b;
+  const Grad2Coeffs<A> k = gn_grad2_coeffs(s, r, inv_m, dmo, dro);
+  T* ddy = static_cast<T*>(a.ddy);
+  T* dx = static_cast<T*>(a.dx);
+  A sdx = 0, shug = 0;
+  for (int64_t d = 0; d < D; ++d) {
+    const int64_t c = g * D + d, off = (n * a.C + c) * S;
+    const A gam = ld<P, A>(a.gamma, c), bet = ld<P, A>(a.beta, c);
+    const A ggam = ld<P, A>(a.gdgamma, c), gbet = ld<P, A>(a.gdbeta, c);
+    A hu = 0, hs = 0;
+    for (int64_t i = off + threadIdx.x; i < off + S; i += blockDim.x) {
+      const A u = to_acc(x[i]) - mu;
+      const A z = u * r * gam + bet;
+      A vddy, vdx, h;
+      gn_grad2_elem(k, r, u, static_cast<A>(to_acc(dy[i])), gn_act_d1<ACT>(z), gn_act_d2<ACT>(z),
+                    ld<T, A>(a.gdx, i), gam, ggam, gbet, &vddy, &vdx, &h);
+      ddy[i] = from_acc<T>(vddy);
+      dx[i] = from_acc<T>(vdx);
+      sdx += vdx;
+      shug += h * u * gam;
+      hu += h * u;
+      hs += h;
+    }
+    const Pair<A> p2 = block_sum<kThreads>(Pair<A>{hu, hs});
+    if (threadIdx.x == 0) {
+      pg[c] = r * pg[c] + k.e2 * pb[c] + k.e3 * pb[a.C + c] + r * p2.a;
+      pb[c] = p2.b;
+    }
+  }
+  const Pair<A> fin = block_sum<kThreads>(Pair<A>{sdx, shug});
+  if (threadIdx.x == 0) {
+    static_cast<A*>(a.dmean)[ng] = -fin.a;
+    static_cast<A*>(a.drstd)[ng] = gn_grad2_drstd(s, r, inv_m, dro, fin.b);
+    static_cast<A*>(a.ddmean_o)[ng] = s.Q * inv_m;
+    static_cast<A*>(a.ddrstd_o)[ng] = k.e2;
+  }
+}
+
+template <typename T, typename P>
+__global__ void grad2_param_kernel(GroupNormGrad2Args a) {
+  using A = AccT<T>;
+  const A* ws = static_cast<const A*>(a.workspace);
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < a.C;
+       c += int64_t(gridDim.x) * blockDim.x) {
+    A sg = 0, sb = 0;
+    for (int64_t n = 0; n < a.N; ++n) {
+      sg += ws[n * a.C + c];
+      sb += ws[a.N * a.C + n * 2 * a.C + c];
+    }
+    static_cast<P*>(a.dgamma)[c] = from_acc<P>(sg);
+    static_cast<P*>(a.dbeta)[c] = from_acc<P>(sb);
+  }
+}
+
+template <typename T, typename P>
+const char* grad2_typed(const GroupNormGrad2Args& a, cudaStream_t st) {
+  const int64_t NG = a.N * a.G;
+  if (NG > 2147483647) return "too many groups (N * num_groups >= 2^31)";
+  dispatch_act(a.act, [&](auto act) {
+    constexpr int ACT = decltype(act)::value;
+    grad2_group_kernel<T, P, ACT><<<static_cast<unsigned>(NG), kThreads, 0, st>>>(a);
+  });
+  GN_CUDA_CHECK_LAUNCH();
+  const int64_t blocks = ceil_div(a.C, 256);
+  grad2_param_kernel<T, P><<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, st>>>(a);
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
+template <typename T>
+__global__ void moments_grad2_kernel(MomentsGrad2Args a) {
+  using A = AccT<T>;
+  const int64_t ng = blockIdx.x, M = (a.C / a.G) * a.S, off = ng * M;
+  const T* x = static_cast<const T*>(a.x);
+  T* dx = static_cast<T*>(a.dx);
+  const A inv_m = A(1) / static_cast<A>(M);
+  const A mu = static_cast<const A*>(a.mean)[ng];
+  const A dvo = ld<A, A>(a.dvar_o, ng);
+  A P = 0, Q = 0;
+  for (int64_t i = off + threadIdx.x; i < off + M; i += blockDim.x) {
+    const A g = ld<T, A>(a.gdx, i);
+    P += g * (to_acc(x[i]) - mu);
+    Q += g;
+    dx[i] = from_acc<T>(A(2) * dvo * g * inv_m);
+  }
+  const Pair<A> pq = block_sum<kThreads>(Pair<A>{P, Q});
+  if (threadIdx.x == 0) {
+    static_cast<A*>(a.ddmean_o)[ng] = pq.b * inv_m;
+    static_cast<A*>(a.ddvar_o)[ng] = A(2) * pq.a * inv_m;
+    static_cast<A*>(a.dmean)[ng] = -A(2) * dvo * pq.b * inv_m;
+  }
+}
+
+}  // namespace
+
+const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream) {
+  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  if (!a.x || !a.mean || !a.ddmean_o || !a.ddvar_o || !a.dx || !a.dmean) return "null pointer";
+  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
+  if (a.N * a.G > 2147483647) return "too many groups (N * num_groups >= 2^31)";
+  return dispatch_data(a.dtype, [&](auto t) -> const char* {
+    moments_grad2_kernel<decltype(t)><<<static_cast<unsigned>(a.N * a.G), kThreads, 0,
+                                        static_cast<cudaStream_t>(stream)>>>(a);
+    GN_CUDA_CHECK_LAUNCH();
+    return nullptr;
+  });
+}
+
+size_t group_norm_grad2_workspace_cuda(const GroupNormGrad2Args& a) {
+  return static_cast<size_t>(a.N) * static_cast<size_t>(a.C) * 3 * dtype_size(acc_dtype(a.dtype));
+}
+
+const char* group_norm_grad2_cuda(const GroupNormGrad2Args& a, void* stream) {
+  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  if (!a.dy || !a.x || !a.gamma || !a.beta || !a.mean || !a.rstd || !a.ddy || !a.ddmean_o ||
+      !a.ddrstd_o || !a.dx || !a.dgamma || !a.dbeta || !a.dmean || !a.drstd || !a.workspace)
+    return "null pointer";
+  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
+  return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
+    return grad2_typed<decltype(t), decltype(p)>(a, static_cast<cudaStream_t>(stream));
+  });
+}
+
+}  // namespace gn_mx
