@@ -31,6 +31,17 @@
 
 namespace gn_mx {
 
+// Error strings of these entry points: one wording per rule, the same on both devices, no prefix
+// (the adapter adds the op name once). A parameter dtype other than the data dtype (or fp32 with
+// fp16 data) gets dispatch.h's kBadParamDtype on both.
+constexpr const char* kGnNeedsWorkspace = "backward needs a workspace";
+constexpr const char* kGnWorkspaceAlign = "workspace must be 16-byte aligned";
+constexpr const char* kGnActNeedsBeta = "backward with an activation needs beta";
+// CUDA only: 32-bit offsets inside a group and a 32-bit grid of groups.
+constexpr const char* kGnCudaGroupLimit =
+    "the CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
+constexpr const char* kGnCudaGroupsLimit = "the CUDA kernels need N * num_groups < 2^31";
+
 // Fused activation of gn_group_norm (attribute act_type: 'none', 'relu', 'silu').
 enum class Act : int { kNone = 0, kRelu = 1, kSilu = 2 };
 
