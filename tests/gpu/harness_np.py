@@ -6,7 +6,8 @@ kernels built for the CPU emulator (tests/gpu/emu/build_emu.py, build/gpu-emu/),
 them too. The shared edge cases (tests/edge_cases.py) drive the kernels through `Runner`.
 
 Choice of device: GNMX_HARNESS_EMU=1 -> the emulator; GNMX_HARNESS_EMU=0 -> the GPU (fails without
-one); unset -> the GPU when nvcc and nvidia-smi find one, else the emulator.
+one); unset -> the GPU when nvcc and nvidia-smi find one, else the emulator. GNMX_HARNESS_LIB=path
+loads that library as it is (no build), on the device chosen as above.
 """
 import ctypes
 import os
@@ -62,7 +63,9 @@ def load():
     global _lib
     if _lib is not None:
         return _lib
-    if emulated():
+    if os.environ.get("GNMX_HARNESS_LIB"):  # a given build (e.g. an older one, to compare)
+        path = os.environ["GNMX_HARNESS_LIB"]
+    elif emulated():
         path = build_emu.build_harness(os.environ.get("GNMX_HARNESS_EMU_OUT", build_emu.DEFAULT_OUT))
     else:
         path = os.path.join(os.environ.get("GNMX_HARNESS_OUT", os.path.join(ROOT, "build", "gpu")),

@@ -17,6 +17,16 @@
  * Each computation has the same shape on both devices: `X_cpu(args)` / `X_cuda(args, stream)`, and,
  * where scratch is needed, `X_workspace_cpu/cuda(args)` bytes passed in `args.workspace`.
  *
+ * Numerical guarantees (both devices, forward and backward, every dtype, with or without the
+ * activation; docs/numerics.md, checked on both by the one case list tests/edge_cases.py):
+ * one-element groups exact (out = act(beta), dx = dmean); 2-4 element groups within float32
+ * rounding of the float64 result at any offset; float32 data up to |x| = 3.4e38 normalized (its
+ * statistics recomputed instead of overflowing to NaN); NaN/Inf confined to their group. Both get
+ * them from the same float64 recomputation of the groups gn_exact_group (group_norm_math.h)
+ * selects. gn_moments recomputes nothing, on either device: its mean is float32-rounded, its variance
+ * of 2-4 element groups at |mean| >> spread is good to ~1e-4 relative, and for |x| ~ 2e38 the true
+ * variance (> float32 max) is inf on both.
+ *
  * CUDA workspace: the forward statistics of a large group are split across several blocks when N*G
  * alone cannot fill the GPU (Stable-Diffusion UNet: N=2, G=32 -> 64 groups on 132 SMs); the blocks'
  * partial Welford states live in the workspace. Its size depends on the current device's SM count
