@@ -176,6 +176,33 @@ def moments_large_offset_fp16(run):
     np.testing.assert_allclose(r["var"], rv, rtol=1e-4)
 
 
+def moments_tiny_groups(run, dtype, M, offset):
+    """gn_moments of 2-4 element groups at |mean| >> spread: mean and variance within a few ulp of
+    the accumulation dtype of the float64 result (forward; the backward uses the saved,
+    accumulation-dtype mean)."""
+    rng = np.random.RandomState(19 + M)
+    x = (offset + TINY_SPREAD[dtype][offset] * rng.randn(5, 4 * M)).astype(dtype)
+    rm, rv = moments_ref(x.astype(np.float64) - offset, 4)
+    r = run.moments(x, 4)
+    ulp = _ulp(np.dtype(_acc(dtype)).type)
+    np.testing.assert_allclose(r["mean"], rm + offset, rtol=4 * np.finfo(r["mean"].dtype).eps)
+    np.testing.assert_allclose(r["var"], rv, rtol=4 * ulp, atol=4 * ulp * np.abs(rv).max())
+
+
+def moments_float32_near_overflow(run):
+    """gn_moments of float32 data with |x| ~ 2e38: the mean is right, the variance (~1e76, beyond
+    float32) is inf; the ordinary group is untouched."""
+    rng = np.random.RandomState(20)
+    x = rng.randn(2, 4, 64)
+    x[:, :2] = x[:, :2] * 1e38 + 2e38 * np.sign(x[:, :2])
+    x = np.clip(x, -3.3e38, 3.3e38).astype(np.float32)
+    rm, rv = moments_ref(x.astype(np.float64), 2)
+    r = run.moments(x, 2)
+    np.testing.assert_allclose(r["mean"], rm, rtol=1e-5, atol=1e-6)
+    assert np.isposinf(r["var"][:, 0]).all()
+    np.testing.assert_allclose(r["var"][:, 1], rv[:, 1], rtol=1e-5)
+
+
 def constant_group(run):
     """A constant group normalizes to beta (var = 0, rstd = 1/sqrt(eps)); with eps = 0 it is
     0 * inf: the reference formula gives NaN, so does the op."""
@@ -277,6 +304,9 @@ CASES = (
        for a in (None, "relu", "silu") for d in ALL for m in (2, 3, 4) for o in (300.0, -3e4)]
     + [Case(large_offset_is_stable, dtype=d) for d in (np.float32, np.float16)]
     + [Case(fp16_long_groups), Case(moments_large_offset_fp16), Case(constant_group)]
+    + [Case(moments_tiny_groups, dtype=d, M=m, offset=o)
+       for d in ALL for m in (2, 3, 4) for o in (300.0, -3e4)]
+    + [Case(moments_float32_near_overflow)]
     + [Case(float32_near_overflow, spatial=s, act=a)
        for a in (None, "relu", "silu") for s in ((), (64,), (64, 64))]
     + [Case(nonfinite_stays_in_its_group, bad=b, dtype=d, act=a)

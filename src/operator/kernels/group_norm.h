@@ -23,9 +23,9 @@
  * rounding of the float64 result at any offset; float32 data up to |x| = 3.4e38 normalized (its
  * statistics recomputed instead of overflowing to NaN); NaN/Inf confined to their group. Both get
  * them from the same float64 recomputation of the groups gn_exact_group (group_norm_math.h)
- * selects. gn_moments recomputes nothing, on either device: its mean is float32-rounded, its variance
- * of 2-4 element groups at |mean| >> spread is good to ~1e-4 relative, and for |x| ~ 2e38 the true
- * variance (> float32 max) is inf on both.
+ * selects; gn_moments likewise by gn_exact_moments (2-4 element groups' mean and variance within
+ * float32 rounding; |x| ~ 2e38: the right mean, variance inf, beyond float32). gn_moments' backward
+ * uses the saved (accumulation-dtype) mean on both devices.
  *
  * CUDA workspace: the forward statistics of a large group are split across several blocks when N*G
  * alone cannot fill the GPU (Stable-Diffusion UNet: N=2, G=32 -> 64 groups on 132 SMs); the blocks'

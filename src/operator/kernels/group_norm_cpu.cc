@@ -33,7 +33,8 @@
  * any offset) and float32/float16 groups whose statistics overflow (|x| ~ 1e19 .. 3e38), hold
  * NaN/Inf, have rstd < 1e-12 (rstd^3 would underflow) or |mean| rstd > 2^24.
  *   Backward of these groups recomputes the statistics from x (the fp32 mean is rounded), so it
- *   also needs eps. The common path pays a few compares per group.
+ *   also needs eps. The common path pays a few compares per group. gn_moments recomputes the
+ *   groups gn_exact_moments selects (tiny, non-finite statistics) the same way.
  * Fused activation (act_type): the primitives' act_* tables; the forward writes act(z), the backward
  * recomputes z = x * a_c + b_c and g = dy * act'(z) in registers in both of its passes.
  */
@@ -143,9 +144,10 @@ inline void for_elements(int64_t i0, int64_t len, int64_t S, F&& f) {
 // ------------------------------------------------------------------------------------------------
 // Exactly recomputed groups (see the header comment)
 
-// Group statistics in float64 around x0 = xg[0]: *d = mean - x0, *r = rstd.
+// Group statistics in float64 around x0 = xg[0]: *d = mean - x0, *r = rstd (and *var).
 template <typename T>
-void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, double* r) {
+void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, double* r,
+                 double* var = nullptr) {
   *x0 = static_cast<double>(to_acc(xg[0]));
   double s = 0;
   for (int64_t i = 0; i < M; ++i) s += static_cast<double>(to_acc(xg[i])) - *x0;
@@ -156,6 +158,16 @@ void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, doub
     q += c * c;
   }
   *r = 1.0 / std::sqrt(q / static_cast<double>(M) + eps);
+  if (var) *var = q / static_cast<double>(M);
+}
+
+// gn_moments of a group gn_exact_moments selects.
+template <typename T>
+void exact_moments(const T* xg, int64_t M, AccT<T>* mean, AccT<T>* var) {
+  double x0, d, r, v;
+  exact_stats(xg, M, 0.0, &x0, &d, &r, &v);
+  *mean = static_cast<AccT<T>>(x0 + d);
+  *var = static_cast<AccT<T>>(v);
 }
 
 template <typename T, int ACT>
@@ -354,6 +366,7 @@ void moments_typed(const MomentsArgs& a) {
       const Welford<A> w = range_moments(P, x + ng * M, M);
       mean[ng] = w.mean;
       var[ng] = w.var();
+      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
     }
     return;
   }
@@ -371,6 +384,7 @@ void moments_typed(const MomentsArgs& a) {
       for (int u = 0; u < T_; ++u) w.merge(part[ng * pl.nt + u]);
       mean[ng] = w.mean;
       var[ng] = w.var();
+      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
     }
   }
 }

@@ -155,7 +155,7 @@ __device__ __forceinline__ V team_sum(V v) {
 }
 
 struct ExactStats {
-  double x0, d, r;  // mean = x0 + d, rstd = r
+  double x0, d, r, var;  // mean = x0 + d, rstd = r = 1 / sqrt(var + eps)
 };
 
 // Statistics of the L elements at xg around xg[0]; every thread of the team gets them.
@@ -173,7 +173,8 @@ __device__ __forceinline__ ExactStats exact_stats(const T* __restrict__ xg, uint
     const double c = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
     q += c * c;
   }
-  st.r = 1.0 / gn_sqrt(team_sum<kTeam>(q) / static_cast<double>(L) + eps);
+  st.var = team_sum<kTeam>(q) / static_cast<double>(L);
+  st.r = 1.0 / gn_sqrt(st.var + eps);
   return st;
 }
 
@@ -249,8 +250,8 @@ __device__ __forceinline__ void exact_bwd_range(const T* __restrict__ xg,
 enum StatsMode : int { kStatsPartial = 0, kStatsMeanVar = 1, kStatsMeanRstd = 2 };
 
 // Grid (N*G, splits). Block (ng, k) covers elements [k*chunk, (k+1)*chunk) of group ng.
-// kStatsMeanRstd (splits = 1, gn_group_norm) writes the exact statistics of the groups that
-// gn_exact_group selects (the apply kernel recomputes those groups' y).
+// kStatsMeanRstd / kStatsMeanVar (splits = 1) write the exact statistics of the groups that
+// gn_exact_group / gn_exact_moments select (the apply kernel recomputes those groups' y).
 template <typename T, int V>
 __global__ void __launch_bounds__(kBlock)
 stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, double eps,
@@ -261,12 +262,15 @@ stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, doubl
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   Welford<A> w = thread_moments<T, V, A>(x + ng * L, begin, end);
   w = block_welford<kBlock>(w);  // every thread gets it: the exact decision is block-uniform
-  if (mode == kStatsMeanRstd &&
-      gn_exact_group<T>(w.mean, gn_rstd(w.var(), static_cast<A>(eps)), L)) {
+  const bool exact =
+      (mode == kStatsMeanRstd &&
+       gn_exact_group<T>(w.mean, gn_rstd(w.var(), static_cast<A>(eps)), L)) ||
+      (mode == kStatsMeanVar && gn_exact_moments<T>(w.mean, w.var(), L));
+  if (exact) {
     const ExactStats st = exact_stats<kBlock>(x + ng * L, static_cast<uint32_t>(L), eps);
     if (threadIdx.x == 0) {
       mean[ng] = static_cast<A>(st.x0 + st.d);
-      second[ng] = static_cast<A>(st.r);
+      second[ng] = static_cast<A>(mode == kStatsMeanVar ? st.var : st.r);
     }
     return;
   }
@@ -282,17 +286,26 @@ stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, doubl
   }
 }
 
-// gn_moments with split groups: one warp per group merges the partial states.
-template <typename A>
+// gn_moments with split groups: one warp per group merges the partial states (and recomputes the
+// groups gn_exact_moments selects from x).
+template <typename T>
 __global__ void __launch_bounds__(kBlock)
-moments_finalize_kernel(const A* __restrict__ part, int splits, int64_t NG, A* __restrict__ mean,
-                        A* __restrict__ var) {
+moments_finalize_kernel(const AccT<T>* __restrict__ part, int splits, int64_t NG,
+                        AccT<T>* __restrict__ mean, AccT<T>* __restrict__ var,
+                        const T* __restrict__ x, int64_t L) {
+  using A = AccT<T>;
   const int64_t ng = int64_t(blockIdx.x) * kNumWarps + threadIdx.x / kWarp;
   if (ng >= NG) return;  // whole warps leave together
   const Welford<A> w = warp_merge_partials(part, ng, splits);
+  A m = w.mean, v = w.var();
+  if (gn_exact_moments<T>(m, v, L)) {  // warp-uniform
+    const ExactStats st = exact_stats<kWarp>(x + ng * L, static_cast<uint32_t>(L), 0.0);
+    m = static_cast<A>(st.x0 + st.d);
+    v = static_cast<A>(st.var);
+  }
   if (threadIdx.x % kWarp == 0) {
-    mean[ng] = w.mean;
-    var[ng] = w.var();
+    mean[ng] = m;
+    var[ng] = v;
   }
 }
 
@@ -762,8 +775,8 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   if (const char* e = launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsPartial, 0.0,
                                       nullptr, nullptr, part, st))
     return e;
-  moments_finalize_kernel<A><<<static_cast<unsigned>(ceil_div(NG, kNumWarps)), kBlock, 0, st>>>(
-      part, static_cast<int>(p.splits), NG, mean, var);
+  moments_finalize_kernel<T><<<static_cast<unsigned>(ceil_div(NG, kNumWarps)), kBlock, 0, st>>>(
+      part, static_cast<int>(p.splits), NG, mean, var, static_cast<const T*>(a.x), L);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }

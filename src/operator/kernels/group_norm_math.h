@@ -169,6 +169,17 @@ GN_INLINE bool gn_exact_group(A mean, A rstd, int64_t m) {
   return rstd < A(kGnExactMinRstd) || (mean < A(0) ? -mean : mean) * rstd > A(kGnExactMaxOffset);
 }
 
+// gn_moments' groups recomputed in float64 on both devices (its outputs are mean and var, no rstd):
+// m <= kGnExactGroup, and for float32/float16 data a non-finite mean or variance (overflowed
+// statistics: the mean is then right and the variance, beyond float32, inf; or NaN/Inf in the
+// group, which stays confined to it).
+template <typename T, typename A>
+GN_INLINE bool gn_exact_moments(A mean, A var, int64_t m) {
+  if (m <= kGnExactGroup) return true;
+  if (std::is_same<T, double>::value) return false;
+  return !(gn_isfinite(mean) && gn_isfinite(var));
+}
+
 // The exact path's per-element forms (float64): centred value and pre-activation.
 GN_INLINE double gn_exact_xc(double x, double x0, double d) { return (x - x0) - d; }
 GN_INLINE double gn_exact_z(double xc, double r, double gamma_c, double beta_c) {
