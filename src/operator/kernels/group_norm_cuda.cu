@@ -25,9 +25,11 @@
  *
  * Exactly recomputed groups (gn_exact_group: 1-4 elements; fp16/fp32 statistics that overflowed or
  * are not finite, rstd < 1e-12, |mean| rstd > 2^24): their float64 mean/rstd are the outputs
- * (written by the stats kernel, or by the apply kernel's first chunk for split groups), and every block that meets such a group (decided again from the saved statistics) recomputes
- * them from x in float64 (exact_stats) and takes the float64 path of group_norm_cpu.cc's exact_fwd /
- * exact_bwd; rows of such groups hand dgamma their sum g xhat instead of sum g (x - mu).
+ * (written by the stats kernel, or by the apply kernel's first chunk for split groups), and every
+ * block that meets such a group (decided again from the saved statistics) recomputes them from x in
+ * float64 (exact_stats) and takes the float64 path of group_norm_cpu.cc's exact_fwd / exact_bwd;
+ * rows of such groups hand dgamma their sum g xhat instead of sum g (x - mu). gn_moments: the same
+ * for the groups gn_exact_moments selects (stats kernel or split-finalize kernel).
  *
  * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
  * z = x * a_c + b_c; both backward kernels recompute z from x, mean, rstd, gamma, beta and use
