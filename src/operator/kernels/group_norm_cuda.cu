@@ -30,6 +30,10 @@
  * float64 (exact_stats) and takes the float64 path of group_norm_cpu.cc's exact_fwd / exact_bwd;
  * rows of such groups hand dgamma their sum g xhat instead of sum g (x - mu). gn_moments: the same
  * for the groups gn_exact_moments selects (stats kernel or split-finalize kernel).
+ * NB: the float64 path lives in the same kernels (no extra launch), which raised their register
+ * counts (ptxas, sm_80, nvcc 13: bwd_row_sums 29-32 -> 38-48, fwd_apply 27-32 -> 32-44, stats 26 ->
+ * 39 for the scalar variants; at 256 threads, more than 32 registers means fewer than 8 resident
+ * blocks per SM). Not yet measured on a GPU; moving it to __noinline__ helpers measured worse.
  *
  * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
  * z = x * a_c + b_c; both backward kernels recompute z from x, mean, rstd, gamma, beta and use
