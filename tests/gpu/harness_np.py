@@ -37,7 +37,8 @@ _SIGS = {
     "gnh_moments": (c_str, [c_int, c_vp, c_vp, c_vp] + [c_i64] * 4 + [c_vp, c_vp]),
     "gnh_moments_bwd": (c_str, [c_int] + [c_vp] * 5 + [c_i64] * 4 + [c_vp]),
     "gnh_gn_fwd_workspace": (c_size, [c_int, c_int, c_vp, c_vp] + [c_i64] * 4),
-    "gnh_gn_fwd_act": (c_str, [c_int, c_int] + [c_vp] * 6 + [c_i64] * 4 + [c_dbl, c_int, c_vp, c_vp]),
+    "gnh_gn_fwd_act": (c_str, [c_int, c_int] + [c_vp] * 6 + [c_i64] * 4
+                       + [c_dbl, c_int, c_vp, c_vp]),
     "gnh_gn_bwd_workspace": (c_size, [c_int, c_int, c_vp, c_vp, c_vp] + [c_i64] * 4),
     "gnh_gn_bwd_act": (c_str, [c_int, c_int] + [c_vp] * 12 + [c_i64] * 4 + [c_dbl, c_int, c_vp]),
 }
@@ -66,7 +67,8 @@ def load():
     if os.environ.get("GNMX_HARNESS_LIB"):  # a given build (e.g. an older one, to compare)
         path = os.environ["GNMX_HARNESS_LIB"]
     elif emulated():
-        path = build_emu.build_harness(os.environ.get("GNMX_HARNESS_EMU_OUT", build_emu.DEFAULT_OUT))
+        out = os.environ.get("GNMX_HARNESS_EMU_OUT", build_emu.DEFAULT_OUT)
+        path = build_emu.build_harness(out)
     else:
         path = os.path.join(os.environ.get("GNMX_HARNESS_OUT", os.path.join(ROOT, "build", "gpu")),
                             "libgn_harness.so")
