@@ -189,11 +189,12 @@ def moments_tiny_groups(run, dtype, M, offset):
     np.testing.assert_allclose(r["var"], rv, rtol=4 * ulp, atol=4 * ulp * np.abs(rv).max())
 
 
-def moments_float32_near_overflow(run):
+def moments_float32_near_overflow(run, spatial):
     """gn_moments of float32 data with |x| ~ 2e38: the mean is right, the variance (~1e76, beyond
-    float32) is inf; the ordinary group is untouched."""
+    float32) is inf; the ordinary group is untouched. (64, 64): groups the CUDA statistics split
+    across blocks."""
     rng = np.random.RandomState(20)
-    x = rng.randn(2, 4, 64)
+    x = rng.randn(2, 4, *spatial)
     x[:, :2] = x[:, :2] * 1e38 + 2e38 * np.sign(x[:, :2])
     x = np.clip(x, -3.3e38, 3.3e38).astype(np.float32)
     rm, rv = moments_ref(x.astype(np.float64), 2)
@@ -307,7 +308,7 @@ CASES = (
     + [Case(fp16_long_groups), Case(moments_large_offset_fp16), Case(constant_group)]
     + [Case(moments_tiny_groups, dtype=d, M=m, offset=o)
        for d in ALL for m in (2, 3, 4) for o in (300.0, -3e4)]
-    + [Case(moments_float32_near_overflow)]
+    + [Case(moments_float32_near_overflow, spatial=s) for s in ((64,), (64, 64))]
     + [Case(float32_near_overflow, spatial=s, act=a)
        for a in (None, "relu", "silu") for s in ((), (64,), (64, 64))]
     + [Case(nonfinite_stays_in_its_group, bad=b, dtype=d, act=a)
