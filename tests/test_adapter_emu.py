@@ -5,7 +5,8 @@ workspace sizes from the CUDA kernels, argument filling, aux-gradient zeroing, t
 limit) would otherwise only ever be compiled. Here the adapter, lib_api.cc, the CPU kernels and the
 CUDA kernels built for the CPU emulator (tests/gpu/emu: device pointers are host pointers) are linked
 into one program, tests/gpu/emu/adapter_driver.cc, which calls every op's registered cpu and gpu
-forward/backward on the same inputs and compares them (see the driver's header).
+forward/backward on the same inputs and compares them, and checks that the GroupNorm kernels' error
+strings are one text per rule on both devices (see the driver's header).
 """
 import os
 import shutil
@@ -39,16 +40,10 @@ def driver(tmp_path_factory):
     out = tmp_path_factory.mktemp("adapter_emu")
     inc = ["-I", os.path.join(ROOT, "src", "operator"), "-I", os.path.join(MX, "include"),
            "-I", os.path.join(MX, "include", "mxnet")]
+    # CUDA sources, rewritten for the emulator: build_emu.py's objects (cached by input hash and
+    # shared with tests/gpu/harness_np.py's emulated harness).
+    cuda_objs = build_emu.compile_objects(os.path.join(ROOT, "build", "gpu-emu"))
     jobs = []
-    # CUDA sources, rewritten for the emulator and compiled as in build_emu.py.
-    for cu in build_emu.cuda_sources(KERNELS):  # src/operator/kernels/cuda_sources.txt
-        src = os.path.join(out, os.path.basename(cu)[:-3] + "_emu.cc")
-        with open(src, "w") as f:
-            f.write(f'#line 1 "{cu}"\n' + build_emu.rewrite(cu))
-        jobs.append(["g++", "-std=c++20", "-O1", "-fPIC", "-mf16c", "-pthread", "-U_FORTIFY_SOURCE",
-                     "-D__CUDACC__", "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h",
-                     "-I", os.path.join(EMU, "include"), "-I", KERNELS] + inc +
-                    ["-c", src, "-o", src[:-3] + ".o"])
     # Host code as CMake builds it for a CUDA build (lib_api.cc with the same renames).
     host = [os.path.join(MX, "src", "lib_api.cc"), os.path.join(ROOT, "src", "link", "register_once.cc"),
             os.path.join(EMU, "adapter_driver.cc")]
@@ -63,7 +58,7 @@ def driver(tmp_path_factory):
         jobs.append(["g++", "-std=c++17", "-O1", "-fPIC", "-fopenmp", "-pthread", "-DGNMX_WITH_CUDA"]
                     + defs + inc + ["-c", src, "-o", os.path.join(out, f"host{i}.o")])
     with ThreadPoolExecutor(max_workers=os.cpu_count() or 2) as ex:
-        objs = list(ex.map(_compile, jobs))
+        objs = cuda_objs + list(ex.map(_compile, jobs))
     exe = os.path.join(out, "adapter_driver")
     _compile(["g++", "-fopenmp", "-pthread"] + objs + ["-ldl", "-o", exe])
     return exe
@@ -85,3 +80,13 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
     assert any("unsupported context 'opencl'" in l for l in passed)
     assert any("gpu grad2: all zeros" in l for l in passed)
     assert len(passed) > 150, len(passed)
+    # The GroupNorm kernels' error strings: one text per rule on both devices, no prefix.
+    msgs = [l for l in passed if l.startswith("PASS kernel message ")]
+    assert len(msgs) == 10, "\n".join(msgs)
+    for l in msgs:
+        assert "CUDA backward" not in l and "'group_norm" not in l and "'moments" not in l, l
+    assert any("no workspace: cpu 'backward needs a workspace' gpu 'backward needs a workspace'"
+               in l for l in msgs)
+    assert any("activation without beta: cpu 'backward with an activation needs beta' gpu "
+               "'backward with an activation needs beta'" in l for l in msgs)
+    assert any("param dtype (forward): cpu 'parameter dtype must equal" in l for l in msgs)

@@ -7,7 +7,7 @@ import mxnet as mx
 from mxnet import autograd
 
 from conftest import DTYPES, GRAD_TOL, rounded as _rounded, run_python, tol
-from reference import act_ref, group_norm_bwd_ref, group_norm_ref, numeric_grad
+from reference import group_norm_bwd_ref, group_norm_ref, numeric_grad
 
 SPATIAL = [(), (5,), (3, 4), (2, 3, 2)]
 C = 8
@@ -79,47 +79,6 @@ def test_fp16_data_with_fp32_params(ctx):
     # dgamma/dbeta are reduced in fp32 and stored in fp32: much tighter than fp16 storage.
     np.testing.assert_allclose(dgamma.asnumpy(), rdg, rtol=1e-3, atol=1e-3)
     np.testing.assert_allclose(dbeta.asnumpy(), rdb, rtol=1e-3, atol=1e-3)
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float16], ids=lambda d: np.dtype(d).name)
-def test_large_offset_is_stable(ctx, dtype):
-    """x = 1000 + unit noise: E[x^2]-E[x]^2 would lose every digit in fp32."""
-    shape = (2, 16, 32, 32)
-    x, x64 = _rounded(1000 + np.random.randn(*shape), dtype)
-    ones, zeros = np.ones(16, dtype), np.zeros(16, dtype)
-    out, mean, rstd, *_ = _run_gn(x, ones, zeros, 4, 1e-5, ctx)
-    ref_out, ref_mean, ref_rstd = group_norm_ref(x64, ones, zeros, 4, 1e-5)
-    np.testing.assert_allclose(rstd.asnumpy(), ref_rstd, rtol=1e-4)
-    # fp16's output tolerance for both dtypes: a float32 mean near 1000 is rounded to its ulp
-    # (~6e-5), an absolute error every output inherits, beyond float32's atol of 1e-5
-    np.testing.assert_allclose(out.asnumpy(), ref_out, rtol=5e-3, atol=5e-3)
-    o = out.asnumpy().astype(np.float64).reshape(2, 4, -1)
-    np.testing.assert_allclose(o.mean(axis=2), 0, atol=1e-3)
-    np.testing.assert_allclose(o.var(axis=2), 1, atol=5e-3)
-
-
-def test_fp16_large_groups_where_builtin_fails(ctx):
-    """Groups of 64k fp16 elements: fp16 accumulation would overflow; fp32 accumulation does not."""
-    shape = (2, 64, 64, 64)      # 8 groups of 16*4096 = 65536 elements
-    x, x64 = _rounded(np.random.randn(*shape) * 3 + 5, np.float16)
-    gamma, g64 = _rounded(np.random.rand(64) + 0.5, np.float16)
-    beta, b64 = _rounded(np.random.randn(64), np.float16)
-    out, mean, rstd, *_ = _run_gn(x, gamma, beta, 4, 1e-5, ctx)
-    ref_out, ref_mean, ref_rstd = group_norm_ref(x64, g64, b64, 4, 1e-5)
-    assert np.isfinite(out.asnumpy()).all()
-    np.testing.assert_allclose(mean.asnumpy(), ref_mean, rtol=1e-5)
-    np.testing.assert_allclose(rstd.asnumpy(), ref_rstd, rtol=1e-5)
-    np.testing.assert_allclose(out.asnumpy(), ref_out, rtol=5e-3, atol=1e-2)
-
-
-def test_constant_group_is_finite(ctx):
-    x = np.full((2, 4, 3, 3), 7.0, np.float32)
-    out, mean, rstd, *_ = _run_gn(x, np.ones(4, np.float32), np.full(4, 0.5, np.float32), 2, 1e-5, ctx)
-    np.testing.assert_allclose(out.asnumpy(), 0.5, atol=1e-6)
-    np.testing.assert_allclose(rstd.asnumpy(), 1 / np.sqrt(1e-5), rtol=1e-5)
-    # eps = 0 with a constant group is 0 * inf: the reference formula gives nan, so does the op.
-    out0, *_ = _run_gn(x, np.ones(4, np.float32), np.zeros(4, np.float32), 2, 0.0, ctx)
-    assert np.isnan(out0.asnumpy()).all()
 
 
 def test_backward_reference_matches_finite_differences():
@@ -346,89 +305,10 @@ def test_act_type_attribute_validation(ctx):
 
 
 # ------------------------------------------------------------------------------------------
-# Degenerate and extreme groups
-
-@pytest.mark.parametrize("act", [None, "relu", "silu"])
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("offset", [0.0, -300.0, 3e4])
-def test_single_element_groups_are_exact(ctx, dtype, offset, act):
-    """num_groups = C on (N, C) data: x - mean = 0, so out = act(beta) exactly and dx = 0 exactly
-    (torch gives beta exactly; a rounded mean times rstd = 1/sqrt(eps) does not)."""
-    x = (np.random.randn(3, 6) + offset).astype(dtype)
-    gamma = np.random.randn(6).astype(dtype)
-    beta = np.random.randn(6).astype(dtype)
-    dy = np.random.randn(3, 6).astype(dtype)
-    out, mean, rstd, dx, dgamma, dbeta = _run_gn(x, gamma, beta, 6, 1e-5, ctx, dy=dy, act=act)
-    expect = np.broadcast_to(act_ref(beta.astype(np.float64), act).astype(dtype), (3, 6))
-    if act == "silu":  # exact up to the rounding of exp in silu(beta) itself
-        np.testing.assert_allclose(out.asnumpy(), expect, rtol=4 * np.finfo(dtype).eps, atol=0)
-    else:
-        np.testing.assert_array_equal(out.asnumpy(), expect)
-    np.testing.assert_array_equal(dx.asnumpy(), np.zeros((3, 6), dtype))
-    np.testing.assert_array_equal(dgamma.asnumpy(), np.zeros(6, dtype))
-    np.testing.assert_array_equal(mean.asnumpy(), x.astype(mean.dtype))
-    _, _, rdb = group_norm_bwd_ref(x, gamma, dy, 6, 1e-5, act=act, beta=beta)
-    rtol, atol = tol(dtype, GRAD_TOL)
-    np.testing.assert_allclose(dbeta.asnumpy(), rdb, rtol=rtol, atol=atol)
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: np.dtype(d).name)
-@pytest.mark.parametrize("M", [2, 3])
-def test_tiny_groups_with_large_offsets(ctx, dtype, M):
-    """Groups of 2-3 elements at |mean| >> spread: within float32 (fp16: float16) rounding of the
-    float64 reference computed on the rounded input."""
-    G = 4
-    spread = {np.float16: 0.5, np.float32: 1e-3, np.float64: 1e-9}[dtype]
-    x = (300.0 + spread * np.random.randn(5, G * M)).astype(dtype)
-    # The reference works on x - 300 (exact in float64 for these values; the normalization is
-    # shift-invariant): numpy's own float64 mean of values near 300 is off by ~ulp(300).
-    x64 = x.astype(np.float64) - 300.0
-    gamma, beta = np.random.randn(G * M).astype(dtype), np.random.randn(G * M).astype(dtype)
-    dy = np.random.randn(5, G * M).astype(dtype)
-    out, mean, rstd, dx, dgamma, dbeta = _run_gn(x, gamma, beta, G, 1e-5, ctx, dy=dy)
-    ref, rmean, rrstd = group_norm_ref(x64, gamma, beta, G, 1e-5)
-    np.testing.assert_allclose(mean.asnumpy(), rmean + 300.0, rtol=4 * np.finfo(mean.dtype).eps)
-    # float32 / float16 rounding of the result (a few ulp), nothing amplified by rstd:
-    ulp = {np.float16: 2e-3, np.float32: 4e-7, np.float64: 1e-12}[dtype]
-    scale = np.abs(ref).max()
-    np.testing.assert_allclose(out.asnumpy(), ref, rtol=4 * ulp, atol=4 * ulp * scale)
-    np.testing.assert_allclose(rstd.asnumpy(), rrstd, rtol=4 * max(ulp, 6e-8))
-    rdx, rdg, rdb = group_norm_bwd_ref(x64, gamma, dy, G, 1e-5)
-    gscale = np.abs(rdx).max()
-    np.testing.assert_allclose(dx.asnumpy(), rdx, rtol=16 * ulp, atol=16 * ulp * gscale)
-    np.testing.assert_allclose(dgamma.asnumpy(), rdg, rtol=16 * ulp, atol=16 * ulp * np.abs(rdg).max())
-
-
-@pytest.mark.parametrize("spatial", [(), (64,), (64, 64)], ids=lambda s: f"{len(s)}d")
-def test_float32_near_overflow_is_normalized(ctx, spatial):
-    """|x| ~ 3e38: fp32 sums of x and x^2 overflow (var = inf, rstd = 0 would output beta); those
-    groups are recomputed in float64, so out is the normalized value and backward is finite.
-    The last group stays ordinary (the common path)."""
-    shape, G = (2, 4) + spatial, 2
-    x = np.random.randn(*shape)
-    x[:, :2] = x[:, :2] * 1e38 + 2e38 * np.sign(x[:, :2])
-    x = np.clip(x, -3.3e38, 3.3e38).astype(np.float32)
-    assert np.isfinite(x).all()
-    x64 = x.astype(np.float64)
-    gamma = np.random.randn(4).astype(np.float32)
-    beta = np.random.randn(4).astype(np.float32)
-    dy = np.random.randn(*shape).astype(np.float32)
-    out, mean, rstd, dx, dgamma, dbeta = _run_gn(x, gamma, beta, G, 1e-5, ctx, dy=dy)
-    ref, rmean, rrstd = group_norm_ref(x64, gamma, beta, G, 1e-5)
-    np.testing.assert_allclose(out.asnumpy(), ref, *tol(np.float32))
-    np.testing.assert_allclose(mean.asnumpy(), rmean, rtol=1e-5)
-    np.testing.assert_allclose(rstd.asnumpy(), rrstd, rtol=1e-4)  # fp32 subnormal rstd (~3e-39)
-    rdx, rdg, rdb = group_norm_bwd_ref(x64, gamma, dy, G, 1e-5)
-    np.testing.assert_allclose(dgamma.asnumpy(), rdg, rtol=1e-4, atol=1e-4 * np.abs(rdg).max())
-    np.testing.assert_allclose(dbeta.asnumpy(), rdb, rtol=1e-4, atol=1e-4 * np.abs(rdb).max())
-    # dx of the huge groups is ~1e-38 (fp32 subnormal range): compare relative to each group.
-    dxn = dx.asnumpy().astype(np.float64).reshape(2, G, -1)
-    rdxn = rdx.reshape(2, G, -1)
-    for n in range(2):
-        for g in range(G):
-            s = np.abs(rdxn[n, g]).max()
-            np.testing.assert_allclose(dxn[n, g], rdxn[n, g], rtol=1e-3, atol=1e-3 * s + 1e-44)
-
+# Degenerate and extreme groups: one-element and 2-4 element groups at large offsets, fp32
+# statistics that overflow, constant groups, long fp16 groups and NaN/Inf confinement are the shared
+# edge cases of tests/edge_cases.py (run on every context by test_edge_cases.py and on the CUDA
+# kernels by tests/gpu/test_gpu_edge_cases.py). Here: what only the CPU kernels have (threads).
 
 def test_threads_sharing_groups_with_activation_and_overflow():
     """Two OpenMP threads on fewer groups than threads (the cooperative path: each thread takes a

@@ -5,7 +5,13 @@
  * dtype codes are gn_mx::DType (0 float32, 1 float64, 2 float16). Pointers are raw device pointers,
  * `stream` a cudaStream_t (torch.cuda.current_stream().cuda_stream). Every function returns nullptr
  * on success or the kernel's error string; *_workspace return bytes.
+ *
+ * gnh_alloc / gnh_free / gnh_copy / gnh_synchronize let a driver without torch (tests/gpu/
+ * harness_np.py: numpy arrays, the shared edge cases) move data to and from the device; in the CPU
+ * emulator build device memory is host memory.
  */
+#include <cuda_runtime.h>
+
 #include <cstddef>
 #include <cstdint>
 
@@ -16,6 +22,35 @@
 using namespace gn_mx;
 
 #define GNH_API extern "C" __attribute__((visibility("default")))
+
+// ---- Device memory (drivers without torch) -------------------------------------------------------
+
+static const char* cuda_result(cudaError_t e) {
+  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+}
+
+GNH_API int gnh_device_count() {
+  int n = 0;
+  return cudaGetDeviceCount(&n) == cudaSuccess ? n : 0;
+}
+
+// nullptr (and the error string in *err) on failure.
+GNH_API void* gnh_alloc(size_t bytes, const char** err) {
+  void* p = nullptr;
+  const char* e = cuda_result(cudaMalloc(&p, bytes > 0 ? bytes : 1));
+  if (err) *err = e;
+  return e ? nullptr : p;
+}
+
+GNH_API const char* gnh_free(void* p) { return cuda_result(cudaFree(p)); }
+
+// to_device != 0: host src -> device dst; else device src -> host dst (synchronous).
+GNH_API const char* gnh_copy(void* dst, const void* src, size_t bytes, int to_device) {
+  return cuda_result(cudaMemcpy(dst, src, bytes,
+                                to_device ? cudaMemcpyHostToDevice : cudaMemcpyDeviceToHost));
+}
+
+GNH_API const char* gnh_synchronize() { return cuda_result(cudaDeviceSynchronize()); }
 
 GNH_API size_t gnh_moments_workspace(int dtype, const void* x, int64_t N, int64_t C, int64_t G,
                                      int64_t S) {

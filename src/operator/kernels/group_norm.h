@@ -17,6 +17,16 @@
  * Each computation has the same shape on both devices: `X_cpu(args)` / `X_cuda(args, stream)`, and,
  * where scratch is needed, `X_workspace_cpu/cuda(args)` bytes passed in `args.workspace`.
  *
+ * Numerical guarantees (both devices, forward and backward, every dtype, with or without the
+ * activation; docs/numerics.md, checked on both by the one case list tests/edge_cases.py):
+ * one-element groups exact (out = act(beta), dx = dmean); 2-4 element groups within float32
+ * rounding of the float64 result at any offset; float32 data up to |x| = 3.4e38 normalized (its
+ * statistics recomputed instead of overflowing to NaN); NaN/Inf confined to their group. Both get
+ * them from the same float64 recomputation of the groups gn_exact_group (group_norm_math.h)
+ * selects; gn_moments likewise by gn_exact_moments (2-4 element groups' mean and variance within
+ * float32 rounding; |x| ~ 2e38: the right mean, variance inf, beyond float32). gn_moments' backward
+ * uses the saved (accumulation-dtype) mean on both devices.
+ *
  * CUDA workspace: the forward statistics of a large group are split across several blocks when N*G
  * alone cannot fill the GPU (Stable-Diffusion UNet: N=2, G=32 -> 64 groups on 132 SMs); the blocks'
  * partial Welford states live in the workspace. Its size depends on the current device's SM count
@@ -30,6 +40,17 @@
 #include "../common/acc_type.h"
 
 namespace gn_mx {
+
+// Error strings of these entry points: one wording per rule, the same on both devices, no prefix
+// (the adapter adds the op name once). A parameter dtype other than the data dtype (or fp32 with
+// fp16 data) gets dispatch.h's kBadParamDtype on both.
+constexpr const char* kGnNeedsWorkspace = "backward needs a workspace";
+constexpr const char* kGnWorkspaceAlign = "workspace must be 16-byte aligned";
+constexpr const char* kGnActNeedsBeta = "backward with an activation needs beta";
+// CUDA only: 32-bit offsets inside a group and a 32-bit grid of groups.
+constexpr const char* kGnCudaGroupLimit =
+    "the CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
+constexpr const char* kGnCudaGroupsLimit = "the CUDA kernels need N * num_groups < 2^31";
 
 // Fused activation of gn_group_norm (attribute act_type: 'none', 'relu', 'silu').
 enum class Act : int { kNone = 0, kRelu = 1, kSilu = 2 };

@@ -27,15 +27,14 @@
  * channel coefficients instead of one primitive call per channel.
  *
  * Exactly recomputed groups (exact_fwd / exact_bwd: scalar, float64, moments around the group's
- * first element, so x - x0 is exact for nearby values):
- *   - tiny groups (M <= kTinyGroup elements, e.g. (N, C) data with num_groups = C or C/2): a
- *     one-element group outputs exactly act(beta) with dx = dmean (x - mean = 0), and 2-4 element
- *     groups with |mean| >> spread are within float32 rounding of the float64 result;
- *   - float32/float16 groups whose fp32 statistics overflow (|x| ~ 1e19 .. 3e38: sum or sum of
- *     squares is inf, so var = inf and rstd = 0 would silently output beta) and, in backward, groups
- *     with rstd < kMinRstd (rstd^3 would underflow in fp32).
+ * first element, so x - x0 is exact for nearby values): the groups gn_exact_group selects
+ * (group_norm_math.h, the one rule of both twins): tiny groups (M <= 4, e.g. (N, C) data with
+ * num_groups = C or C/2: one-element groups exact, 2-4 element groups within float32 rounding at
+ * any offset) and float32/float16 groups whose statistics overflow (|x| ~ 1e19 .. 3e38), hold
+ * NaN/Inf, have rstd < 1e-12 (rstd^3 would underflow) or |mean| rstd > 2^24.
  *   Backward of these groups recomputes the statistics from x (the fp32 mean is rounded), so it
- *   also needs eps. The common path pays one compare per group.
+ *   also needs eps. The common path pays a few compares per group. gn_moments recomputes the
+ *   groups gn_exact_moments selects (tiny, non-finite statistics) the same way.
  * Fused activation (act_type): the primitives' act_* tables; the forward writes act(z), the backward
  * recomputes z = x * a_c + b_c and g = dy * act'(z) in registers in both of its passes.
  */
@@ -61,8 +60,6 @@ constexpr int64_t kBuf = 512;              // AccT buffer length of the buffered
 constexpr int64_t kMinParallel = 1 << 14;  // fewer elements than this: no OpenMP fork
 constexpr int64_t kMinCoopGroup = 1 << 13; // smallest group that threads share
 constexpr int64_t kSliceAlign = 64;        // slice boundaries (elements) of a shared group
-constexpr int64_t kTinyGroup = 4;          // groups of at most this many elements: exact path
-constexpr double kMinRstd = 1e-12;         // backward: smaller rstd (var > 1e24) takes the exact path
 // Outputs of at least this many bytes are written with streaming stores: they cannot stay in cache
 // anyway, and streaming saves the read-for-ownership of every output line (1/3 of the traffic).
 // Forward keeps y cached up to 8 MB (the next layer reads it; x + y fit a typical L3); backward's
@@ -147,9 +144,10 @@ inline void for_elements(int64_t i0, int64_t len, int64_t S, F&& f) {
 // ------------------------------------------------------------------------------------------------
 // Exactly recomputed groups (see the header comment)
 
-// Group statistics in float64 around x0 = xg[0]: *d = mean - x0, *r = rstd.
+// Group statistics in float64 around x0 = xg[0]: *d = mean - x0, *r = rstd (and *var).
 template <typename T>
-void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, double* r) {
+void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, double* r,
+                 double* var = nullptr) {
   *x0 = static_cast<double>(to_acc(xg[0]));
   double s = 0;
   for (int64_t i = 0; i < M; ++i) s += static_cast<double>(to_acc(xg[i])) - *x0;
@@ -160,6 +158,16 @@ void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, doub
     q += c * c;
   }
   *r = 1.0 / std::sqrt(q / static_cast<double>(M) + eps);
+  if (var) *var = q / static_cast<double>(M);
+}
+
+// gn_moments of a group gn_exact_moments selects.
+template <typename T>
+void exact_moments(const T* xg, int64_t M, AccT<T>* mean, AccT<T>* var) {
+  double x0, d, r, v;
+  exact_stats(xg, M, 0.0, &x0, &d, &r, &v);
+  *mean = static_cast<AccT<T>>(x0 + d);
+  *var = static_cast<AccT<T>>(v);
 }
 
 template <typename T, int ACT>
@@ -173,8 +181,9 @@ void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<
   for (int64_t c = 0; c < D; ++c) {
     const double ga = gam[c], be = bet[c];
     for (int64_t s = c * S; s < (c + 1) * S; ++s) {
-      const double xc = (static_cast<double>(to_acc(xg[s])) - x0) - d;  // exactly 0 when M == 1
-      yg[s] = from_acc<T>(static_cast<A>(gn_act<ACT>((xc * r) * ga + be)));
+      // exactly 0 when M == 1
+      const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[s])), x0, d);
+      yg[s] = from_acc<T>(static_cast<A>(gn_act<ACT>(gn_exact_z(xc, r, ga, be))));
     }
   }
 }
@@ -190,7 +199,7 @@ void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double e
   exact_stats(xg, M, eps, &x0, &d, &r);
   auto grad = [&](int64_t s, double xc, double ga, double be) {
     const double dy = static_cast<double>(to_acc(dyg[s]));
-    return gn_act_grad<ACT>((xc * r) * ga + be, dy);
+    return gn_act_grad<ACT>(gn_exact_z(xc, r, ga, be), dy);
   };
   if (M == 1) {  // x - mean = 0: out = act(beta), d out/dx = 0; only mean (= x) passes dmean on
     dgs[0] = A(0);
@@ -203,7 +212,7 @@ void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double e
     const double ga = gam[c], be = bet[c];
     double s1 = 0, s2 = 0;
     for (int64_t s = c * S; s < (c + 1) * S; ++s) {
-      const double xc = (static_cast<double>(to_acc(xg[s])) - x0) - d;
+      const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[s])), x0, d);
       const double g = grad(s, xc, ga, be);
       s1 += g * xc;
       s2 += g;
@@ -218,7 +227,7 @@ void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double e
   for (int64_t c = 0; c < D; ++c) {
     const double ga = gam[c], be = bet[c];
     for (int64_t s = c * S; s < (c + 1) * S; ++s) {
-      const double xc = (static_cast<double>(to_acc(xg[s])) - x0) - d;
+      const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[s])), x0, d);
       dxg[s] = from_acc<T>(static_cast<A>(r * ga * grad(s, xc, ga, be) + c2 * xc + c3));
     }
   }
@@ -226,16 +235,12 @@ void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double e
 
 // Forward statistics that overflowed the fp32 accumulators (or any group of a tiny size).
 template <typename T>
-bool fwd_needs_exact(const Welford<AccT<T>>& w, int64_t M) {
-  if (M <= kTinyGroup) return true;
-  if (std::is_same<T, double>::value) return false;
-  return !(std::isfinite(w.m2) && std::isfinite(w.mean));
+bool fwd_needs_exact(const Welford<AccT<T>>& w, AccT<T> eps, int64_t M) {
+  return gn_exact_group<T>(w.mean, gn_rstd<AccT<T>>(w.var(), eps), M);
 }
 template <typename T>
-bool bwd_needs_exact(AccT<T> r, int64_t M) {
-  if (M <= kTinyGroup) return true;
-  if (std::is_same<T, double>::value) return false;
-  return !(r >= static_cast<AccT<T>>(kMinRstd) && std::isfinite(r));
+bool bwd_needs_exact(AccT<T> mu, AccT<T> r, int64_t M) {
+  return gn_exact_group<T>(mu, r, M);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -297,8 +302,8 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
       for (int64_t ng = 0; ng < NG; ++ng) {
         const int64_t g = ng % G;
         const T* xg = x + ng * M;
-        const Welford<A> w = M <= kTinyGroup ? Welford<A>() : range_moments(P, xg, M);
-        if (fwd_needs_exact<T>(w, M)) {
+        const Welford<A> w = M <= kGnExactGroup ? Welford<A>() : range_moments(P, xg, M);
+        if (fwd_needs_exact<T>(w, eps, M)) {
           exact_fwd<T, ACT>(xg, y + ng * M, D, S, a.eps, gam + g * D, bet + g * D, mean + ng,
                             rstd + ng);
           continue;
@@ -326,7 +331,7 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
       barrier();
       Welford<A> w;
       for (int u = 0; u < T_; ++u) w.merge(pp[u]);
-      if (fwd_needs_exact<T>(w, M)) {  // every thread sees the same w: thread 0 does the group
+      if (fwd_needs_exact<T>(w, eps, M)) {  // every thread sees the same w: thread 0 does the group
         if (t == 0)
           exact_fwd<T, ACT>(xg, y + ng * M, D, S, a.eps, gam + g * D, bet + g * D, mean + ng,
                             rstd + ng);
@@ -361,6 +366,7 @@ void moments_typed(const MomentsArgs& a) {
       const Welford<A> w = range_moments(P, x + ng * M, M);
       mean[ng] = w.mean;
       var[ng] = w.var();
+      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
     }
     return;
   }
@@ -378,6 +384,7 @@ void moments_typed(const MomentsArgs& a) {
       for (int u = 0; u < T_; ++u) w.merge(part[ng * pl.nt + u]);
       mean[ng] = w.mean;
       var[ng] = w.var();
+      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
     }
   }
 }
@@ -539,7 +546,7 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
       for (int64_t ng = 0; ng < NG; ++ng) {
         const int64_t n = ng / G, g = ng % G;
         const A mu = mean[ng], r = rstd[ng];
-        if (bwd_needs_exact<T>(r, M)) {
+        if (bwd_needs_exact<T>(mu, r, M)) {
           exact(ng);
           continue;
         }
@@ -577,7 +584,7 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
       for (int64_t ng = 0; ng < NG; ++ng) {
         const int64_t n = ng / G, g = ng % G;
         const A mu = mean[ng], r = rstd[ng];
-        if (bwd_needs_exact<T>(r, M)) {  // decided from saved values: the same on every thread
+        if (bwd_needs_exact<T>(mu, r, M)) {  // decided from saved values: the same on every thread
           if (t == 0) exact(ng);
           continue;
         }
@@ -710,9 +717,8 @@ const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a) {
 
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (a.workspace == nullptr) return "backward needs a workspace";
-  if (a.act != Act::kNone && a.beta == nullptr)
-    return "backward with an activation needs beta";
+  if (a.workspace == nullptr) return kGnNeedsWorkspace;
+  if (a.act != Act::kNone && a.beta == nullptr) return kGnActNeedsBeta;
   return cpu::dispatch_data_param<BwdRun>(a);
 }
 

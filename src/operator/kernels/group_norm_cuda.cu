@@ -23,6 +23,18 @@
  * dx = c1_c dy + c2 (x - mu) + c3 over their chunk, and C/256 extra blocks that reduce dgamma/dbeta
  * over n from the same row sums. Two launches.
  *
+ * Exactly recomputed groups (gn_exact_group: 1-4 elements; fp16/fp32 statistics that overflowed or
+ * are not finite, rstd < 1e-12, |mean| rstd > 2^24): their float64 mean/rstd are the outputs
+ * (written by the stats kernel, or by the apply kernel's first chunk for split groups), and every
+ * block that meets such a group (decided again from the saved statistics) recomputes them from x in
+ * float64 (exact_stats) and takes the float64 path of group_norm_cpu.cc's exact_fwd / exact_bwd;
+ * rows of such groups hand dgamma their sum g xhat instead of sum g (x - mu). gn_moments: the same
+ * for the groups gn_exact_moments selects (stats kernel or split-finalize kernel).
+ * NB: the float64 path lives in the same kernels (no extra launch), which raised their register
+ * counts (ptxas, sm_80, nvcc 13: bwd_row_sums 29-32 -> 38-48, fwd_apply 27-32 -> 32-44, stats 26 ->
+ * 39 for the scalar variants; at 256 threads, more than 32 registers means fewer than 8 resident
+ * blocks per SM). Not yet measured on a GPU; moving it to __noinline__ helpers measured worse.
+ *
  * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
  * z = x * a_c + b_c; both backward kernels recompute z from x, mean, rstd, gamma, beta and use
  * g = dy * act'(z) in place of dy (same formulas as the CPU twin; nothing extra is saved).
@@ -129,19 +141,145 @@ __device__ __forceinline__ Welford<A> warp_merge_partials(const A* __restrict__ 
   return warp_welford(w);
 }
 
+// ------------------------------------------------------------------------------------------------
+// Exactly recomputed groups (gn_exact_group, group_norm_math.h): the twin of group_norm_cpu.cc's
+// exact_fwd / exact_bwd, same float64 formulas. The rare path (tiny groups, float32 statistics that
+// overflowed, NaN/Inf): scalar loads, sums over a team of kTeam consecutive threads (1, a warp or
+// the block) with a fixed tree (deterministic). Every block or team that needs a group's exact
+// statistics recomputes them from x, so kernels need no extra workspace or launch for them.
+
+template <int kTeam, typename V>
+__device__ __forceinline__ V team_sum(V v) {
+  if constexpr (kTeam == 1) {
+    return v;
+  } else if constexpr (kTeam == kWarp) {
+    return warp_sum<kWarp>(v);
+  } else {
+    static_assert(kTeam == kBlock, "team: 1, a warp or the block");
+    return block_sum<kBlock>(v);
+  }
+}
+
+struct ExactStats {
+  double x0, d, r, var;  // mean = x0 + d, rstd = r = 1 / sqrt(var + eps)
+};
+
+// Statistics of the L elements at xg around xg[0]; every thread of the team gets them.
+template <int kTeam, typename T>
+__device__ __forceinline__ ExactStats exact_stats(const T* __restrict__ xg, uint32_t L,
+                                                  double eps) {
+  const uint32_t lane = threadIdx.x % kTeam;
+  ExactStats st;
+  st.x0 = static_cast<double>(to_acc(xg[0]));
+  double s = 0;
+  for (uint32_t i = lane; i < L; i += kTeam) s += static_cast<double>(to_acc(xg[i])) - st.x0;
+  st.d = team_sum<kTeam>(s) / static_cast<double>(L);
+  double q = 0;
+  for (uint32_t i = lane; i < L; i += kTeam) {
+    const double c = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
+    q += c * c;
+  }
+  st.var = team_sum<kTeam>(q) / static_cast<double>(L);
+  st.r = 1.0 / gn_sqrt(st.var + eps);
+  return st;
+}
+
+// gamma_c, beta_c of an exactly recomputed group in float64 (beta is read only with an activation:
+// the backward gets no beta without one).
+template <int ACT, typename P>
+__device__ __forceinline__ void exact_params(const P* __restrict__ gamma,
+                                             const P* __restrict__ beta, uint32_t c, double* ga,
+                                             double* be) {
+  *ga = static_cast<double>(to_acc(gamma[c]));
+  *be = ACT != kActNone ? static_cast<double>(to_acc(beta[c])) : 0.0;
+}
+
+// g = dy * act'(z) of element i (channel i / S) of an exactly recomputed group, and its xc.
+template <int ACT, typename T, typename P>
+__device__ __forceinline__ double exact_grad(const T* __restrict__ xg, const T* __restrict__ dyg,
+                                             const P* __restrict__ gamma,
+                                             const P* __restrict__ beta, const ExactStats& st,
+                                             uint32_t i, uint32_t S, double* xc, double* ga) {
+  double be;
+  exact_params<ACT>(gamma, beta, i / S, ga, &be);
+  *xc = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
+  return gn_act_grad<ACT>(gn_exact_z(*xc, st.r, *ga, be), static_cast<double>(to_acc(dyg[i])));
+}
+
+// Forward of elements [begin, end) of an exactly recomputed group (the whole block).
+template <int ACT, typename T, typename P>
+__device__ __forceinline__ void exact_fwd_range(const T* __restrict__ xg, T* __restrict__ yg,
+                                                const P* __restrict__ gamma,
+                                                const P* __restrict__ beta, const ExactStats& st,
+                                                uint32_t begin, uint32_t end, uint32_t S) {
+  for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) {
+    const double ga = static_cast<double>(to_acc(gamma[i / S]));
+    const double be = static_cast<double>(to_acc(beta[i / S]));
+    const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
+    yg[i] = from_acc<T>(static_cast<AccT<T>>(gn_act<ACT>(gn_exact_z(xc, st.r, ga, be))));
+  }
+}
+
+// Backward dx over [begin, end) of an exactly recomputed group of L elements (the whole block):
+// the group sums sum gamma_c g xc and sum gamma_c g over all of it, then dx (= dmean when L = 1).
+template <int ACT, typename T, typename P>
+__device__ __forceinline__ void exact_bwd_range(const T* __restrict__ xg,
+                                                const T* __restrict__ dyg, T* __restrict__ dxg,
+                                                const P* __restrict__ gamma,
+                                                const P* __restrict__ beta, double dmean_o,
+                                                double drstd_o, double eps, uint32_t L, uint32_t S,
+                                                uint32_t begin, uint32_t end) {
+  const ExactStats st = exact_stats<kBlock>(xg, L, eps);
+  Pair<double> ab{0.0, 0.0};
+  for (uint32_t i = threadIdx.x; i < L; i += kBlock) {
+    double xc, ga;
+    const double g = exact_grad<ACT>(xg, dyg, gamma, beta, st, i, S, &xc, &ga);
+    ab.a += ga * g * xc;
+    ab.b += ga * g;
+  }
+  ab = block_sum<kBlock>(ab);
+  double c2, c3;
+  gn_bwd_coeffs<double>(ab.a, ab.b, st.r, 1.0 / static_cast<double>(L), dmean_o, drstd_o, &c2,
+                        &c3);
+  for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) {
+    double xc, ga;
+    const double g = exact_grad<ACT>(xg, dyg, gamma, beta, st, i, S, &xc, &ga);
+    // one element: x - mean = 0, out = act(beta): only the mean output passes dmean on
+    const double dx = L == 1 ? dmean_o : gn_bwd_dx<double>(st.r * ga, c2, c3, 0.0, g, xc);
+    dxg[i] = from_acc<T>(static_cast<AccT<T>>(dx));
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward statistics
+
 enum StatsMode : int { kStatsPartial = 0, kStatsMeanVar = 1, kStatsMeanRstd = 2 };
 
 // Grid (N*G, splits). Block (ng, k) covers elements [k*chunk, (k+1)*chunk) of group ng.
+// kStatsMeanRstd / kStatsMeanVar (splits = 1) write the exact statistics of the groups that
+// gn_exact_group / gn_exact_moments select (the apply kernel recomputes those groups' y).
 template <typename T, int V>
 __global__ void __launch_bounds__(kBlock)
-stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, AccT<T> eps,
+stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, double eps,
              AccT<T>* __restrict__ mean, AccT<T>* __restrict__ second, AccT<T>* __restrict__ part) {
   using A = AccT<T>;
   const int64_t ng = blockIdx.x;
   const uint32_t begin = blockIdx.y * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   Welford<A> w = thread_moments<T, V, A>(x + ng * L, begin, end);
-  w = block_welford<kBlock>(w);
+  w = block_welford<kBlock>(w);  // every thread gets it: the exact decision is block-uniform
+  const bool exact =
+      (mode == kStatsMeanRstd &&
+       gn_exact_group<T>(w.mean, gn_rstd(w.var(), static_cast<A>(eps)), L)) ||
+      (mode == kStatsMeanVar && gn_exact_moments<T>(w.mean, w.var(), L));
+  if (exact) {
+    const ExactStats st = exact_stats<kBlock>(x + ng * L, static_cast<uint32_t>(L), eps);
+    if (threadIdx.x == 0) {
+      mean[ng] = static_cast<A>(st.x0 + st.d);
+      second[ng] = static_cast<A>(mode == kStatsMeanVar ? st.var : st.r);
+    }
+    return;
+  }
   if (threadIdx.x != 0) return;
   if (mode == kStatsPartial) {
     A* p = part + (ng * gridDim.y + blockIdx.y) * 3;
@@ -150,21 +288,30 @@ stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, AccT<
     p[2] = w.m2;
   } else {
     mean[ng] = w.mean;
-    second[ng] = mode == kStatsMeanVar ? w.var() : gn_rstd(w.var(), eps);
+    second[ng] = mode == kStatsMeanVar ? w.var() : gn_rstd(w.var(), static_cast<A>(eps));
   }
 }
 
-// gn_moments with split groups: one warp per group merges the partial states.
-template <typename A>
+// gn_moments with split groups: one warp per group merges the partial states (and recomputes the
+// groups gn_exact_moments selects from x).
+template <typename T>
 __global__ void __launch_bounds__(kBlock)
-moments_finalize_kernel(const A* __restrict__ part, int splits, int64_t NG, A* __restrict__ mean,
-                        A* __restrict__ var) {
+moments_finalize_kernel(const AccT<T>* __restrict__ part, int splits, int64_t NG,
+                        AccT<T>* __restrict__ mean, AccT<T>* __restrict__ var,
+                        const T* __restrict__ x, int64_t L) {
+  using A = AccT<T>;
   const int64_t ng = int64_t(blockIdx.x) * kNumWarps + threadIdx.x / kWarp;
   if (ng >= NG) return;  // whole warps leave together
   const Welford<A> w = warp_merge_partials(part, ng, splits);
+  A m = w.mean, v = w.var();
+  if (gn_exact_moments<T>(m, v, L)) {  // warp-uniform
+    const ExactStats st = exact_stats<kWarp>(x + ng * L, static_cast<uint32_t>(L), 0.0);
+    m = static_cast<A>(st.x0 + st.d);
+    v = static_cast<A>(st.var);
+  }
   if (threadIdx.x % kWarp == 0) {
-    mean[ng] = w.mean;
-    var[ng] = w.var();
+    mean[ng] = m;
+    var[ng] = v;
   }
 }
 
@@ -250,15 +397,10 @@ struct FwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r;
-  bool single;     // one-element group: x - mean = 0, out = act(beta) exactly (a = 0, b = beta)
   __device__ __forceinline__ Coef coef(uint32_t c) const {
     Coef cf;
     gn_fwd_coeffs<A>(mu, r, static_cast<A>(to_acc(gamma[c])), static_cast<A>(to_acc(beta[c])),
                      &cf.a, &cf.b);
-    if (single) {
-      cf.a = A(0);
-      cf.b = static_cast<A>(to_acc(beta[c]));
-    }
     return cf;
   }
   __device__ __forceinline__ A operator()(const Coef& cf, A x, A) const {
@@ -267,12 +409,13 @@ struct FwdOp {
 };
 
 // Grid (N*G, chunks). With splits > 1 the block first merges the group's partial states (and the
-// chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them.
+// chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them (exact ones for
+// the groups gn_exact_group selects, which it then selects again here: see group_norm_math.h).
 template <typename T, typename P, int V, int ACT>
 __global__ void __launch_bounds__(kBlock)
 fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* __restrict__ beta,
                  T* __restrict__ y, AccT<T>* __restrict__ mean, AccT<T>* __restrict__ rstd,
-                 const AccT<T>* __restrict__ part, int splits, AccT<T> eps, int64_t L, uint32_t S,
+                 const AccT<T>* __restrict__ part, int splits, double eps, int64_t L, uint32_t S,
                  int64_t G, uint32_t D, uint32_t chunk) {
   using A = AccT<T>;
   __shared__ A s_mu, s_r;
@@ -285,23 +428,33 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
       const Welford<A> w = warp_merge_partials(part, ng, splits);
       if (threadIdx.x == 0) {
         s_mu = w.mean;
-        s_r = gn_rstd(w.var(), eps);
-        if (piece == 0) {
-          mean[ng] = s_mu;
-          rstd[ng] = s_r;
-        }
+        s_r = gn_rstd(w.var(), static_cast<A>(eps));
       }
     }
-    __syncthreads();
   } else if (threadIdx.x == 0) {
     s_mu = mean[ng];
     s_r = rstd[ng];
   }
-  if (splits <= 1) __syncthreads();
+  __syncthreads();
+  const A mu = s_mu, r = s_r;
+  const bool publish = splits > 1 && piece == 0 && threadIdx.x == 0;
   const int64_t g = ng % G;
-  FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, s_mu, s_r, L == 1};
   const uint32_t begin = piece * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  if (gn_exact_group<T>(mu, r, L)) {  // block-uniform
+    const ExactStats st = exact_stats<kBlock>(x + ng * L, static_cast<uint32_t>(L), eps);
+    if (publish) {
+      mean[ng] = static_cast<A>(st.x0 + st.d);
+      rstd[ng] = static_cast<A>(st.r);
+    }
+    exact_fwd_range<ACT>(x + ng * L, y + ng * L, gamma + g * D, beta + g * D, st, begin, end, S);
+    return;
+  }
+  if (publish) {
+    mean[ng] = mu;
+    rstd[ng] = r;
+  }
+  FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, mu, r};
   map_group<T, V, 1>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
 }
 
@@ -329,23 +482,59 @@ moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
   map_group<T, V, 1>(x + ng * L, nullptr, dx + ng * L, begin, end, S, op);
 }
 
+// Row sums of an exactly recomputed group's row (n, c) over elements [begin, end), for backward
+// kernel 1: (sum g xhat, sum g) on the team's lane 0 (kernel 2 then takes dgamma's share without
+// multiplying by rstd), zeros on the other lanes. Every lane of the team calls it.
+template <int kTeam, int ACT, typename T, typename P>
+__device__ __forceinline__ Pair<AccT<T>> exact_row_sums(const T* __restrict__ dy,
+                                                        const T* __restrict__ x,
+                                                        const P* __restrict__ gamma,
+                                                        const P* __restrict__ beta, int64_t row,
+                                                        int64_t C, uint32_t S, uint32_t D,
+                                                        uint32_t begin, uint32_t end, double eps) {
+  using A = AccT<T>;
+  const uint32_t lane = threadIdx.x % kTeam;
+  const uint32_t L = D * S, cl = static_cast<uint32_t>(row % D);  // channel within the group
+  const int64_t base = (row / D) * L;                              // row / D = n*G + g
+  const int64_t c0 = row % C - cl;                                 // the group's first channel
+  const ExactStats st = exact_stats<kTeam>(x + base, L, eps);
+  Pair<double> e{0.0, 0.0};
+  for (uint32_t i = begin + lane; i < end; i += kTeam) {
+    double xc, ga;
+    const double g = exact_grad<ACT>(x + base, dy + base, gamma + c0, beta + c0, st, cl * S + i, S,
+                                     &xc, &ga);
+    e.a += g * xc;
+    e.b += g;
+  }
+  e = team_sum<kTeam>(e);
+  if (lane != 0) return Pair<A>{A(0), A(0)};
+  return Pair<A>{static_cast<A>(e.a * st.r), static_cast<A>(e.b)};
+}
+
 // Backward kernel 1. Rows (n, c) of S elements, kTeam threads per row (1, 32 or kBlock), rows split
 // into gridDim.y pieces of `chunk` elements. Writes part[(row*splits + k)*2 + {0, 1}] = (dsc, db).
 // With an activation, g = dy * act'(x * a_c + b_c) replaces dy (gamma, beta, rstd, C are read only
-// then).
+// then). Rows of exactly recomputed groups (gn_exact_group; team-uniform) write (sum g xhat, sum g).
 template <typename T, typename P, int V, int kTeam, int ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                     const AccT<T>* __restrict__ mean, const AccT<T>* __restrict__ rstd,
                     const P* __restrict__ gamma, const P* __restrict__ beta,
                     AccT<T>* __restrict__ part, int64_t rows, int64_t C, uint32_t S, uint32_t D,
-                    uint32_t chunk) {
+                    uint32_t chunk, double eps) {
   using A = AccT<T>;
   constexpr int kRowsPerBlock = kBlock / kTeam;
   const int64_t row = int64_t(blockIdx.x) * kRowsPerBlock + threadIdx.x / kTeam;
   const uint32_t lane = threadIdx.x % kTeam;
   Pair<A> acc{A(0), A(0)};
-  if (row < rows) {
+  const bool exact =
+      row < rows && gn_exact_group<T>(mean[row / D], rstd[row / D], int64_t(D) * S);
+  if (exact) {
+    const uint32_t begin = blockIdx.y * chunk;
+    const uint32_t end = static_cast<uint32_t>(imin<int64_t>(S, int64_t(begin) + chunk));
+    acc = exact_row_sums<kTeam, ACT>(dy, x, gamma, beta, row, C, S, D, begin, end, eps);
+  }
+  if (row < rows && !exact) {
     const A mu = mean[row / D];  // row = n*C + c, so row / D = n*G + g
     A ca = A(1), cb = A(0);
     if (ACT != kActNone) {
@@ -406,11 +595,10 @@ struct BwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r, c2, c3;
-  bool single;     // one-element group: d out / dx = 0 exactly (c1 = 0, c2 = 0, c3 = dmean)
   __device__ __forceinline__ Coef coef(uint32_t c) const {
     Coef cf;
     const A gm = static_cast<A>(to_acc(gamma[c]));
-    cf.c1 = single ? A(0) : r * gm;
+    cf.c1 = r * gm;
     cf.a = A(1);
     cf.b = A(0);
     if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
@@ -422,7 +610,8 @@ struct BwdOp {
 };
 
 // Backward kernel 2. Grid (param_blocks + N*G, chunks): blocks x < param_blocks (y == 0 only) reduce
-// dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group.
+// dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group (exactly
+// recomputed groups: exact_bwd_range, from x and dy alone).
 template <typename T, typename P, int V, int ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
@@ -431,8 +620,9 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
               const P* __restrict__ beta,
               const AccT<T>* __restrict__ part, int rsplits, T* __restrict__ dx,
               P* __restrict__ dgamma, P* __restrict__ dbeta, int64_t N, int64_t C, int64_t G,
-              uint32_t D, uint32_t S, uint32_t chunk) {
+              uint32_t D, uint32_t S, uint32_t chunk, double eps) {
   using A = AccT<T>;
+  const int64_t L = int64_t(D) * S;
   const int64_t NG = N * G;
   const int64_t pblocks = int64_t(gridDim.x) - NG;
   if (int64_t(blockIdx.x) < pblocks) {
@@ -448,7 +638,9 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
         ds += p[2 * k];
         db += p[2 * k + 1];
       }
-      sg += ds * rstd[n * G + g];
+      // exactly recomputed groups' rows already hold sum g xhat (see bwd_row_sums_kernel)
+      const A r = rstd[n * G + g];
+      sg += gn_exact_group<T>(mean[n * G + g], r, L) ? ds : ds * r;
       sb += db;
     }
     if (dgamma) dgamma[c] = from_acc<P>(sg);
@@ -460,6 +652,14 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   const int64_t g = ng % G;
   const int64_t row0 = ng * D;  // (n*C + g*D)
   const P* gg = gamma + g * D;
+  const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
+  const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  const A dmean_g = dmean_o ? dmean_o[ng] : A(0), drstd_g = drstd_o ? drstd_o[ng] : A(0);
+  if (gn_exact_group<T>(mean[ng], rstd[ng], L)) {  // block-uniform
+    exact_bwd_range<ACT>(x + ng * L, dy + ng * L, dx + ng * L, gg, beta + g * D, dmean_g, drstd_g,
+                         eps, static_cast<uint32_t>(L), S, begin, end);
+    return;
+  }
   Pair<A> ab{A(0), A(0)};
   for (uint32_t d = threadIdx.x; d < D; d += kBlock) {
     const A* p = part + (row0 + d) * rsplits * 2;
@@ -473,21 +673,12 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
     ab.b += gm * db;
   }
   ab = block_sum<kBlock>(ab);
-  const int64_t L = int64_t(D) * S;
   BwdOp<P, A, ACT> op;
   op.gamma = gg;
   op.beta = beta + g * D;
   op.mu = mean[ng];
   op.r = rstd[ng];
-  gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_o ? dmean_o[ng] : A(0),
-                   drstd_o ? drstd_o[ng] : A(0), &op.c2, &op.c3);
-  op.single = L == 1;
-  if (op.single) {  // r gamma g and B r / m cancel only up to rounding: take the exact result
-    op.c2 = A(0);
-    op.c3 = dmean_o ? dmean_o[ng] : A(0);
-  }
-  const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
-  const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_g, drstd_g, &op.c2, &op.c3);
   map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
 }
 
@@ -546,9 +737,8 @@ const char* plan_map(K* k, int64_t NG, int64_t L, int V, int64_t* chunk, int64_t
 const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
   if (N <= 0 || C <= 0 || S <= 0) return "empty tensors are not supported";
   if (G <= 0 || C % G != 0) return "channels must be divisible by num_groups > 0";
-  if ((C / G) * S > kMaxGroup)
-    return "CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
-  if (N * G > kMaxGroup) return "CUDA kernels need N * num_groups < 2^31";
+  if ((C / G) * S > kMaxGroup) return kGnCudaGroupLimit;
+  if (N * G > kMaxGroup) return kGnCudaGroupsLimit;
   return nullptr;
 }
 
@@ -563,7 +753,7 @@ size_t stats_workspace(const void* x, const void* y, int64_t N, int64_t C, int64
 
 template <typename T>
 const char* launch_stats(const T* x, int64_t NG, int64_t L, const StatsPlan& p, int mode,
-                         AccT<T> eps, AccT<T>* mean, AccT<T>* second, AccT<T>* part,
+                         double eps, AccT<T>* mean, AccT<T>* second, AccT<T>* part,
                          cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(p.splits));
   if (p.V > 1)
@@ -585,14 +775,14 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   A* mean = static_cast<A*>(a.mean);
   A* var = static_cast<A*>(a.var);
   if (p.splits <= 1)
-    return launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsMeanVar, A(0), mean, var,
+    return launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsMeanVar, 0.0, mean, var,
                            nullptr, st);
   A* part = static_cast<A*>(ws);
-  if (const char* e = launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsPartial, A(0),
+  if (const char* e = launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsPartial, 0.0,
                                       nullptr, nullptr, part, st))
     return e;
-  moments_finalize_kernel<A><<<static_cast<unsigned>(ceil_div(NG, kNumWarps)), kBlock, 0, st>>>(
-      part, static_cast<int>(p.splits), NG, mean, var);
+  moments_finalize_kernel<T><<<static_cast<unsigned>(ceil_div(NG, kNumWarps)), kBlock, 0, st>>>(
+      part, static_cast<int>(p.splits), NG, mean, var, static_cast<const T*>(a.x), L);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -608,7 +798,7 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   A* mean = static_cast<A*>(a.mean);
   A* rstd = static_cast<A*>(a.rstd);
   A* part = p.splits > 1 ? static_cast<A*>(ws) : nullptr;
-  const A eps = static_cast<A>(a.eps);
+  const double eps = a.eps;
   if (const char* e = launch_stats<T>(x, NG, L, p, p.splits > 1 ? kStatsPartial : kStatsMeanRstd,
                                       eps, mean, rstd, part, st))
     return e;
@@ -714,13 +904,13 @@ const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, rpb)), static_cast<unsigned>(p.splits));
   if (p.team == 1)
     bwd_row_sums_kernel<T, P, 1, 1, ACT><<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, gamma, beta,
-                                                                 part, rows, C, S, D, chunk);
+                                                                 part, rows, C, S, D, chunk, a.eps);
   else if (p.team == kWarp)
     bwd_row_sums_kernel<T, P, V, kWarp, ACT><<<grid, kBlock, 0, st>>>(
-        dy, x, mean, rstd, gamma, beta, part, rows, C, S, D, chunk);
+        dy, x, mean, rstd, gamma, beta, part, rows, C, S, D, chunk, a.eps);
   else
     bwd_row_sums_kernel<T, P, V, kBlock, ACT><<<grid, kBlock, 0, st>>>(
-        dy, x, mean, rstd, gamma, beta, part, rows, C, S, D, chunk);
+        dy, x, mean, rstd, gamma, beta, part, rows, C, S, D, chunk, a.eps);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -728,8 +918,8 @@ const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>
 template <typename T, typename P, int ACT>
 const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  if (a.workspace == nullptr) return "group_norm CUDA backward needs a workspace";
-  if (!aligned16(a.workspace)) return "group_norm CUDA backward workspace must be 16-byte aligned";
+  if (a.workspace == nullptr) return kGnNeedsWorkspace;
+  if (!aligned16(a.workspace)) return kGnWorkspaceAlign;
   RowPlan rp;
   if (const char* e = plan_rows<T, P, ACT>(a, &rp)) return e;
   A* part = static_cast<A*>(a.workspace);
@@ -760,22 +950,18 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.S),
                  ch32 = static_cast<uint32_t>(chunk);
   k<<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx,
-                             dgamma, dbeta, a.N, a.C, a.G, D32, S32, ch32);
+                             dgamma, dbeta, a.N, a.C, a.G, D32, S32, ch32, a.eps);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
 
 template <typename T, typename P>
 const char* bwd_impl(const GroupNormBwdArgs& a, cudaStream_t st) {
-  if (a.act != Act::kNone && a.beta == nullptr)
-    return "group_norm backward with an activation needs beta";
+  if (a.act != Act::kNone && a.beta == nullptr) return kGnActNeedsBeta;
   const char* e = nullptr;
   dispatch_act(a.act, [&](auto act) { e = bwd_impl_act<T, P, decltype(act)::value>(a, st); });
   return e;
 }
-
-constexpr const char* kBadGammaDtype =
-    "gamma/beta dtype must equal the data dtype (or be float32 with float16 data)";
 
 cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 
@@ -814,7 +1000,7 @@ size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
 
 const char* moments_cuda(const MomentsArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (a.workspace && !aligned16(a.workspace)) return "moments CUDA workspace must be 16-byte aligned";
+  if (a.workspace && !aligned16(a.workspace)) return kGnWorkspaceAlign;
   return dispatch_data(a.dtype, [&](auto tag) {
     return moments_impl<decltype(tag)>(a, a.workspace, as_stream(stream));
   });
@@ -829,18 +1015,17 @@ const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream) {
 
 const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
-  if (a.workspace && !aligned16(a.workspace))
-    return "group_norm CUDA forward workspace must be 16-byte aligned";
+  if (a.workspace && !aligned16(a.workspace)) return kGnWorkspaceAlign;
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return fwd_impl<decltype(t), decltype(p)>(a, a.workspace, as_stream(stream));
-  }, kBadGammaDtype);
+  });
 }
 
 const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream) {
   if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return bwd_impl<decltype(t), decltype(p)>(a, as_stream(stream));
-  }, kBadGammaDtype);
+  });
 }
 
 }  // namespace gn_mx

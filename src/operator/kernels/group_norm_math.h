@@ -18,6 +18,13 @@
  * coefficients) and then applies the formulas above with g in place of dy.
  *   relu(z) = z > 0 ? z : 0,  relu'(z) = z > 0 ? 1 : 0   (0 at z = 0, as MXNet's relu)
  *   silu(z) = z * s,  s = sigmoid(z) = 1 / (1 + exp(-z)),  silu'(z) = s * (1 + z * (1 - s))
+ *
+ * Exactly recomputed groups (gn_exact_group; both twins, forward and backward): scalar float64
+ * statistics around the group's first element x0 (x - x0 is exact for nearby values),
+ *   d = mean - x0 = sum (x - x0) / m,  xc = (x - x0) - d,  r = 1 / sqrt(sum xc^2 / m + eps),
+ *   y = act((xc r) gamma_c + beta_c),  dx = r gamma_c g + c2 xc + c3 (the formulas above in float64,
+ *   c2 / c3 from sum gamma_c g xc and sum gamma_c g), dx = dmean for a one-element group.
+ * Which groups: see gn_exact_group.
  */
 #pragma once
 #include <cmath>
@@ -118,6 +125,65 @@ GN_INLINE void gn_bwd_coeffs(A sum_a, A sum_b, A r, A inv_m, A dmean_o, A drstd_
 template <typename A>
 GN_INLINE A gn_bwd_dx(A c1, A c2, A c3, A mu, A dy, A x) {
   return c1 * dy + c2 * (x - mu) + c3;
+}
+
+GN_INLINE bool gn_isfinite(float v) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
+GN_INLINE bool gn_isfinite(double v) {
+#if defined(__CUDA_ARCH__)
+  return isfinite(v);
+#else
+  return std::isfinite(v);
+#endif
+}
+
+// Groups that both twins recompute in float64 (see the header), decided from the group's
+// accumulation-dtype statistics (mean, rstd = 1/sqrt(var + eps)) and size m:
+//   - m <= kGnExactGroup: one-element groups are then exact (x - mean = 0: out = act(beta),
+//     dx = dmean) and 2-4 element groups at any |mean| >> spread are within float32 rounding of the
+//     float64 result (the fp32 mean alone is off by up to ulp(mean)/2, all of the spread at offset
+//     300 with spread 1e-3);
+//   - float32/float16 data only (float64 statistics are kept):
+//       statistics that overflowed (sum or sum of squares inf: mean non-finite or rstd = 0, which
+//       would silently output beta) or NaN/Inf in the group (the result stays NaN, confined to it);
+//       rstd < kGnExactMinRstd (var > 1e24): backward's rstd^3 would underflow in float32;
+//       |mean| rstd > kGnExactMaxOffset: x * (rstd gamma) + (beta - mean rstd gamma) in float32
+//       cancels every digit (and a fp32-overflowed group recomputed to a moderate rstd, e.g. a
+//       constant group at 3e38, lands here, so a decision re-made from saved statistics agrees).
+// The CUDA kernels re-make the decision from saved statistics in later kernels; the listed
+// conditions are chosen so that the recomputed statistics of a group still select it.
+constexpr int64_t kGnExactGroup = 4;
+constexpr double kGnExactMinRstd = 1e-12;
+constexpr double kGnExactMaxOffset = 16777216.0;  // 2^24: float32's 24-bit significand
+
+template <typename T, typename A>
+GN_INLINE bool gn_exact_group(A mean, A rstd, int64_t m) {
+  if (m <= kGnExactGroup) return true;
+  if (std::is_same<T, double>::value) return false;
+  if (!(gn_isfinite(mean) && rstd > A(0) && gn_isfinite(rstd))) return true;
+  return rstd < A(kGnExactMinRstd) || (mean < A(0) ? -mean : mean) * rstd > A(kGnExactMaxOffset);
+}
+
+// gn_moments' groups recomputed in float64 on both devices (its outputs are mean and var, no rstd):
+// m <= kGnExactGroup, and for float32/float16 data a non-finite mean or variance (overflowed
+// statistics: the mean is then right and the variance, beyond float32, inf; or NaN/Inf in the
+// group, which stays confined to it).
+template <typename T, typename A>
+GN_INLINE bool gn_exact_moments(A mean, A var, int64_t m) {
+  if (m <= kGnExactGroup) return true;
+  if (std::is_same<T, double>::value) return false;
+  return !(gn_isfinite(mean) && gn_isfinite(var));
+}
+
+// The exact path's per-element forms (float64): centred value and pre-activation.
+GN_INLINE double gn_exact_xc(double x, double x0, double d) { return (x - x0) - d; }
+GN_INLINE double gn_exact_z(double xc, double r, double gamma_c, double beta_c) {
+  return (xc * r) * gamma_c + beta_c;
 }
 
 // Moments backward: dx = c0 + c1 (x - mu), c0 = dmean / m, c1 = 2 dvar / m.

@@ -1,16 +1,35 @@
 """Rewrite the CUDA sources for the CPU emulator (see include/cuda_emu.h) and build
-libgn_harness_emu.so: python3 tests/gpu/emu/build_emu.py [out_dir]."""
+libgn_harness.so from them and tests/gpu/harness.cc: python3 tests/gpu/emu/build_emu.py [out_dir].
+
+The objects are compiled in parallel (GNMX_JOBS, default: all cores) and cached under
+<out_dir>/obj-<hash>, the hash covering every source and header they read, this script and the
+flags: tests/test_adapter_emu.py and tests/gpu/harness_np.py share them, and an unchanged tree
+rebuilds nothing. The library is replaced atomically (a process that has the old one loaded keeps
+it). GNMX_EMU_DEBUG=1 adds -g.
+"""
+import hashlib
 import os
 import re
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(HERE)))
-OUT = sys.argv[1] if len(sys.argv) > 1 else os.path.join(ROOT, "build", "gpu-emu")
+KDIR = os.path.join(ROOT, "src", "operator", "kernels")
+HARNESS = os.path.join(ROOT, "tests", "gpu", "harness.cc")
+DEFAULT_OUT = os.path.join(ROOT, "build", "gpu-emu")
 
 LAUNCH = re.compile(r"(\b[A-Za-z_]\w*(?:<(?:[^<>;]|<(?:[^<>;]|<[^<>;]*>)*>)*>)?)<<<(.*?)>>>\(",
                     re.S)
+
+
+def flags():
+    """g++ flags of every emulated translation unit."""
+    f = ["-std=c++20", "-O1", "-fPIC", "-mf16c", "-pthread", "-U_FORTIFY_SOURCE", "-D__CUDACC__",
+         "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h", "-I", os.path.join(HERE, "include"),
+         "-I", KDIR, "-I", os.path.join(ROOT, "src", "operator")]
+    return f + (["-g"] if os.environ.get("GNMX_EMU_DEBUG") == "1" else [])
 
 
 def rewrite(src):
@@ -21,29 +40,88 @@ def rewrite(src):
     return s
 
 
-def cuda_sources(kdir):
+def cuda_sources(kdir=KDIR):
     """The CUDA sources, from the one list that CMake and tests/gpu/build.sh read too."""
     with open(os.path.join(kdir, "cuda_sources.txt")) as f:
         names = [line.split("#", 1)[0].strip() for line in f]
     return [os.path.join(kdir, n) for n in names if n]
 
 
+def _inputs_hash(extra=()):
+    h = hashlib.sha256(" ".join(flags()).encode())
+    files = [os.path.abspath(__file__)] + list(extra)
+    for d in (os.path.join(ROOT, "src", "operator"), os.path.join(HERE, "include")):
+        for base, _, names in os.walk(d):
+            files += [os.path.join(base, n) for n in names
+                      if n.endswith((".h", ".cuh", ".cu", ".cc", ".txt"))]
+    for p in sorted(files):
+        h.update(p.encode())
+        with open(p, "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()[:16]
+
+
+def _run(cmd):
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(" ".join(cmd) + "\n" + r.stdout + r.stderr)
+
+
+def _jobs():
+    return int(os.environ.get("GNMX_JOBS") or os.cpu_count() or 2)
+
+
+def compile_objects(out=DEFAULT_OUT, extra_sources=()):
+    """Object files of the listed CUDA sources (rewritten) and of `extra_sources` (plain C++ seen
+    through the emulator, e.g. harness.cc), compiled once per input hash."""
+    cache = os.path.join(out, "obj-" + _inputs_hash(extra_sources))
+    os.makedirs(cache, exist_ok=True)
+    jobs, objs = [], []
+    for src in cuda_sources() + list(extra_sources):
+        stem = os.path.basename(src).rsplit(".", 1)[0]
+        obj = os.path.join(cache, stem + "_emu.o")
+        objs.append(obj)
+        if os.path.exists(obj):
+            continue
+        if src.endswith(".cu"):
+            cc = os.path.join(cache, stem + "_emu.cc")
+            with open(cc, "w") as f:
+                f.write(f'#line 1 "{src}"\n' + rewrite(src))
+        else:
+            cc = src
+        tmp = obj + f".{os.getpid()}.tmp"
+        jobs.append((["g++"] + flags() + ["-c", cc, "-o", tmp], tmp, obj))
+
+    def one(job):
+        cmd, tmp, obj = job
+        _run(cmd)
+        os.replace(tmp, obj)
+
+    if jobs:
+        with ThreadPoolExecutor(max_workers=_jobs()) as ex:
+            list(ex.map(one, jobs))
+    return objs
+
+
+def build_harness(out=DEFAULT_OUT):
+    """libgn_harness.so of the emulated kernels + harness.cc in `out`; returns its path."""
+    objs = compile_objects(out, [HARNESS])
+    lib = os.path.join(out, "libgn_harness.so")
+    stamp = lib + ".inputs"
+    key = os.path.basename(os.path.dirname(objs[0]))
+    if os.path.exists(lib) and os.path.exists(stamp) and open(stamp).read() == key:
+        return lib
+    tmp = lib + f".{os.getpid()}.tmp"
+    _run(["g++", "-shared", "-pthread", "-o", tmp] + objs)
+    os.replace(tmp, lib)
+    with open(stamp, "w") as f:
+        f.write(key)
+    return lib
+
+
 def main():
-    os.makedirs(OUT, exist_ok=True)
-    kdir = os.path.join(ROOT, "src", "operator", "kernels")
-    srcs = []
-    for cu in cuda_sources(kdir):
-        dst = os.path.join(OUT, os.path.basename(cu)[:-3] + "_emu.cc")
-        with open(dst, "w") as f:
-            f.write(f'#line 1 "{cu}"\n' + rewrite(cu))
-        srcs.append(dst)
-    srcs.append(os.path.join(ROOT, "tests", "gpu", "harness.cc"))
-    cmd = ["g++", "-std=c++20", "-O1", "-g", "-fPIC", "-shared", "-mf16c", "-pthread",
-           "-U_FORTIFY_SOURCE", "-D__CUDACC__", "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h",
-           "-I", os.path.join(HERE, "include"), "-I", kdir, "-I", os.path.join(ROOT, "src", "operator"),
-           "-o", os.path.join(OUT, "libgn_harness.so")] + srcs
-    print(" ".join(cmd), file=sys.stderr)
-    subprocess.run(cmd, check=True)
+    out = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_OUT
+    print(build_harness(out), file=sys.stderr)
 
 
 if __name__ == "__main__":
