@@ -80,6 +80,9 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
     for op in ("gn_moments", "gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference"):
         for dt in ("f32", "f16", "f64"):
             assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
+    for op in ("gn_dbn affine", "gn_dbn_inference affine"):  # the fused affine's gpu path
+        for dt in ("f32", "f16", "f64"):
+            assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
     assert any("exceeds the gpu limit 512" in l for l in passed)
     assert any("unsupported context 'opencl'" in l for l in passed)
     assert any("gpu grad2: all zeros" in l for l in passed)

@@ -237,16 +237,17 @@ class DecorrelatedBatchNorm(HybridBlock):
         if not isinstance(x, _nd_type()) and not self._use_global_stats:
             _modal.note_modal_trace()
         num_groups = self._groups_of(x)
-        if _autograd.is_training() and not self._use_global_stats:
-            xhat = F.gn_dbn(x, running_mean, running_projection, num_groups=num_groups,
-                            eps=self._epsilon, momentum=self._momentum)[0]
-        else:
-            xhat = F.gn_dbn_inference(x, running_mean, running_projection,
-                                      num_groups=num_groups)
-        # The learnable affine is one native op: per-channel, any spatial rank, float32
-        # gamma/beta with float16 data, and it sizes gamma/beta from xhat for deferred init.
+        # The per-channel affine is fused into the op (affine=True: inputs data, gamma, beta,
+        # running_mean, running_projection; float32 gamma/beta with float16 data; gamma/beta sized
+        # from data for deferred init). Graphs exported before it apply gn_channel_affine to the
+        # op's output instead, which still loads and runs.
         gamma, beta = accumulating_params(F, gamma, beta, block=self)
-        return F.gn_channel_affine(xhat, gamma, beta)
+        if _autograd.is_training() and not self._use_global_stats:
+            return F.gn_dbn(x, gamma, beta, running_mean, running_projection,
+                            num_groups=num_groups, eps=self._epsilon, momentum=self._momentum,
+                            affine=True)[0]
+        return F.gn_dbn_inference(x, gamma, beta, running_mean, running_projection,
+                                  num_groups=num_groups, affine=True)
 
     def _groups_of(self, x):
         """The number of groups for input x (with group_size: C/group_size, C from the parameters,

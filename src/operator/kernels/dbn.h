@@ -89,6 +89,11 @@ struct DbnFwdArgs {
   void* eigval = nullptr;              // (G, D) AccT, eigenvalues of Sigma (eps included), >= eps
   void* running_mean = nullptr;        // (C,) stat_dtype, updated in place; nullptr: no update
   void* running_proj = nullptr;        // (G, D, D) stat_dtype, updated in place; nullptr: no update
+  // Fused affine (optional): y = gamma[c] * (W (x - mu))[c] + beta[c]. Both or neither; the running
+  // and saved statistics are those of the whitening alone.
+  DType param_dtype = DType::kFloat32; // gamma / beta dtype (dtype or AccT)
+  const void* gamma = nullptr;         // (C,) param_dtype
+  const void* beta = nullptr;          // (C,) param_dtype
   void* workspace = nullptr;           // dbn_fwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
   double eps = 1e-5;
@@ -104,6 +109,12 @@ struct DbnBwdArgs {
   const void* eigvec = nullptr;        // (G, D, D) AccT, from forward
   const void* eigval = nullptr;        // (G, D) AccT, from forward
   void* dx = nullptr;                  // (N, C, S)
+  // Fused affine (optional, all three or none): dy is the gradient of y = gamma xhat + beta;
+  // dgamma = sum(dy xhat), dbeta = sum(dy) per channel are written (overwritten).
+  DType param_dtype = DType::kFloat32;
+  const void* gamma = nullptr;         // (C,) param_dtype
+  void* dgamma = nullptr;              // (C,) param_dtype
+  void* dbeta = nullptr;               // (C,) param_dtype
   void* workspace = nullptr;           // dbn_bwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
   int num_threads = 0;
@@ -118,6 +129,14 @@ struct DbnInferenceArgs {
   const void* running_mean = nullptr;  // (C,) stat_dtype
   const void* running_proj = nullptr;  // (G, D, D) stat_dtype
   void* y = nullptr;                   // (N, C, S)  (dx for the backward)
+  // Fused affine (optional): y = gamma P (x - r_mean) + beta; its backward dx = P^T (gamma dy) and,
+  // from the forward's input `data`, dgamma = sum(dy P (data - r_mean)), dbeta = sum(dy).
+  DType param_dtype = DType::kFloat32;
+  const void* gamma = nullptr;         // (C,) param_dtype
+  const void* beta = nullptr;          // (C,) param_dtype (forward)
+  const void* data = nullptr;          // (N, C, S) the forward's x (backward)
+  void* dgamma = nullptr;              // (C,) param_dtype (backward)
+  void* dbeta = nullptr;               // (C,) param_dtype (backward)
   void* workspace = nullptr;           // dbn_inference_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
   int num_threads = 0;
@@ -176,6 +195,24 @@ inline bool dbn_stat_dtype_ok(DType data, DType stat) {
 }
 constexpr const char* kDbnStatDtypeError =
     "running statistics must have the data dtype or its accumulation dtype";
+// gamma / beta follow the same dtype rule; given together (both pointers, or neither).
+constexpr const char* kDbnParamDtypeError =
+    "gamma and beta must have the data dtype or its accumulation dtype";
+constexpr const char* kDbnAffineError = "gamma and beta (and their gradients) go together";
+inline const char* dbn_affine_fwd_error(const DbnFwdArgs& a) {
+  if (!a.gamma != !a.beta) return kDbnAffineError;
+  return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;
+}
+inline const char* dbn_affine_bwd_error(const DbnBwdArgs& a) {
+  if (!a.gamma != !a.dgamma || !a.gamma != !a.dbeta) return kDbnAffineError;
+  return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;
+}
+inline const char* dbn_affine_inf_error(const DbnInferenceArgs& a, bool backward) {
+  const bool bad = backward ? (!a.gamma != !a.dgamma || !a.gamma != !a.dbeta || !a.gamma != !a.data)
+                            : !a.gamma != !a.beta;
+  if (bad) return kDbnAffineError;
+  return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;
+}
 
 // The one load/store of a running-statistics element of dtype `t`, widened to / narrowed from
 // fp64 (host and device).

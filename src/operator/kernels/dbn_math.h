@@ -19,12 +19,14 @@ namespace gn_mx {
 
 // The Jacobi rotation (c, s) that zeroes A_pq of a symmetric matrix: t = tan(angle) is the smaller
 // root of t^2 + 2 theta t - 1 = 0 with theta = (A_qq - A_pp) / (2 A_pq); for huge theta, t ~ 1/(2 theta)
-// avoids overflowing theta^2. Requires apq != 0.
+// avoids overflowing theta^2 (kDbnJacobiThetaHuge: theta^2 + 1 stays finite and exact enough below
+// 1e150, and above it 1/(2 theta) equals the root to fp64 rounding). Requires apq != 0.
+constexpr double kDbnJacobiThetaHuge = 1e150;
 GN_HOST_DEVICE inline void dbn_jacobi_rotation(double app, double aqq, double apq, double* c,
                                                double* s) {
   const double theta = (aqq - app) / (2.0 * apq);
   double t;
-  if (fabs(theta) > 1e150) {
+  if (fabs(theta) > kDbnJacobiThetaHuge) {
     t = 0.5 / theta;
   } else {
     t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
@@ -206,22 +208,51 @@ struct DbnBwdScratch {
   double *H, *T, *Ut, *sq, *r;
 };
 
-// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
-// GW = dY Xc^T (not necessarily symmetric), m = number of columns. Outputs: W = Sigma^{-1/2} and
-// B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that dX = W (dY - mean(dY)) + B Xc
-// (derivation above bwd_impl in dbn_cpu.cc). B may alias GW; W may alias s.H. Ends synced.
+// The fused affine's parameter gradient through a whitening matrix: out[i] = sum_j M_ij G_ij, i.e.
+// dgamma_c = sum(dy_c xhat_c) for xhat = M Xc and G = dY Xc^T (sum over the columns). Each row
+// is one call of f. Ends synced.
 template <class Ex>
-GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, const double* GW,
-                                  int D, double m, double* W, double* B, DbnBwdScratch s) {
+GN_HOST_DEVICE void dbn_affine_dgamma(Ex& ex, const double* M, const double* G, int D,
+                                      double* out) {
+  ex.each(D, [&](int i) {
+    double acc = 0.0;
+    for (int j = 0; j < D; ++j) acc += M[i * D + j] * G[i * D + j];
+    out[i] = acc;
+  });
+  ex.sync();
+}
+
+// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
+// GW = dY Xc^T (not necessarily symmetric; overwritten), m = number of columns. Outputs:
+// W = Sigma^{-1/2} and B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that
+// dX = W (dY - mean(dY)) + B Xc (derivation above bwd_impl in dbn_cpu.cc).
+// Fused affine (gamma non-null; dY is then the gradient of gamma xhat + beta): dgamma[i] =
+// sum_j W_ij GW_ij (dbn_affine_dgamma) and GW's rows are scaled by gamma (the whitening's
+// gradient is gamma dY), so dX = W diag(gamma) (dY - mean(dY)) + B Xc.
+// B may alias GW; W must not alias the scratch. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, double* GW, int D,
+                                  double m, const double* gamma, double* dgamma, double* W,
+                                  double* B, DbnBwdScratch s) {
   double *H = s.H, *T = s.T, *Ut = s.Ut;
   ex.each(D, [&](int k) {  // K and l^-1/2 from D roots, not D^2
     s.sq[k] = sqrt(l[k]);
     s.r[k] = 1.0 / s.sq[k];
   });
-  ex.each_ij(D, [&](int i, int j) {
-    H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
-    Ut[j * D + i] = U[i * D + j];
+  ex.sync();
+  ex.each_ij(D, [&](int i, int k) {
+    const double u = U[i * D + k];
+    Ut[k * D + i] = u;
+    T[i * D + k] = u * s.r[k];  // V = U diag(l^-1/2)
   });
+  ex.sync();
+  dbn_inv_sqrt(ex, T, Ut, D, W);
+  if (gamma) {
+    dbn_affine_dgamma(ex, W, GW, D, dgamma);
+    ex.each_ij(D, [&](int i, int j) { GW[i * D + j] *= gamma[i]; });
+    ex.sync();
+  }
+  ex.each_ij(D, [&](int i, int j) { H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]); });
   ex.sync();
   ex.mm(H, U, T, D);   // T = sym(GW) U
   ex.mm(Ut, T, H, D);  // H = U^T sym(GW) U
@@ -230,9 +261,6 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, cons
   ex.mm(U, H, T, D);   // T = U (K o H)
   ex.mm(T, Ut, B, D);  // B = T U^T
   dbn_symmetrize(ex, B, D, 2.0 / m);
-  ex.each_ij(D, [&](int i, int k) { T[i * D + k] = U[i * D + k] * s.r[k]; });  // V, in T
-  ex.sync();
-  dbn_inv_sqrt(ex, T, Ut, D, W);
 }
 
 }  // namespace gn_mx
