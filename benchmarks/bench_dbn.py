@@ -5,6 +5,7 @@ implementation, side by side.
     python benchmarks/bench_dbn.py                     # 1 and 2 threads x both allocator regimes
     python benchmarks/bench_dbn.py --threads 2 --regimes keep --rounds 15
     python benchmarks/bench_dbn.py --no-write          # print only
+    python benchmarks/bench_dbn.py --affine            # fused affine vs gn_dbn + gn_channel_affine
 
 Contenders (same data, shapes, eps, thread count; one process per (threads, regime), interleaved
 round-robin: each round runs every contender once, one sample = a loop of calls >= --min-sample-s):
@@ -26,6 +27,12 @@ process CPU time per call / wall time ("thr": threads actually busy; < t on a lo
 Regimes: "default" = glibc as shipped (MXNet page-faults fresh outputs in on every call), "keep" =
 MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (freed memory reused).
 Writes benchmarks/results/dbn_cpu.{md,json} unless --no-write.
+
+--affine: the DecorrelatedBatchNorm graph before and after the affine was fused into the op, in one
+process, interleaved (no torch needed): "unfused" = gn_dbn / gn_dbn_inference then
+gn_channel_affine (the graph of models exported before), "fused" = the same op with affine=True
+(the block's graph now); forward, forward + backward under autograd (dx, dgamma, dbeta), and
+inference forward. Writes benchmarks/results/dbn_affine_cpu.{md,json}.
 """
 import argparse
 import json
@@ -193,6 +200,76 @@ def child_main(args):
     print(json.dumps(out))
 
 
+def affine_child_main(args):
+    """--affine child: fused vs unfused affine on every shape, one thread count and regime."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import numpy as np
+    import mxnet as mx
+    from mxnet import autograd
+    import gn_mx  # noqa: F401
+
+    np.random.seed(0)
+    out = {"threads": int(os.environ["OMP_NUM_THREADS"]), "mxnet": mx.__version__,
+           "load_before": os.getloadavg(), "shapes": []}
+    for shape, G in SHAPES:
+        C = shape[1]
+        D = C // G
+        xnp = np.random.randn(*shape).astype(np.float32)
+        xnp[:, 1:] += 0.5 * xnp[:, :-1]
+        x, dy = mx.nd.array(xnp), mx.nd.array(np.random.randn(*shape).astype(np.float32))
+        gamma = mx.nd.array(0.5 + np.random.rand(C).astype(np.float32))
+        beta = mx.nd.array(np.random.randn(C).astype(np.float32))
+        rm, rp = mx.nd.zeros((C,)), mx.nd.array(np.tile(np.eye(D), (G, 1, 1)))
+        for a in (x, gamma, beta):
+            a.attach_grad()
+
+        def train(fused):
+            if fused:
+                return mx.nd.gn_dbn(x, gamma, beta, rm, rp, num_groups=G, eps=EPS,
+                                    affine=True)[0]
+            return mx.nd.gn_channel_affine(mx.nd.gn_dbn(x, rm, rp, num_groups=G, eps=EPS)[0],
+                                           gamma, beta)
+
+        def infer(fused):
+            if fused:
+                return mx.nd.gn_dbn_inference(x, gamma, beta, rm, rp, num_groups=G, affine=True)
+            return mx.nd.gn_channel_affine(mx.nd.gn_dbn_inference(x, rm, rp, num_groups=G),
+                                           gamma, beta)
+
+        def fwdbwd(fused):
+            with autograd.record():
+                y = train(fused)
+            y.backward(dy)
+
+        fns = {}
+        for kind in ("unfused", "fused"):
+            f = kind == "fused"
+            fns[f"{kind}_fwd"] = (lambda f=f: train(f), mx.nd.waitall)
+            fns[f"{kind}_fwdbwd"] = (lambda f=f: fwdbwd(f), mx.nd.waitall)
+            fns[f"{kind}_inf"] = (lambda f=f: infer(f), mx.nd.waitall)
+        res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
+        out["shapes"].append({"shape": list(shape), "G": G, "D": D, "res": res})
+        print(f"# threads={out['threads']} {shape} G={G}: " + ", ".join(
+            f"{k} {v['med_ms']:.2f}" for k, v in res.items()), file=sys.stderr, flush=True)
+    out["load_after"] = os.getloadavg()
+    print(json.dumps(out))
+
+
+def affine_table(run):
+    lines = ["| shape | G | D | pass | unfused ms (CPU ms) | fused ms (CPU ms) | speed-up wall | "
+             "speed-up CPU time |", "|---|---|---|---|---|---|---|---|"]
+    for s in run["shapes"]:
+        r = s["res"]
+        shape = "x".join(str(v) for v in s["shape"])
+        for ps, label in (("fwd", "forward"), ("fwdbwd", "fwd+bwd"), ("inf", "inference fwd")):
+            u, f = r[f"unfused_{ps}"], r[f"fused_{ps}"]
+            lines.append(f"| {shape} | {s['G']} | {s['D']} | {label} | {u['med_ms']:.2f} "
+                         f"({u['cpu_med_ms']:.2f}) | {f['med_ms']:.2f} ({f['cpu_med_ms']:.2f}) | "
+                         f"{u['med_ms'] / f['med_ms']:.2f}x | "
+                         f"{u['cpu_med_ms'] / f['cpu_med_ms']:.2f}x |")
+    return "\n".join(lines)
+
+
 # ------------------------------------------------------------------------------------------------
 # Parent
 
@@ -248,10 +325,12 @@ def main():
     p.add_argument("--min-sample-s", type=float, default=0.03)
     p.add_argument("--max-time-s", type=float, default=40.0, help="per shape")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--affine", action="store_true",
+                   help="fused affine vs gn_dbn + gn_channel_affine (dbn_affine_cpu.md)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        return child_main(args)
+        return affine_child_main(args) if args.affine else child_main(args)
 
     runs = []
     for regime in args.regimes.split(","):
@@ -263,20 +342,24 @@ def main():
                 env.update(KEEP_ENV)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
                    "--min-sample-s", str(args.min_sample_s), "--max-time-s", str(args.max_time_s)]
+            cmd += ["--affine"] if args.affine else []
             pr = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
             if pr.returncode != 0:
                 sys.exit(f"child failed (threads={t}, regime={regime})")
             run = json.loads(pr.stdout.strip().splitlines()[-1])
             run["regime"] = regime
             runs.append(run)
+            bounds = ("" if args.affine else f"; sgemm {run['sgemm_gflops']:.0f} GFLOP/s, copy "
+                      f"{run['copy_gbs']:.1f} GB/s")
             print(f"\n## threads={t}, allocator {regime}; load average "
-                  f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}; sgemm "
-                  f"{run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s\n")
-            print(table(run), flush=True)
+                  f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}{bounds}\n")
+            print((affine_table if args.affine else table)(run), flush=True)
     info = machine_info()
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.no_write:
         return
+    if args.affine:
+        return write_affine(info, runs)
     os.makedirs(RESULTS, exist_ok=True)
     with open(os.path.join(RESULTS, "dbn_cpu.json"), "w") as f:
         json.dump({"machine": info, "runs": runs}, f, indent=1)
@@ -296,6 +379,32 @@ def main():
                f"bounds: sgemm {run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s "
                "(read + write).", "", table(run), ""]
     with open(os.path.join(RESULTS, "dbn_cpu.md"), "w") as f:
+        f.write("\n".join(md))
+
+
+def regime_name(regime):
+    return ("glibc default" if regime == "default" else
+            "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000")
+
+
+def write_affine(info, runs):
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "dbn_affine_cpu.json"), "w") as f:
+        json.dump({"machine": info, "runs": runs}, f, indent=1)
+    md = ["# DBN affine fused into the op vs gn_channel_affine after it "
+          "(`benchmarks/bench_dbn.py --affine`)", "",
+          f"Machine: {info['cpu']}, {info['cores']} cores, ISA {'/'.join(info['isa_flags'])}; "
+          f"{info['system']}; MXNet {runs[0]['mxnet']}; {info['date_utc']}.",
+          "fp32, eps 1e-5, imperative mx.nd calls (the ops of DecorrelatedBatchNorm's graph). "
+          "unfused = gn_dbn (or gn_dbn_inference) + gn_channel_affine, the graph of models "
+          "exported before the fusion; fused = the same op with affine=True. Median ms per call "
+          "over interleaved rounds in one process; CPU = process CPU time per call (less "
+          "distorted by a loaded machine).", ""]
+    for run in runs:
+        md += [f"## {run['threads']} thread(s), allocator: {regime_name(run['regime'])}", "",
+               f"Load average {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}.", "",
+               affine_table(run), ""]
+    with open(os.path.join(RESULTS, "dbn_affine_cpu.md"), "w") as f:
         f.write("\n".join(md))
 
 
