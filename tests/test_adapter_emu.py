@@ -80,7 +80,7 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
     for op in ("gn_moments", "gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference"):
         for dt in ("f32", "f16", "f64"):
             assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
-    for op in ("gn_dbn affine", "gn_dbn_inference affine"):  # the fused affine's gpu path
+    for op in ("gn_dbn affine", "gn_dbn_inference affine", "gn_dbn iternorm"):  # newer paths
         for dt in ("f32", "f16", "f64"):
             assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
     assert any("exceeds the gpu limit 512" in l for l in passed)

@@ -74,7 +74,8 @@ def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_
 
 def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, momentum=0.9,
                             training=True, name=None, in_channels=0, gamma=None, beta=None,
-                            running_mean=None, running_projection=None, use_global_stats=False):
+                            running_mean=None, running_projection=None, use_global_stats=False,
+                            whitening="zca", iterations=5):
     """Decorrelated BN: whitening and the per-channel affine in one op (``gn_dbn`` if ``training``
     else ``gn_dbn_inference``, both with ``affine=True``; the same graph as the Gluon block).
 
@@ -85,7 +86,12 @@ def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, mo
     every forward), False for prediction (running statistics). Build both with the same ``name``
     (or use :func:`inference_symbol`) so they share their arguments and aux states.
     use_global_stats: running statistics in both modes (as BatchNorm's switch).
+    whitening / iterations: the training whitening, 'zca' or 'iternorm' with T = iterations
+    (see ``DecorrelatedBatchNorm``); prediction is the same for both.
     """
+    if whitening not in ("zca", "iternorm"):
+        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: whitening must be 'zca' or "
+                         f"'iternorm', got {whitening!r}")
     num_groups, group_size = _dbn_grouping(num_groups, group_size, eps, in_channels)
     if not eps > 0:
         raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: eps must be > 0, got {eps!r}")
@@ -106,8 +112,9 @@ def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, mo
                 (num_groups, D, D) if C else None, GroupIdentity())
     x = _np.to_legacy(data)
     if training and not use_global_stats:
+        kw = {} if whitening == "zca" else {"whitening": whitening, "iterations": int(iterations)}
         out = mx.sym.gn_dbn(x, g, b, rm, rp, num_groups=num_groups, eps=float(eps),
-                            momentum=float(momentum), affine=True, name=name)[0]
+                            momentum=float(momentum), affine=True, name=name, **kw)[0]
     else:
         out = mx.sym.gn_dbn_inference(x, g, b, rm, rp, num_groups=num_groups, affine=True,
                                       name=name)
@@ -129,7 +136,8 @@ def inference_symbol(symbol):
         if node["op"] == "gn_dbn":
             node["op"] = "gn_dbn_inference"
             attrs = node.get("attrs", {})
-            node["attrs"] = {k: v for k, v in attrs.items() if k not in ("eps", "momentum")}
+            node["attrs"] = {k: v for k, v in attrs.items()
+                             if k not in ("eps", "momentum", "whitening", "iterations")}
             changed.add(i)
         if node["op"] == "gn_dbn_inference":
             # every input after data: (gamma, beta with affine,) running_mean, running_projection

@@ -79,6 +79,13 @@
 
 namespace gn_mx {
 
+// The whitening of the training op. ZCA: W = Sigma^{-1/2} by eigendecomposition (above). IterNorm
+// (Huang et al., CVPR 2019): W = P_T / sqrt(tr(Sigma)) after T Newton iterations on the
+// trace-normalized Sigma (dbn_math.h); the forward then saves Sigma (eps included) as `eigvec` and
+// its diagonal as `eigval`, which the backward reads. Running statistics and the inference op are
+// the same for both (running_projection averages W).
+enum class DbnWhitening { kZca = 0, kIterNorm = 1 };
+
 struct DbnFwdArgs {
   DType dtype = DType::kFloat32;       // x / y dtype
   DType stat_dtype = DType::kFloat32;  // running_mean / running_projection dtype (dtype or AccT)
@@ -98,6 +105,8 @@ struct DbnFwdArgs {
   int64_t N = 0, C = 0, G = 1, S = 1;
   double eps = 1e-5;
   double momentum = 0.9;
+  DbnWhitening whitening = DbnWhitening::kZca;
+  int iterations = 5;                  // IterNorm's T, in [1, kDbnMaxIterations]
   int num_threads = 0;                 // CPU only; 0 = omp_get_max_threads()
 };
 
@@ -117,6 +126,8 @@ struct DbnBwdArgs {
   void* dbeta = nullptr;               // (C,) param_dtype
   void* workspace = nullptr;           // dbn_bwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
+  DbnWhitening whitening = DbnWhitening::kZca;  // as the forward's
+  int iterations = 5;
   int num_threads = 0;
 };
 
@@ -199,6 +210,22 @@ constexpr const char* kDbnStatDtypeError =
 constexpr const char* kDbnParamDtypeError =
     "gamma and beta must have the data dtype or its accumulation dtype";
 constexpr const char* kDbnAffineError = "gamma and beta (and their gradients) go together";
+// IterNorm's iteration count T: in [1, kDbnMaxIterations]. The paper's iteration (uncoupled
+// Newton-Schulz, P^3 Sigma_N) amplifies rounding errors, the faster the worse Sigma is conditioned
+// (Higham's analysis of the Newton square root): measured with the float64 numpy reference of the
+// paper's algorithm (the op's fp64 D x D math follows it), ||cov(y) - I||_F / sqrt(D) stays
+// bounded up to T = 11 and blows up (8 .. 1e5, then inf/NaN) from T = 12-13 for cond(Sigma) =
+// 2e4 .. 1e9 (D = 16 .. 128), from T = 25 for cond 14; docs/dbn.md has the table. The paper uses
+// T = 5; 10 leaves a margin below the blow-up.
+constexpr int kDbnMaxIterations = 10;
+constexpr const char* kDbnIterationsError = "iterations must be in [1, 10]";
+static_assert(kDbnMaxIterations == 10, "kDbnIterationsError names the limit");
+inline const char* dbn_whitening_error(DbnWhitening w, int iterations) {
+  if (w != DbnWhitening::kZca && w != DbnWhitening::kIterNorm) return "unknown whitening";
+  if (w == DbnWhitening::kIterNorm && (iterations < 1 || iterations > kDbnMaxIterations))
+    return kDbnIterationsError;
+  return nullptr;
+}
 inline const char* dbn_affine_fwd_error(const DbnFwdArgs& a) {
   if (!a.gamma != !a.beta) return kDbnAffineError;
   return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;

@@ -174,13 +174,18 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
-  double* tmp;   // T x (2 D^2 + D), dbn_whitening_matrix scratch (Ut, V, r)
+  double* tmp;   // T x fwd_tmp(), dbn_whitening_matrix's (Ut, V, r) or dbn_iternorm_whitening's
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
 
+// Doubles of a thread's D x D scratch in the forward: ZCA 2 D^2 + D, IterNorm 5 D^2 + 1.
+int64_t fwd_tmp(const PanelGeo& q, DbnWhitening w) {
+  return w == DbnWhitening::kIterNorm ? 5 * q.D * q.D + 1 : 2 * q.D * q.D + q.D;
+}
+
 template <typename A>
-FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
+FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T, DbnWhitening w) {
   FwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -197,7 +202,7 @@ FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.l = c->take<double>(T * q.D);
   L.Wd = c->take<double>(T * DD);
   L.ea = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * (2 * DD + q.D));
+  L.tmp = c->take<double>(T * fwd_tmp(q, w));
   L.work = c->take<double>(T * eig_lwork(q.D));
   L.iwork = c->take<int>(T * eig_liwork(q.D));
   return L;
@@ -237,7 +242,8 @@ struct FwdPass {
 
   FwdPass(const DbnFwdArgs& args, Carver* cv)
       : a(args), q(make_geo(a.N, a.C, a.G, a.S)), nt(resolve_threads(a.num_threads)),
-        L(fwd_layout<A>(cv, q, nt)), x(static_cast<const T*>(a.x)), y(static_cast<T*>(a.y)),
+        L(fwd_layout<A>(cv, q, nt, a.whitening)), x(static_cast<const T*>(a.x)),
+        y(static_cast<T*>(a.y)),
         mean(static_cast<A*>(a.mean)), eigvec(static_cast<A*>(a.eigvec)),
         eigval(static_cast<A*>(a.eigval)), D(q.D), DD(q.D * q.D), Di(static_cast<int>(q.D)),
         affine(a.gamma != nullptr), Dw(Di + (affine ? 1 : 0)) {}
@@ -255,7 +261,7 @@ struct FwdPass {
     s.U = L.U + t * DD;
     s.l = L.l + t * D;
     s.Wd = L.Wd + t * DD;
-    s.tmp = L.tmp + t * (2 * DD + D);
+    s.tmp = L.tmp + t * fwd_tmp(q, a.whitening);
     s.es = EigScratch{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
                       static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
     return s;
@@ -342,7 +348,17 @@ struct FwdPass {
     double *U = s.U, *l = s.l, *Wd = s.Wd;
     merge_states(g, l, Wd);  // mean into l, M2 into Wd (both free until eigh)
     for (int64_t d = 0; d < D; ++d) mean[g * D + d] = static_cast<A>(l[d]);
-    if (covariance(Wd, s.sig)) {
+    const bool finite = covariance(Wd, s.sig);
+    if (a.whitening == DbnWhitening::kIterNorm) {
+      // W by the Newton iterations; saved: Sigma (eigvec) and its diagonal (eigval).
+      if (finite) {
+        dbn_iternorm_whitening(s.ex, s.sig, Di, a.iterations, Wd, s.tmp, s.tmp + 5 * DD);
+      } else {
+        std::fill(Wd, Wd + DD, std::numeric_limits<double>::quiet_NaN());
+      }
+      std::copy(s.sig, s.sig + DD, U);
+      for (int64_t d = 0; d < D; ++d) l[d] = s.sig[d * D + d];
+    } else if (finite) {
       eigh(s.sig, Di, U, l, s.es);
       dbn_whitening_matrix(s.ex, U, l, Di, a.eps, Wd, s.tmp, s.tmp + DD, s.tmp + 2 * DD);
     } else {
@@ -441,12 +457,20 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x (3 D^2 + 2 D), dbn_bwd_small scratch (H, T, Ut, sq, r)
+  double* tmp;    // T x bwd_tmp(): dbn_bwd_small's (H, T, Ut, sq, r) or dbn_bwd_iternorm's
   double* gam;    // T x 2D, gamma and dgamma of a group (fp64)
 };
 
+// Doubles of a thread's D x D scratch in the backward.
+int64_t bwd_tmp(const PanelGeo& q, const DbnBwdArgs& a) {
+  return a.whitening == DbnWhitening::kIterNorm
+             ? dbn_iternorm_bwd_scratch(static_cast<int>(q.D),
+                                        std::max(1, std::min(a.iterations, kDbnMaxIterations)))
+             : 3 * q.D * q.D + 2 * q.D;
+}
+
 template <typename A>
-BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
+BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T, const DbnBwdArgs& a) {
   BwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -462,7 +486,7 @@ BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * (3 * DD + 2 * q.D));
+  L.tmp = c->take<double>(T * bwd_tmp(q, a));
   L.gam = c->take<double>(T * 2 * q.D);
   return L;
 }
@@ -496,7 +520,7 @@ struct BwdPass {
 
   BwdPass(const DbnBwdArgs& args, Carver* cv)
       : a(args), q(make_geo(a.N, a.C, a.G, a.S)), nt(resolve_threads(a.num_threads)),
-        L(bwd_layout<A>(cv, q, nt)), x(static_cast<const T*>(a.x)),
+        L(bwd_layout<A>(cv, q, nt, a)), x(static_cast<const T*>(a.x)),
         dy(static_cast<const T*>(a.dy)), dx(static_cast<T*>(a.dx)),
         mean(static_cast<const A*>(a.mean)), eigvec(static_cast<const A*>(a.eigvec)),
         eigval(static_cast<const A*>(a.eigval)), D(q.D), DD(q.D * q.D),
@@ -518,7 +542,7 @@ struct BwdPass {
     s.W = L.W + t * DD;
     s.B = L.B + t * DD;
     s.gam = L.gam + t * 2 * D;
-    double* tmp = L.tmp + t * (3 * DD + 2 * D);
+    double* tmp = L.tmp + t * bwd_tmp(q, a);
     s.bs = DbnBwdScratch{tmp, tmp + DD, tmp + 2 * DD, tmp + 3 * DD, tmp + 3 * DD + D};
     return s;
   }
@@ -555,8 +579,12 @@ struct BwdPass {
         dbn_store_stat(a.param_dtype, a.dbeta, g * D + d, v);
       }
     }
-    dbn_bwd_small(s.ex, U, l, GW, Di, static_cast<double>(q.m), affine ? gam : nullptr, dgam, W,
-                  B, s.bs);
+    if (a.whitening == DbnWhitening::kIterNorm)  // U holds the forward's Sigma
+      dbn_bwd_iternorm(s.ex, U, GW, Di, a.iterations, static_cast<double>(q.m),
+                       affine ? gam : nullptr, dgam, W, B, s.bs.H);
+    else
+      dbn_bwd_small(s.ex, U, l, GW, Di, static_cast<double>(q.m), affine ? gam : nullptr, dgam, W,
+                    B, s.bs);
     A* a2 = L.A2 + g * 2 * DD;
     for (int64_t i = 0; i < D; ++i)
       for (int64_t j = 0; j < D; ++j) {
@@ -781,14 +809,14 @@ size_t ws_size(const Args& a, L&& layout) {
 }  // namespace
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
-    fwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  return ws_size(a, [&a](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    fwd_layout<AccT<decltype(tag)>>(c, q, nt, a.whitening);
   });
 }
 
 size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
-    bwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  return ws_size(a, [&a](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    bwd_layout<AccT<decltype(tag)>>(c, q, nt, a);
   });
 }
 
@@ -806,6 +834,7 @@ const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
     return kDbnStatDtypeError;
   if (!(a.eps > 0)) return "eps must be > 0";
   if (const char* e = dbn_affine_fwd_error(a)) return e;
+  if (const char* e = dbn_whitening_error(a.whitening, a.iterations)) return e;
   return run_typed(a.dtype, [&](auto tag) { return fwd_impl<decltype(tag)>(a); });
 }
 
@@ -814,6 +843,7 @@ const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
   if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx || !a.workspace)
     return "backward: null pointer";
   if (const char* e = dbn_affine_bwd_error(a)) return e;
+  if (const char* e = dbn_whitening_error(a.whitening, a.iterations)) return e;
   return run_typed(a.dtype, [&](auto tag) { return bwd_impl<decltype(tag)>(a); });
 }
 

@@ -19,6 +19,8 @@
  *           (W, B = (2/m) G_S)
  *           apply kernel: dX = W (dY - mean(dY)) + B Xc
  * Inference (and its backward, P^T): prep kernel (running stats -> AccT), apply kernel.
+ * IterNorm (whitening = kIterNorm): eig_kernel runs dbn_iternorm_whitening instead of Jacobi and
+ * saves Sigma; bwd_small_kernel runs dbn_bwd_iternorm on it (the same dbn_math.h code as the CPU).
  * Fused affine (gamma/beta given): the eig / prep kernels scale the rows of W / P by gamma and the
  * apply kernel adds beta; the backward's small kernel scales G_W's rows and W's columns by gamma
  * and writes dgamma (dbn_affine_dgamma) and dbeta from the sums it already has; the inference
@@ -101,8 +103,20 @@ DbnCudaPlan make_plan(int64_t N, int64_t C, int64_t G, int64_t S, int panels, si
 
 using Carver = WorkspaceCarver<kAlign>;
 
-constexpr int kFwdScratchMats = 3;  // eig_kernel's D x D fp64 matrices per group
-constexpr int kBwdScratchMats = 6;  // bwd_small_kernel's
+constexpr int kFwdScratchMats = 3;  // eig_kernel's D x D fp64 matrices per group (ZCA)
+constexpr int kBwdScratchMats = 6;  // bwd_small_kernel's (ZCA)
+
+// fp64 scratch doubles per group of the forward / backward small kernels, IterNorm included
+// (eig_kernel with IterNorm: Sigma, W + dbn_iternorm_whitening's 5 D x D + 1; bwd_small_kernel:
+// GW, H, T (unused), Sigma, W + dbn_iternorm_bwd_scratch). T is clamped so that an invalid count (rejected before any launch) sizes nothing odd.
+int64_t fwd_scratch(int64_t D, DbnWhitening w) {
+  return w == DbnWhitening::kIterNorm ? 7 * D * D + 1 : kFwdScratchMats * D * D;
+}
+int64_t bwd_scratch(int64_t D, DbnWhitening w, int T) {
+  if (w != DbnWhitening::kIterNorm) return kBwdScratchMats * D * D;
+  T = std::max(1, std::min(T, kDbnMaxIterations));
+  return 5 * D * D + dbn_iternorm_bwd_scratch(static_cast<int>(D), T);
+}
 
 template <typename A>
 struct FwdWs {
@@ -112,13 +126,13 @@ struct FwdWs {
   double* scratch;  // G x kFwdScratchMats x DD
 };
 template <typename A>
-FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q) {
+FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh) {
   const size_t DD = q.D * q.D;
   FwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * DD);
   w.W = c->take<A>(q.G * DD);
   w.bias = c->take<A>(q.C);
-  w.scratch = c->take<double>(q.G * kFwdScratchMats * DD);
+  w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh));
   return w;
 }
 
@@ -131,14 +145,14 @@ struct BwdWs {
   double* scratch;  // G x kBwdScratchMats x DD
 };
 template <typename A>
-BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q) {
+BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, int T) {
   const size_t DD = q.D * q.D;
   BwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * (DD + q.D));
   w.W = c->take<A>(q.G * DD);
   w.B = c->take<A>(q.G * DD);
   w.dymean = c->take<A>(q.C);
-  w.scratch = c->take<double>(q.G * kBwdScratchMats * DD);
+  w.scratch = c->take<double>(q.G * bwd_scratch(q.D, wh, T));
   return w;
 }
 
@@ -390,13 +404,14 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
            double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
            A* __restrict__ eigval, A* __restrict__ Wout, double* __restrict__ scratch,
            DType stat_dtype, void* running_mean, void* running_proj, DType param_dtype,
-           const void* gamma, const void* beta, A* __restrict__ bias) {
+           const void* gamma, const void* beta, A* __restrict__ bias, DbnWhitening wh, int T,
+           int64_t scratch_per_group) {
   __shared__ double s_l[kMaxD], s_ls[kMaxD];
   __shared__ int s_rank[kMaxD];
   const BlockExec ex;
   const int64_t g = blockIdx.x;
   const int DD = D * D;
-  double* Am = scratch + g * kFwdScratchMats * DD;  // Sigma, destroyed by Jacobi, then U^T
+  double* Am = scratch + g * scratch_per_group;     // Sigma, destroyed by Jacobi, then U^T
   double* U = Am + DD;                              // Jacobi's U, then V = U diag(l^-1/2)
   double* Us = U + DD;                              // sorted U, then W
   int finite = 1;
@@ -409,6 +424,27 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     finite &= isfinite(s) ? 1 : 0;
   }
   finite = __syncthreads_and(finite);
+  if (wh == DbnWhitening::kIterNorm) {  // W by the Newton iterations; saved: Sigma, diag(Sigma)
+    double* W = Am + DD;
+    if (finite) {
+      dbn_iternorm_whitening(ex, Am, D, T, W, W + DD, W + 6 * DD);
+    } else {
+      const double nan = __longlong_as_double(0x7ff8000000000000LL);
+      for (int e = threadIdx.x; e < DD; e += blockDim.x) W[e] = nan;
+      __syncthreads();
+    }
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+      eigvec[g * DD + e] = static_cast<A>(Am[e]);
+      const double gi = gamma ? dbn_load_stat(param_dtype, gamma, g * D + e / D) : 1.0;
+      Wout[g * DD + e] = static_cast<A>(gamma ? gi * W[e] : W[e]);
+    }
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      eigval[g * D + i] = static_cast<A>(Am[i * D + i]);
+      if (gamma) bias[g * D + i] = static_cast<A>(dbn_load_stat(param_dtype, beta, g * D + i));
+    }
+    dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
+    return;
+  }
   if (finite) {
     block_jacobi(Am, U, D);
     for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = Am[i * D + i];
@@ -450,16 +486,17 @@ __global__ void __launch_bounds__(kBlock)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
                  A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch,
-                 DType param_dtype, const void* gamma, void* dgamma, void* dbeta) {
+                 DType param_dtype, const void* gamma, void* dgamma, void* dbeta, DbnWhitening wh,
+                 int T, int64_t scratch_per_group) {
   __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD], s_gam[kMaxD], s_dgam[kMaxD];
   const BlockExec ex;
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
-  double* GW = scratch + g * kBwdScratchMats * DD;  // G_W, then B
+  double* GW = scratch + g * scratch_per_group;     // G_W, then B
   double* H = GW + DD;
-  double* T = H + DD;
-  double* U = T + DD;
-  double* Ut = U + DD;
+  double* Tm = H + DD;
+  double* U = Tm + DD;                              // U (ZCA) or Sigma (IterNorm)
+  double* Ut = U + DD;                              // IterNorm: W, then its scratch
   double* W = Ut + DD;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     double s = 0.0;
@@ -477,8 +514,12 @@ bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double 
     if (gamma) s_gam[i] = dbn_load_stat(param_dtype, gamma, g * D + i);
   }
   __syncthreads();
-  dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
-                DbnBwdScratch{H, T, Ut, s_sq, s_r});
+  if (wh == DbnWhitening::kIterNorm)  // U holds the forward's Sigma; H on: the iterations' scratch
+    dbn_bwd_iternorm(ex, U, GW, D, T, m, gamma ? s_gam : nullptr, s_dgam, Ut, /*B=*/GW, Ut + DD);
+  else
+    dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
+                  DbnBwdScratch{H, Tm, Ut, s_sq, s_r});
+  if (wh == DbnWhitening::kIterNorm) W = Ut;
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     Bout[g * DD + e] = static_cast<A>(GW[e]);
     Wout[g * DD + e] = static_cast<A>(gamma ? W[e] * s_gam[e % D] : W[e]);
@@ -652,7 +693,7 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   DbnCudaPlan q;
   if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
-  const FwdWs<A> w = fwd_ws<A>(&cv, q);
+  const FwdWs<A> w = fwd_ws<A>(&cv, q, a.whitening);
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
@@ -665,7 +706,8 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
       static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
-      a.running_mean, a.running_proj, a.param_dtype, a.gamma, a.beta, w.bias);
+      a.running_mean, a.running_proj, a.param_dtype, a.gamma, a.beta, w.bias, a.whitening,
+      a.iterations, fwd_scratch(q.D, a.whitening));
   GN_CUDA_CHECK_LAUNCH();
   return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr,
                                 a.gamma ? w.bias : nullptr, static_cast<T*>(a.y), st);
@@ -677,7 +719,7 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   DbnCudaPlan q;
   if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
-  const BwdWs<A> w = bwd_ws<A>(&cv, q);
+  const BwdWs<A> w = bwd_ws<A>(&cv, q, a.whitening, a.iterations);
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const A* mean = static_cast<const A*>(a.mean);
@@ -689,7 +731,7 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
       static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
-      a.dgamma, a.dbeta);
+      a.dgamma, a.dbeta, a.whitening, a.iterations, bwd_scratch(q.D, a.whitening, a.iterations));
   GN_CUDA_CHECK_LAUNCH();
   return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, nullptr, static_cast<T*>(a.dx),
                                st);
@@ -762,14 +804,14 @@ const char* checked_run(const Args& a, std::initializer_list<const char*> errors
 }  // namespace
 
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
-    fwd_ws<AccT<decltype(tag)>>(c, q);
+  return ws_size(a, [&a](auto tag, Carver* c, const DbnCudaPlan& q) {
+    fwd_ws<AccT<decltype(tag)>>(c, q, a.whitening);
   });
 }
 
 size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
-    bwd_ws<AccT<decltype(tag)>>(c, q);
+  return ws_size(a, [&a](auto tag, Carver* c, const DbnCudaPlan& q) {
+    bwd_ws<AccT<decltype(tag)>>(c, q, a.whitening, a.iterations);
   });
 }
 
@@ -786,7 +828,8 @@ const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream) {
       {(!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) ? "forward: null pointer" : nullptr,
        check_ws(a.workspace),
        (stats && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype)) ? kDbnStatDtypeError : nullptr,
-       !(a.eps > 0) ? "eps must be > 0" : nullptr, dbn_affine_fwd_error(a)},
+       !(a.eps > 0) ? "eps must be > 0" : nullptr, dbn_affine_fwd_error(a),
+       dbn_whitening_error(a.whitening, a.iterations)},
       [&](auto tag) { return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
@@ -795,7 +838,8 @@ const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream) {
       a,
       {(!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx) ? "backward: null pointer"
                                                                      : nullptr,
-       check_ws(a.workspace), dbn_affine_bwd_error(a)},
+       check_ws(a.workspace), dbn_affine_bwd_error(a),
+       dbn_whitening_error(a.whitening, a.iterations)},
       [&](auto tag) { return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 

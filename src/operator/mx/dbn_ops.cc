@@ -7,6 +7,9 @@
  *                   The last three exist only for the backward; gradients arriving for them are
  *                   ignored (they are not differentiable outputs).
  * gn_dbn_inference: inputs  the same three;  output out.
+ * Attributes whitening ('zca' default | 'iternorm') and iterations (IterNorm's T, default 5, in
+ *                   [1, kDbnMaxIterations = 10]; gn_dbn only): the training whitening (dbn.h); the running statistics
+ *                   and gn_dbn_inference are the same for both.
  * Attribute affine (default False; both ops): the per-channel affine fused into the op,
  *                   out = gamma[c] * xhat + beta[c], with gamma (C,), beta (C,) as inputs 1 and 2
  *                   (data, gamma, beta, running_mean, running_projection, as BatchNorm orders them);
@@ -73,6 +76,8 @@ struct DbnParams {
   double eps = 1e-5;
   double momentum = 0.9;
   bool affine = false;
+  DbnWhitening whitening = DbnWhitening::kZca;
+  int iterations = 5;
   DbnInputs in;
 };
 
@@ -92,10 +97,23 @@ bool get_bool(const char* op, const AttrMap& attrs, const char* key, bool dflt) 
 DbnParams parse_dbn(const char* op, const AttrMap& attrs, bool training) {
   DbnParams p;
   if (training) {
-    Attrs a(op, attrs, {"num_groups", "eps", "momentum", "affine"});
+    Attrs a(op, attrs, {"num_groups", "eps", "momentum", "affine", "whitening", "iterations"});
     p.num_groups = a.get_int("num_groups", 1);
     p.eps = a.get_float("eps", 1e-5);
     p.momentum = a.get_float("momentum", 0.9);
+    const auto w = attrs.find("whitening");
+    const std::string wn = w == attrs.end() ? "zca" : w->second;
+    if (wn == "zca") {
+      p.whitening = DbnWhitening::kZca;
+    } else if (wn == "iternorm") {
+      p.whitening = DbnWhitening::kIterNorm;
+    } else {
+      fail(op, ": whitening must be 'zca' or 'iternorm'; got '", wn, "'");
+    }
+    const int64_t it = a.get_int("iterations", 5);
+    if (it < 1 || it > kDbnMaxIterations)
+      fail(op, ": iterations must be in [1, ", kDbnMaxIterations, "]; got ", it);
+    p.iterations = static_cast<int>(it);
   } else {
     Attrs a(op, attrs, {"num_groups", "affine"});
     p.num_groups = a.get_int("num_groups", 1);
@@ -277,6 +295,8 @@ MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
     a.eps = p.eps;
     a.momentum = p.momentum;
+    a.whitening = p.whitening;
+    a.iterations = p.iterations;
     run(kDbn, dev, kFwdKernel, a);
     return MX_SUCCESS;
   });
@@ -308,6 +328,8 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
       a.dbeta = (*out)[p.in.beta].data_ptr;
     }
     a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.whitening = p.whitening;
+    a.iterations = p.iterations;
     run(kDbn, dev, kBwdKernel, a, {&(*out)[p.in.rmean], &(*out)[p.in.rproj]});
     return MX_SUCCESS;
   });

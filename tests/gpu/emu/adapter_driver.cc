@@ -309,6 +309,11 @@ int main() {
     dbn_aff["affine"] = "True";
     check_op("gn_dbn affine " + d, "gn_dbn", dbn_aff, {xd, gam, bet, rmean, rproj}, rng, true, {2},
              {3, 4});
+    Attrs dbn_it = dbn_aff;  // IterNorm (eigvec then holds Sigma: comparable across devices)
+    dbn_it["whitening"] = "iternorm";
+    dbn_it["iterations"] = "4";
+    check_op("gn_dbn iternorm " + d, "gn_dbn", dbn_it, {xd, gam, bet, rmean, rproj}, rng, true, {},
+             {3, 4});
     check_op("gn_dbn_inference affine " + d, "gn_dbn_inference",
              {{"num_groups", "2"}, {"affine", "True"}}, {xd, gam, bet, rmean, rp}, rng, true, {},
              {3, 4});
