@@ -18,6 +18,11 @@ round-robin: each round runs every contender once, one sample = a loop of calls 
                       the same permutes.
   bmm                 torch.bmm((G, D, D), (G, D, m)) on already grouped, contiguous data: the bare
                       matrix product of the inference op (no layout change, no centring).
+  it_fwd / it_fwdbwd  gn_dbn with whitening='iternorm', iterations=5 (IterNorm, Huang et al. 2019)
+  torch_it_fwd / torch_it_fwdbwd
+                      IterNorm written in torch (the paper's algorithm in fp32, as its reference
+                      code: trace-normalize, 5 Newton steps P <- 1.5 P - 0.5 P^3 Sigma_N), autograd
+The IterNorm table also runs group sizes 128 and 256 (LARGE_D).
 Machine bounds measured in each child with torch: sgemm GFLOP/s (2048^3) and copy GB/s (64 MB
 clone: read + write), so the inference op is reported as GFLOP/s and GB/s against them.
 
@@ -26,7 +31,7 @@ torch.set_num_threads(t). Reported per contender: median and min ms per call ove
 process CPU time per call / wall time ("thr": threads actually busy; < t on a loaded machine).
 Regimes: "default" = glibc as shipped (MXNet page-faults fresh outputs in on every call), "keep" =
 MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (freed memory reused).
-Writes benchmarks/results/dbn_cpu.{md,json} unless --no-write.
+Writes benchmarks/results/dbn_cpu.{md,json} (--out NAME: NAME.{md,json}) unless --no-write.
 
 --affine: the DecorrelatedBatchNorm graph before and after the affine was fused into the op, in one
 process, interleaved (no torch needed): "unfused" = gn_dbn / gn_dbn_inference then
@@ -52,10 +57,16 @@ SHAPES = [  # (N, C, H, W), num_groups: group sizes 16, 16, 64, 32
     ((128, 256, 8, 8), 4),
     ((16, 64, 32, 32), 2),
 ]
+LARGE_D = [  # the IterNorm comparison adds group sizes 128 and 256
+    ((32, 256, 8, 8), 2),
+    ((32, 256, 8, 8), 1),
+]
+ITERATIONS = 5  # IterNorm's T (the paper's and the op's default)
 EPS = 1e-5
 KEEP_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
             "MALLOC_TRIM_THRESHOLD_": "100000000000"}
-CONTENDERS = ["gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwd", "torch_fwdbwd", "torch_inf", "bmm"]
+CONTENDERS = ["gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwd", "torch_fwdbwd", "torch_inf", "bmm",
+              "it_fwd", "it_fwdbwd", "torch_it_fwd", "torch_it_fwdbwd"]
 
 
 def _median(v):
@@ -130,7 +141,7 @@ def child_main(args):
     out["copy_gbs"] = 2 * big.numel() * 4 / (r["copy"]["min_ms"] * 1e-3) / 1e9
     del sink["c"], dst, big
 
-    for shape, G in SHAPES:
+    for shape, G in SHAPES + LARGE_D:
         N, C = shape[:2]
         D = C // G
         S = int(np.prod(shape[2:]))
@@ -155,6 +166,16 @@ def child_main(args):
         def gn_inf():
             mx.nd.gn_dbn_inference(x, rm, rp, num_groups=G)
 
+        it_kw = dict(num_groups=G, eps=EPS, whitening="iternorm", iterations=ITERATIONS)
+
+        def it_fwd():
+            mx.nd.gn_dbn(x, rm, rp, **it_kw)
+
+        def it_fwdbwd():
+            with autograd.record():
+                y = mx.nd.gn_dbn(x, rm, rp, **it_kw)[0]
+            y.backward(dy)
+
         tx = torch.from_numpy(xnp.copy()).requires_grad_(True)
         tdy = torch.from_numpy(dynp.copy())
         tP = torch.eye(D).repeat(G, 1, 1).contiguous()
@@ -169,6 +190,26 @@ def child_main(args):
             W = (U * lam.rsqrt().unsqueeze(1)) @ U.transpose(1, 2)
             y = W.to(xt.dtype) @ xc
             return y.reshape(G, D, N, S).permute(2, 0, 1, 3).reshape(xt.shape)
+
+        def iternorm_torch(xt):
+            xg = xt.reshape(N, G, D, S).permute(1, 2, 0, 3).reshape(G, D, m)
+            xc = xg - xg.mean(dim=2, keepdim=True)
+            sigma = xc @ xc.transpose(1, 2) / m + EPS * torch.eye(D, dtype=xt.dtype)
+            tr = sigma.diagonal(dim1=1, dim2=2).sum(-1).reshape(G, 1, 1)
+            sn = sigma / tr
+            P = torch.eye(D, dtype=xt.dtype).expand(G, D, D)
+            for _ in range(ITERATIONS):
+                P = 1.5 * P - 0.5 * (P @ P @ P @ sn)
+            y = (P / tr.sqrt()) @ xc
+            return y.reshape(G, D, N, S).permute(2, 0, 1, 3).reshape(xt.shape)
+
+        def torch_it_fwd():
+            with torch.no_grad():
+                sink["y"] = iternorm_torch(tx)
+
+        def torch_it_fwdbwd():
+            tx.grad = None
+            iternorm_torch(tx).backward(tdy)
 
         def torch_fwd():
             with torch.no_grad():
@@ -190,7 +231,13 @@ def child_main(args):
         mxs, nos = mx.nd.waitall, (lambda: None)
         fns = {"gn_fwd": (gn_fwd, mxs), "gn_fwdbwd": (gn_fwdbwd, mxs), "gn_inf": (gn_inf, mxs),
                "torch_fwd": (torch_fwd, nos), "torch_fwdbwd": (torch_fwdbwd, nos),
-               "torch_inf": (torch_inf, nos), "bmm": (bmm, nos)}
+               "torch_inf": (torch_inf, nos), "bmm": (bmm, nos), "it_fwd": (it_fwd, mxs),
+               "it_fwdbwd": (it_fwdbwd, mxs), "torch_it_fwd": (torch_it_fwd, nos),
+               "torch_it_fwdbwd": (torch_it_fwdbwd, nos)}
+        if (shape, G) in LARGE_D:  # the IterNorm comparison only
+            fns = {k: v for k, v in fns.items() if k in ("gn_fwd", "gn_fwdbwd", "torch_fwdbwd",
+                                                         "it_fwd", "it_fwdbwd", "torch_it_fwd",
+                                                         "torch_it_fwdbwd")}
         res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
         sink.clear()
         out["shapes"].append({"shape": list(shape), "G": G, "D": D, "m": m, "res": res})
@@ -298,6 +345,8 @@ def table(run):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in run["shapes"]:
         r = s["res"]
+        if "gn_inf" not in r:  # a LARGE_D shape: IterNorm table only
+            continue
         elems = s["shape"][1] * s["m"]  # C * N * spatial
         inf_s = r["gn_inf"]["med_ms"] * 1e-3
         gflops = 2 * s["D"] ** 2 * s["m"] * s["G"] / inf_s / 1e9
@@ -317,6 +366,30 @@ def table(run):
     return "\n".join(lines)
 
 
+def iternorm_table(run):
+    """ZCA vs IterNorm (gn_mx) vs torch, fwd and fwd+bwd ms; CPU ms in parentheses."""
+    lines = ["| shape | G | D | ZCA fwd | ZCA fwd+bwd | IterNorm fwd | IterNorm fwd+bwd | "
+             "torch eigh fwd+bwd | torch IterNorm fwd | torch IterNorm fwd+bwd | fastest fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in run["shapes"]:
+        r = s["res"]
+        if "it_fwd" not in r:
+            continue
+        shape = "x".join(str(v) for v in s["shape"])
+
+        def c(k):
+            return f"{r[k]['med_ms']:.2f} ({r[k]['cpu_med_ms']:.2f})"
+        fb = {k: r[k]["cpu_med_ms"] for k in ("gn_fwdbwd", "it_fwdbwd", "torch_fwdbwd",
+                                              "torch_it_fwdbwd")}
+        names = {"gn_fwdbwd": "ZCA", "it_fwdbwd": "IterNorm", "torch_fwdbwd": "torch eigh",
+                 "torch_it_fwdbwd": "torch IterNorm"}
+        best = names[min(fb, key=fb.get)]
+        lines.append(f"| {shape} | {s['G']} | {s['D']} | {c('gn_fwd')} | {c('gn_fwdbwd')} | "
+                     f"{c('it_fwd')} | {c('it_fwdbwd')} | {c('torch_fwdbwd')} | "
+                     f"{c('torch_it_fwd')} | {c('torch_it_fwdbwd')} | {best} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", default="1,2")
@@ -325,6 +398,8 @@ def main():
     p.add_argument("--min-sample-s", type=float, default=0.03)
     p.add_argument("--max-time-s", type=float, default=40.0, help="per shape")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--out", default="dbn_cpu",
+                   help="results basename under benchmarks/results (default dbn_cpu)")
     p.add_argument("--affine", action="store_true",
                    help="fused affine vs gn_dbn + gn_channel_affine (dbn_affine_cpu.md)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -354,6 +429,8 @@ def main():
             print(f"\n## threads={t}, allocator {regime}; load average "
                   f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}{bounds}\n")
             print((affine_table if args.affine else table)(run), flush=True)
+            if not args.affine:
+                print("\n" + iternorm_table(run), flush=True)
     info = machine_info()
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.no_write:
@@ -361,7 +438,7 @@ def main():
     if args.affine:
         return write_affine(info, runs)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "dbn_cpu.json"), "w") as f:
+    with open(os.path.join(RESULTS, args.out + ".json"), "w") as f:
         json.dump({"machine": info, "runs": runs}, f, indent=1)
     md = [f"# Decorrelated BN CPU benchmark (`benchmarks/bench_dbn.py`)", "",
           f"Machine: {info['cpu']}, {info['cores']} cores, ISA {'/'.join(info['isa_flags'])}; "
@@ -377,8 +454,10 @@ def main():
                   "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000"), "",
                f"Load average {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}; measured "
                f"bounds: sgemm {run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s "
-               "(read + write).", "", table(run), ""]
-    with open(os.path.join(RESULTS, "dbn_cpu.md"), "w") as f:
+               "(read + write).", "", table(run), "",
+               f"ZCA vs IterNorm (T = {ITERATIONS}) vs torch, ms per call (process CPU ms per "
+               "call); fastest fwd+bwd by CPU time:", "", iternorm_table(run), ""]
+    with open(os.path.join(RESULTS, args.out + ".md"), "w") as f:
         f.write("\n".join(md))
 
 

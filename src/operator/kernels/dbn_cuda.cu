@@ -396,6 +396,36 @@ __device__ void block_jacobi(double* A, double* U, int D) {
   }
 }
 
+// eig_kernel's IterNorm step of group g: W by the Newton iterations from Sigma (Am; scratch after
+// it: W, dbn_iternorm_whitening's 5 D x D and one double), saved Sigma / diag(Sigma), W
+// (diag(gamma) W with the affine), beta, running statistics.
+template <typename A>
+__device__ void eig_iternorm(const BlockExec& ex, double* Am, int finite, int D, int T, int64_t g,
+                             double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
+                             A* __restrict__ eigval, A* __restrict__ Wout, DType stat_dtype,
+                             void* running_mean, void* running_proj, DType param_dtype,
+                             const void* gamma, const void* beta, A* __restrict__ bias) {
+  const int DD = D * D;
+  double* W = Am + DD;
+  if (finite) {
+    dbn_iternorm_whitening(ex, Am, D, T, W, W + DD, W + 6 * DD);
+  } else {
+    const double nan = __longlong_as_double(0x7ff8000000000000LL);
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) W[e] = nan;
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    eigvec[g * DD + e] = static_cast<A>(Am[e]);
+    const double gi = gamma ? dbn_load_stat(param_dtype, gamma, g * D + e / D) : 1.0;
+    Wout[g * DD + e] = static_cast<A>(gamma ? gi * W[e] : W[e]);
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    eigval[g * D + i] = static_cast<A>(Am[i * D + i]);
+    if (gamma) bias[g * D + i] = static_cast<A>(dbn_load_stat(param_dtype, beta, g * D + i));
+  }
+  dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
+}
+
 // One block per group: Sigma -> eigh (block_jacobi, stable ascending rank sort) ->
 // dbn_whitening_matrix (clamp, W), outputs and dbn_update_running.
 template <typename A>
@@ -424,25 +454,9 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     finite &= isfinite(s) ? 1 : 0;
   }
   finite = __syncthreads_and(finite);
-  if (wh == DbnWhitening::kIterNorm) {  // W by the Newton iterations; saved: Sigma, diag(Sigma)
-    double* W = Am + DD;
-    if (finite) {
-      dbn_iternorm_whitening(ex, Am, D, T, W, W + DD, W + 6 * DD);
-    } else {
-      const double nan = __longlong_as_double(0x7ff8000000000000LL);
-      for (int e = threadIdx.x; e < DD; e += blockDim.x) W[e] = nan;
-      __syncthreads();
-    }
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-      eigvec[g * DD + e] = static_cast<A>(Am[e]);
-      const double gi = gamma ? dbn_load_stat(param_dtype, gamma, g * D + e / D) : 1.0;
-      Wout[g * DD + e] = static_cast<A>(gamma ? gi * W[e] : W[e]);
-    }
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {
-      eigval[g * D + i] = static_cast<A>(Am[i * D + i]);
-      if (gamma) bias[g * D + i] = static_cast<A>(dbn_load_stat(param_dtype, beta, g * D + i));
-    }
-    dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
+  if (wh == DbnWhitening::kIterNorm) {
+    eig_iternorm(ex, Am, finite, D, T, g, momentum, mean, eigvec, eigval, Wout, stat_dtype,
+                 running_mean, running_proj, param_dtype, gamma, beta, bias);
     return;
   }
   if (finite) {

@@ -331,6 +331,44 @@ GN_HOST_DEVICE void dbn_iternorm_whitening(Ex& ex, const double* Sigma, int D, i
   dbn_symmetrize(ex, W, D, 1.0);
 }
 
+// Scratch of one backward iteration: six D x D matrices.
+struct DbnIterBackScratch {
+  double *M2, *M3, *X, *Y, *Z, *Zt;
+};
+
+// One iteration back: with M = P_k and G = dL/dP_{k+1} on entry,
+//   dSn += -1/2 (M^3)^T G,
+//   G   <- 3/2 G - 1/2 (G (M^2 Sn)^T + (M^2)^T G Sn^T + M^T G (M Sn)^T)   (= dL/dP_k).
+// Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_iternorm_back_step(Ex& ex, const double* M, const double* Sn, int D,
+                                           double* G, double* dSn, DbnIterBackScratch s) {
+  double *M2 = s.M2, *M3 = s.M3, *X = s.X, *Y = s.Y, *Z = s.Z, *Zt = s.Zt;
+  ex.mm(M, M, M2, D);     // M^2
+  ex.mm(M2, M, M3, D);    // M^3
+  dbn_transpose(ex, M3, Z, D);
+  ex.mm(Z, G, X, D);      // (M^3)^T G
+  ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * X[i * D + j]; });
+  ex.mm(M2, Sn, Z, D);    // M^2 Sn
+  dbn_transpose(ex, Z, Zt, D);
+  ex.mm(G, Zt, X, D);     // X = G (M^2 Sn)^T
+  dbn_transpose(ex, M2, Z, D);
+  ex.mm(Z, G, Y, D);      // (M^2)^T G
+  dbn_transpose(ex, Sn, Zt, D);
+  ex.mm(Y, Zt, Z, D);     // (M^2)^T G Sn^T
+  ex.each_ij(D, [&](int i, int j) { X[i * D + j] += Z[i * D + j]; });
+  ex.sync();
+  dbn_transpose(ex, M, Z, D);
+  ex.mm(Z, G, Y, D);      // M^T G
+  ex.mm(M, Sn, Z, D);     // M Sn
+  dbn_transpose(ex, Z, Zt, D);
+  ex.mm(Y, Zt, Z, D);     // M^T G (M Sn)^T
+  ex.each_ij(D, [&](int i, int j) {
+    G[i * D + j] = 1.5 * G[i * D + j] - 0.5 * (X[i * D + j] + Z[i * D + j]);
+  });
+  ex.sync();
+}
+
 // Doubles of dbn_bwd_iternorm's scratch.
 GN_HOST_DEVICE inline int64_t dbn_iternorm_bwd_scratch(int D, int T) {
   return int64_t(T + 1 + 9) * D * D + 1;
@@ -386,32 +424,8 @@ GN_HOST_DEVICE void dbn_bwd_iternorm(Ex& ex, const double* Sigma, double* GW, in
   ex.sync();
   const double dtr_w = *dtr;
   ex.sync();
-  for (int k = T - 1; k >= 0; --k) {
-    const double* Mk = P + k * DD;
-    ex.mm(Mk, Mk, M2, D);   // M^2
-    ex.mm(M2, Mk, M3, D);   // M^3
-    dbn_transpose(ex, M3, Z, D);
-    ex.mm(Z, G, X, D);      // (M^3)^T G
-    ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * X[i * D + j]; });
-    ex.mm(M2, Sn, Z, D);    // M^2 Sn
-    dbn_transpose(ex, Z, Zt, D);
-    ex.mm(G, Zt, X, D);     // X = G (M^2 Sn)^T
-    dbn_transpose(ex, M2, Z, D);
-    ex.mm(Z, G, Y, D);      // (M^2)^T G
-    dbn_transpose(ex, Sn, Zt, D);
-    ex.mm(Y, Zt, Z, D);     // (M^2)^T G Sn^T
-    ex.each_ij(D, [&](int i, int j) { X[i * D + j] += Z[i * D + j]; });
-    ex.sync();
-    dbn_transpose(ex, Mk, Z, D);
-    ex.mm(Z, G, Y, D);      // M^T G
-    ex.mm(Mk, Sn, Z, D);    // M Sn
-    dbn_transpose(ex, Z, Zt, D);
-    ex.mm(Y, Zt, Z, D);     // M^T G (M Sn)^T
-    ex.each_ij(D, [&](int i, int j) {
-      G[i * D + j] = 1.5 * G[i * D + j] - 0.5 * (X[i * D + j] + Z[i * D + j]);
-    });
-    ex.sync();
-  }
+  for (int k = T - 1; k >= 0; --k)
+    dbn_iternorm_back_step(ex, P + k * DD, Sn, D, G, dSn, DbnIterBackScratch{M2, M3, X, Y, Z, Zt});
   // dL/dSigma = dSn / tr + (dtr_w - <dSn, Sigma> / tr^2) I; B = (2/m) sym(dL/dSigma).
   ex.each(1, [&](int) {
     double s = 0.0;
