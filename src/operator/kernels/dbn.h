@@ -20,7 +20,7 @@
  *   running_projection = momentum * running_projection + (1 - momentum) * W
  * A non-finite Sigma (NaN/inf input) skips the eigensolver and yields NaN eig/out; never a crash.
  *
- * Backward (training), given dY; derivation in dbn_cpu.cc above dbn_bwd_cpu:
+ * Backward (training), given dY; derivation in dbn_cpu.cc above BwdLayout:
  *   G_W    = dY Xc^T,  Gs = (G_W + G_W^T)/2
  *   K_ij   = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j)))     (divided difference of l^-1/2,
  *                                                       diagonal = f'(l_i); no 1/(l_i - l_j) at all)

@@ -1,6 +1,6 @@
 /*
  * dbn_cuda.cu: CUDA twins of dbn_cpu.cc (Decorrelated BN, ZCA whitening per group; math in dbn.h,
- * backward derivation above bwd_impl in dbn_cpu.cc, D x D formulas in dbn_math.h).
+ * backward derivation above BwdLayout in dbn_cpu.cc, D x D formulas in dbn_math.h).
  *
  * Group g is a D x m matrix (m = N*S columns j = n*S + s); column j of group g lives at
  * x + (n*C + g*D)*S + s with row stride S, so panels of K columns are gathered straight from NCHW

@@ -225,7 +225,7 @@ GN_HOST_DEVICE void dbn_affine_dgamma(Ex& ex, const double* M, const double* G, 
 // Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
 // GW = dY Xc^T (not necessarily symmetric; overwritten), m = number of columns. Outputs:
 // W = Sigma^{-1/2} and B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that
-// dX = W (dY - mean(dY)) + B Xc (derivation above bwd_impl in dbn_cpu.cc).
+// dX = W (dY - mean(dY)) + B Xc (derivation above BwdLayout in dbn_cpu.cc).
 // Fused affine (gamma non-null; dY is then the gradient of gamma xhat + beta): dgamma[i] =
 // sum_j W_ij GW_ij (dbn_affine_dgamma) and GW's rows are scaled by gamma (the whitening's
 // gradient is gamma dY), so dX = W diag(gamma) (dY - mean(dY)) + B Xc.
