@@ -5,6 +5,7 @@ implementation, side by side.
     python benchmarks/bench_dbn.py                     # 1 and 2 threads x both allocator regimes
     python benchmarks/bench_dbn.py --threads 2 --regimes keep --rounds 15
     python benchmarks/bench_dbn.py --no-write          # print only
+    python benchmarks/bench_dbn.py --affine            # fused affine vs gn_dbn + gn_channel_affine
 
 Contenders (same data, shapes, eps, thread count; one process per (threads, regime), interleaved
 round-robin: each round runs every contender once, one sample = a loop of calls >= --min-sample-s):
@@ -17,6 +18,11 @@ round-robin: each round runs every contender once, one sample = a loop of calls 
                       the same permutes.
   bmm                 torch.bmm((G, D, D), (G, D, m)) on already grouped, contiguous data: the bare
                       matrix product of the inference op (no layout change, no centring).
+  it_fwd / it_fwdbwd  gn_dbn with whitening='iternorm', iterations=5 (IterNorm, Huang et al. 2019)
+  torch_it_fwd / torch_it_fwdbwd
+                      IterNorm written in torch (the paper's algorithm in fp32, as its reference
+                      code: trace-normalize, 5 Newton steps P <- 1.5 P - 0.5 P^3 Sigma_N), autograd
+The IterNorm table also runs group sizes 128 and 256 (LARGE_D).
 Machine bounds measured in each child with torch: sgemm GFLOP/s (2048^3) and copy GB/s (64 MB
 clone: read + write), so the inference op is reported as GFLOP/s and GB/s against them.
 
@@ -25,7 +31,13 @@ torch.set_num_threads(t). Reported per contender: median and min ms per call ove
 process CPU time per call / wall time ("thr": threads actually busy; < t on a loaded machine).
 Regimes: "default" = glibc as shipped (MXNet page-faults fresh outputs in on every call), "keep" =
 MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (freed memory reused).
-Writes benchmarks/results/dbn_cpu.{md,json} unless --no-write.
+Writes benchmarks/results/dbn_cpu.{md,json} (--out NAME: NAME.{md,json}) unless --no-write.
+
+--affine: the DecorrelatedBatchNorm graph before and after the affine was fused into the op, in one
+process, interleaved (no torch needed): "unfused" = gn_dbn / gn_dbn_inference then
+gn_channel_affine (the graph of models exported before), "fused" = the same op with affine=True
+(the block's graph now); forward, forward + backward under autograd (dx, dgamma, dbeta), and
+inference forward. Writes benchmarks/results/dbn_affine_cpu.{md,json}.
 """
 import argparse
 import json
@@ -45,10 +57,16 @@ SHAPES = [  # (N, C, H, W), num_groups: group sizes 16, 16, 64, 32
     ((128, 256, 8, 8), 4),
     ((16, 64, 32, 32), 2),
 ]
+LARGE_D = [  # the IterNorm comparison adds group sizes 128 and 256
+    ((32, 256, 8, 8), 2),
+    ((32, 256, 8, 8), 1),
+]
+ITERATIONS = 5  # IterNorm's T (the paper's and the op's default)
 EPS = 1e-5
 KEEP_ENV = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0",
             "MALLOC_TRIM_THRESHOLD_": "100000000000"}
-CONTENDERS = ["gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwd", "torch_fwdbwd", "torch_inf", "bmm"]
+CONTENDERS = ["gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwd", "torch_fwdbwd", "torch_inf", "bmm",
+              "it_fwd", "it_fwdbwd", "torch_it_fwd", "torch_it_fwdbwd"]
 
 
 def _median(v):
@@ -123,7 +141,7 @@ def child_main(args):
     out["copy_gbs"] = 2 * big.numel() * 4 / (r["copy"]["min_ms"] * 1e-3) / 1e9
     del sink["c"], dst, big
 
-    for shape, G in SHAPES:
+    for shape, G in SHAPES + LARGE_D:
         N, C = shape[:2]
         D = C // G
         S = int(np.prod(shape[2:]))
@@ -148,6 +166,16 @@ def child_main(args):
         def gn_inf():
             mx.nd.gn_dbn_inference(x, rm, rp, num_groups=G)
 
+        it_kw = dict(num_groups=G, eps=EPS, whitening="iternorm", iterations=ITERATIONS)
+
+        def it_fwd():
+            mx.nd.gn_dbn(x, rm, rp, **it_kw)
+
+        def it_fwdbwd():
+            with autograd.record():
+                y = mx.nd.gn_dbn(x, rm, rp, **it_kw)[0]
+            y.backward(dy)
+
         tx = torch.from_numpy(xnp.copy()).requires_grad_(True)
         tdy = torch.from_numpy(dynp.copy())
         tP = torch.eye(D).repeat(G, 1, 1).contiguous()
@@ -162,6 +190,26 @@ def child_main(args):
             W = (U * lam.rsqrt().unsqueeze(1)) @ U.transpose(1, 2)
             y = W.to(xt.dtype) @ xc
             return y.reshape(G, D, N, S).permute(2, 0, 1, 3).reshape(xt.shape)
+
+        def iternorm_torch(xt):
+            xg = xt.reshape(N, G, D, S).permute(1, 2, 0, 3).reshape(G, D, m)
+            xc = xg - xg.mean(dim=2, keepdim=True)
+            sigma = xc @ xc.transpose(1, 2) / m + EPS * torch.eye(D, dtype=xt.dtype)
+            tr = sigma.diagonal(dim1=1, dim2=2).sum(-1).reshape(G, 1, 1)
+            sn = sigma / tr
+            P = torch.eye(D, dtype=xt.dtype).expand(G, D, D)
+            for _ in range(ITERATIONS):
+                P = 1.5 * P - 0.5 * (P @ P @ P @ sn)
+            y = (P / tr.sqrt()) @ xc
+            return y.reshape(G, D, N, S).permute(2, 0, 1, 3).reshape(xt.shape)
+
+        def torch_it_fwd():
+            with torch.no_grad():
+                sink["y"] = iternorm_torch(tx)
+
+        def torch_it_fwdbwd():
+            tx.grad = None
+            iternorm_torch(tx).backward(tdy)
 
         def torch_fwd():
             with torch.no_grad():
@@ -183,7 +231,13 @@ def child_main(args):
         mxs, nos = mx.nd.waitall, (lambda: None)
         fns = {"gn_fwd": (gn_fwd, mxs), "gn_fwdbwd": (gn_fwdbwd, mxs), "gn_inf": (gn_inf, mxs),
                "torch_fwd": (torch_fwd, nos), "torch_fwdbwd": (torch_fwdbwd, nos),
-               "torch_inf": (torch_inf, nos), "bmm": (bmm, nos)}
+               "torch_inf": (torch_inf, nos), "bmm": (bmm, nos), "it_fwd": (it_fwd, mxs),
+               "it_fwdbwd": (it_fwdbwd, mxs), "torch_it_fwd": (torch_it_fwd, nos),
+               "torch_it_fwdbwd": (torch_it_fwdbwd, nos)}
+        if (shape, G) in LARGE_D:  # the IterNorm comparison only
+            fns = {k: v for k, v in fns.items() if k in ("gn_fwd", "gn_fwdbwd", "torch_fwdbwd",
+                                                         "it_fwd", "it_fwdbwd", "torch_it_fwd",
+                                                         "torch_it_fwdbwd")}
         res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
         sink.clear()
         out["shapes"].append({"shape": list(shape), "G": G, "D": D, "m": m, "res": res})
@@ -191,6 +245,76 @@ def child_main(args):
             f"{k} {v['med_ms']:.2f}" for k, v in res.items()), file=sys.stderr, flush=True)
     out["load_after"] = os.getloadavg()
     print(json.dumps(out))
+
+
+def affine_child_main(args):
+    """--affine child: fused vs unfused affine on every shape, one thread count and regime."""
+    sys.path.insert(0, os.path.join(ROOT, "python"))
+    import numpy as np
+    import mxnet as mx
+    from mxnet import autograd
+    import gn_mx  # noqa: F401
+
+    np.random.seed(0)
+    out = {"threads": int(os.environ["OMP_NUM_THREADS"]), "mxnet": mx.__version__,
+           "load_before": os.getloadavg(), "shapes": []}
+    for shape, G in SHAPES:
+        C = shape[1]
+        D = C // G
+        xnp = np.random.randn(*shape).astype(np.float32)
+        xnp[:, 1:] += 0.5 * xnp[:, :-1]
+        x, dy = mx.nd.array(xnp), mx.nd.array(np.random.randn(*shape).astype(np.float32))
+        gamma = mx.nd.array(0.5 + np.random.rand(C).astype(np.float32))
+        beta = mx.nd.array(np.random.randn(C).astype(np.float32))
+        rm, rp = mx.nd.zeros((C,)), mx.nd.array(np.tile(np.eye(D), (G, 1, 1)))
+        for a in (x, gamma, beta):
+            a.attach_grad()
+
+        def train(fused):
+            if fused:
+                return mx.nd.gn_dbn(x, gamma, beta, rm, rp, num_groups=G, eps=EPS,
+                                    affine=True)[0]
+            return mx.nd.gn_channel_affine(mx.nd.gn_dbn(x, rm, rp, num_groups=G, eps=EPS)[0],
+                                           gamma, beta)
+
+        def infer(fused):
+            if fused:
+                return mx.nd.gn_dbn_inference(x, gamma, beta, rm, rp, num_groups=G, affine=True)
+            return mx.nd.gn_channel_affine(mx.nd.gn_dbn_inference(x, rm, rp, num_groups=G),
+                                           gamma, beta)
+
+        def fwdbwd(fused):
+            with autograd.record():
+                y = train(fused)
+            y.backward(dy)
+
+        fns = {}
+        for kind in ("unfused", "fused"):
+            f = kind == "fused"
+            fns[f"{kind}_fwd"] = (lambda f=f: train(f), mx.nd.waitall)
+            fns[f"{kind}_fwdbwd"] = (lambda f=f: fwdbwd(f), mx.nd.waitall)
+            fns[f"{kind}_inf"] = (lambda f=f: infer(f), mx.nd.waitall)
+        res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
+        out["shapes"].append({"shape": list(shape), "G": G, "D": D, "res": res})
+        print(f"# threads={out['threads']} {shape} G={G}: " + ", ".join(
+            f"{k} {v['med_ms']:.2f}" for k, v in res.items()), file=sys.stderr, flush=True)
+    out["load_after"] = os.getloadavg()
+    print(json.dumps(out))
+
+
+def affine_table(run):
+    lines = ["| shape | G | D | pass | unfused ms (CPU ms) | fused ms (CPU ms) | speed-up wall | "
+             "speed-up CPU time |", "|---|---|---|---|---|---|---|---|"]
+    for s in run["shapes"]:
+        r = s["res"]
+        shape = "x".join(str(v) for v in s["shape"])
+        for ps, label in (("fwd", "forward"), ("fwdbwd", "fwd+bwd"), ("inf", "inference fwd")):
+            u, f = r[f"unfused_{ps}"], r[f"fused_{ps}"]
+            lines.append(f"| {shape} | {s['G']} | {s['D']} | {label} | {u['med_ms']:.2f} "
+                         f"({u['cpu_med_ms']:.2f}) | {f['med_ms']:.2f} ({f['cpu_med_ms']:.2f}) | "
+                         f"{u['med_ms'] / f['med_ms']:.2f}x | "
+                         f"{u['cpu_med_ms'] / f['cpu_med_ms']:.2f}x |")
+    return "\n".join(lines)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -221,6 +345,8 @@ def table(run):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in run["shapes"]:
         r = s["res"]
+        if "gn_inf" not in r:  # a LARGE_D shape: IterNorm table only
+            continue
         elems = s["shape"][1] * s["m"]  # C * N * spatial
         inf_s = r["gn_inf"]["med_ms"] * 1e-3
         gflops = 2 * s["D"] ** 2 * s["m"] * s["G"] / inf_s / 1e9
@@ -240,6 +366,30 @@ def table(run):
     return "\n".join(lines)
 
 
+def iternorm_table(run):
+    """ZCA vs IterNorm (gn_mx) vs torch, fwd and fwd+bwd ms; CPU ms in parentheses."""
+    lines = ["| shape | G | D | ZCA fwd | ZCA fwd+bwd | IterNorm fwd | IterNorm fwd+bwd | "
+             "torch eigh fwd+bwd | torch IterNorm fwd | torch IterNorm fwd+bwd | fastest fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for s in run["shapes"]:
+        r = s["res"]
+        if "it_fwd" not in r:
+            continue
+        shape = "x".join(str(v) for v in s["shape"])
+
+        def c(k):
+            return f"{r[k]['med_ms']:.2f} ({r[k]['cpu_med_ms']:.2f})"
+        fb = {k: r[k]["cpu_med_ms"] for k in ("gn_fwdbwd", "it_fwdbwd", "torch_fwdbwd",
+                                              "torch_it_fwdbwd")}
+        names = {"gn_fwdbwd": "ZCA", "it_fwdbwd": "IterNorm", "torch_fwdbwd": "torch eigh",
+                 "torch_it_fwdbwd": "torch IterNorm"}
+        best = names[min(fb, key=fb.get)]
+        lines.append(f"| {shape} | {s['G']} | {s['D']} | {c('gn_fwd')} | {c('gn_fwdbwd')} | "
+                     f"{c('it_fwd')} | {c('it_fwdbwd')} | {c('torch_fwdbwd')} | "
+                     f"{c('torch_it_fwd')} | {c('torch_it_fwdbwd')} | {best} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--threads", default="1,2")
@@ -248,10 +398,14 @@ def main():
     p.add_argument("--min-sample-s", type=float, default=0.03)
     p.add_argument("--max-time-s", type=float, default=40.0, help="per shape")
     p.add_argument("--no-write", action="store_true")
+    p.add_argument("--out", default="dbn_cpu",
+                   help="results basename under benchmarks/results (default dbn_cpu)")
+    p.add_argument("--affine", action="store_true",
+                   help="fused affine vs gn_dbn + gn_channel_affine (dbn_affine_cpu.md)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        return child_main(args)
+        return affine_child_main(args) if args.affine else child_main(args)
 
     runs = []
     for regime in args.regimes.split(","):
@@ -263,22 +417,28 @@ def main():
                 env.update(KEEP_ENV)
             cmd = [sys.executable, os.path.abspath(__file__), "--child", "--rounds", str(args.rounds),
                    "--min-sample-s", str(args.min_sample_s), "--max-time-s", str(args.max_time_s)]
+            cmd += ["--affine"] if args.affine else []
             pr = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, text=True)
             if pr.returncode != 0:
                 sys.exit(f"child failed (threads={t}, regime={regime})")
             run = json.loads(pr.stdout.strip().splitlines()[-1])
             run["regime"] = regime
             runs.append(run)
+            bounds = ("" if args.affine else f"; sgemm {run['sgemm_gflops']:.0f} GFLOP/s, copy "
+                      f"{run['copy_gbs']:.1f} GB/s")
             print(f"\n## threads={t}, allocator {regime}; load average "
-                  f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}; sgemm "
-                  f"{run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s\n")
-            print(table(run), flush=True)
+                  f"{run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}{bounds}\n")
+            print((affine_table if args.affine else table)(run), flush=True)
+            if not args.affine:
+                print("\n" + iternorm_table(run), flush=True)
     info = machine_info()
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
     if args.no_write:
         return
+    if args.affine:
+        return write_affine(info, runs)
     os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "dbn_cpu.json"), "w") as f:
+    with open(os.path.join(RESULTS, args.out + ".json"), "w") as f:
         json.dump({"machine": info, "runs": runs}, f, indent=1)
     md = [f"# Decorrelated BN CPU benchmark (`benchmarks/bench_dbn.py`)", "",
           f"Machine: {info['cpu']}, {info['cores']} cores, ISA {'/'.join(info['isa_flags'])}; "
@@ -294,8 +454,36 @@ def main():
                   "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000"), "",
                f"Load average {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}; measured "
                f"bounds: sgemm {run['sgemm_gflops']:.0f} GFLOP/s, copy {run['copy_gbs']:.1f} GB/s "
-               "(read + write).", "", table(run), ""]
-    with open(os.path.join(RESULTS, "dbn_cpu.md"), "w") as f:
+               "(read + write).", "", table(run), "",
+               f"ZCA vs IterNorm (T = {ITERATIONS}) vs torch, ms per call (process CPU ms per "
+               "call); fastest fwd+bwd by CPU time:", "", iternorm_table(run), ""]
+    with open(os.path.join(RESULTS, args.out + ".md"), "w") as f:
+        f.write("\n".join(md))
+
+
+def regime_name(regime):
+    return ("glibc default" if regime == "default" else
+            "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000")
+
+
+def write_affine(info, runs):
+    os.makedirs(RESULTS, exist_ok=True)
+    with open(os.path.join(RESULTS, "dbn_affine_cpu.json"), "w") as f:
+        json.dump({"machine": info, "runs": runs}, f, indent=1)
+    md = ["# DBN affine fused into the op vs gn_channel_affine after it "
+          "(`benchmarks/bench_dbn.py --affine`)", "",
+          f"Machine: {info['cpu']}, {info['cores']} cores, ISA {'/'.join(info['isa_flags'])}; "
+          f"{info['system']}; MXNet {runs[0]['mxnet']}; {info['date_utc']}.",
+          "fp32, eps 1e-5, imperative mx.nd calls (the ops of DecorrelatedBatchNorm's graph). "
+          "unfused = gn_dbn (or gn_dbn_inference) + gn_channel_affine, the graph of models "
+          "exported before the fusion; fused = the same op with affine=True. Median ms per call "
+          "over interleaved rounds in one process; CPU = process CPU time per call (less "
+          "distorted by a loaded machine).", ""]
+    for run in runs:
+        md += [f"## {run['threads']} thread(s), allocator: {regime_name(run['regime'])}", "",
+               f"Load average {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}.", "",
+               affine_table(run), ""]
+    with open(os.path.join(RESULTS, "dbn_affine_cpu.md"), "w") as f:
         f.write("\n".join(md))
 
 

@@ -76,6 +76,9 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
                "_backward_gn_group_norm", "_backward_gn_moments"):
         for dt in ("f32", "f16", "f64"):
             assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
+    for op in ("gn_dbn affine", "gn_dbn_inference affine", "gn_dbn iternorm"):  # newer paths
+        for dt in ("f32", "f16", "f64"):
+            assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
     assert any("exceeds the gpu limit 512" in l for l in passed)
     assert any("unsupported context 'opencl'" in l for l in passed)
     assert any("gpu grad2: all zeros" in l for l in passed)

@@ -234,8 +234,9 @@ def test_amp_init_trainer_training(order):
     assert r["gn_casts"] and all(c == ["float16"] * 3 for c in r["gn_casts"].values()), r
     assert r["conv_casts"] and all(set(c) == {"float32"} for c in r["conv_casts"].values()), r
     if r["has_dbn"]:
-        # DBN runs fp32: data cast to float32, running statistics (aux) never cast
-        assert r["dbn_casts"] and all(c == ["float32", None, None]
+        # DBN runs fp32: data and its fused gamma/beta cast to float32, running statistics (aux)
+        # never cast
+        assert r["dbn_casts"] and all(c == ["float32", "float32", "float32", None, None]
                                       for c in r["dbn_casts"].values()), r
     assert r["param_dtypes"] == ["float32"]  # AMP keeps fp32 master parameters
     assert r["grads_finite"] and r["infer_finite"]

@@ -71,9 +71,10 @@ def run_predictor(exe, model, data, tmp_path):
 def test_c_predictor_matches_python(predictor, exported, tmp_path):
     net = exported["net"]
     ops = open(exported["symbol"]).read()
-    for op in ("gn_group_norm", "gn_dbn_inference", "gn_channel_affine"):
+    for op in ("gn_group_norm", "gn_dbn_inference"):
         assert f'"op": "{op}"' in ops, op
     assert '"op": "gn_dbn"' not in ops  # the inference graph
+    assert '"affine": "True"' in ops  # DBN's affine fused into gn_dbn_inference
     diffs = []
     for data in (exported["input"], np.random.RandomState(7).randn(1, 3, 8, 8)):
         want = net(mx.nd.array(data)).asnumpy()

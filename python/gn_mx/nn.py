@@ -162,7 +162,8 @@ class GroupIdentity(_initializer.Initializer):
 
 
 class DecorrelatedBatchNorm(HybridBlock):
-    """Decorrelated Batch Normalization (Huang et al., CVPR 2018): per-group ZCA whitening.
+    """Decorrelated Batch Normalization (Huang et al., CVPR 2018): per-group ZCA whitening, or
+    IterNorm's Newton-iteration whitening (``whitening='iternorm'``).
 
     For data (N, C, *spatial) (any number of spatial dims, including none), channels are split into
     ``num_groups`` groups of D = C/num_groups. In training, each group is whitened with its batch
@@ -198,12 +199,33 @@ class DecorrelatedBatchNorm(HybridBlock):
         If True, the running statistics are used in training as well (``gn_dbn_inference``,
         gradients ``dx = P^T dy``) and are never updated, as with BatchNorm's switch of that name
         (fine-tuning with frozen normalization statistics).
+    whitening : {'zca', 'iternorm'}, default 'zca'
+        How training computes the whitening matrix: 'zca' is Sigma^{-1/2} by eigendecomposition;
+        'iternorm' (Huang et al., CVPR 2019) runs ``iterations`` Newton steps on the
+        trace-normalized covariance, ``P <- 1.5 P - 0.5 P^3 Sigma/tr(Sigma)`` from ``P = I``, and
+        uses ``W = P / sqrt(tr(Sigma))`` (matrix products only; an approximation of Sigma^{-1/2}
+        that whitens less as the covariance is worse conditioned, see docs/dbn.md). Both keep the
+        running whitening matrix as ``running_projection``: inference and export are the same.
+        CPU only for 'iternorm' so far.
+    iterations : int, default 5
+        IterNorm's number of iterations T, in [1, 10] (the paper's iteration amplifies rounding
+        errors from ~12 iterations on ill-conditioned covariances; docs/dbn.md).
     """
 
     def __init__(self, num_groups=None, epsilon=1e-5, momentum=0.9, center=True, scale=True,
                  beta_initializer="zeros", gamma_initializer="ones", in_channels=0,
-                 group_size=None, use_global_stats=False, **kwargs):
+                 group_size=None, use_global_stats=False, whitening="zca", iterations=5,
+                 **kwargs):
         super().__init__(**kwargs)
+        if whitening not in ("zca", "iternorm"):
+            raise ValueError(f"DecorrelatedBatchNorm: whitening must be 'zca' or 'iternorm', got "
+                             f"{whitening!r}")
+        if (isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral)
+                or not 1 <= iterations <= 10):
+            raise ValueError(f"DecorrelatedBatchNorm: iterations must be an integer in [1, 10], "
+                             f"got {iterations!r}")
+        self._whitening = whitening
+        self._iterations = int(iterations)
         num_groups, group_size = _dbn_grouping(num_groups, group_size, epsilon, in_channels)
         self._group_size = group_size
         self._use_global_stats = bool(use_global_stats)
@@ -237,16 +259,19 @@ class DecorrelatedBatchNorm(HybridBlock):
         if not isinstance(x, _nd_type()) and not self._use_global_stats:
             _modal.note_modal_trace()
         num_groups = self._groups_of(x)
-        if _autograd.is_training() and not self._use_global_stats:
-            xhat = F.gn_dbn(x, running_mean, running_projection, num_groups=num_groups,
-                            eps=self._epsilon, momentum=self._momentum)[0]
-        else:
-            xhat = F.gn_dbn_inference(x, running_mean, running_projection,
-                                      num_groups=num_groups)
-        # The learnable affine is one native op: per-channel, any spatial rank, float32
-        # gamma/beta with float16 data, and it sizes gamma/beta from xhat for deferred init.
+        # The per-channel affine is fused into the op (affine=True: inputs data, gamma, beta,
+        # running_mean, running_projection; float32 gamma/beta with float16 data; gamma/beta sized
+        # from data for deferred init). Graphs exported before it apply gn_channel_affine to the
+        # op's output instead, which still loads and runs.
         gamma, beta = accumulating_params(F, gamma, beta, block=self)
-        return F.gn_channel_affine(xhat, gamma, beta)
+        if _autograd.is_training() and not self._use_global_stats:
+            kw = ({} if self._whitening == "zca" else
+                  {"whitening": self._whitening, "iterations": self._iterations})
+            return F.gn_dbn(x, gamma, beta, running_mean, running_projection,
+                            num_groups=num_groups, eps=self._epsilon, momentum=self._momentum,
+                            affine=True, **kw)[0]
+        return F.gn_dbn_inference(x, gamma, beta, running_mean, running_projection,
+                                  num_groups=num_groups, affine=True)
 
     def _groups_of(self, x):
         """The number of groups for input x (with group_size: C/group_size, C from the parameters,
@@ -271,9 +296,11 @@ class DecorrelatedBatchNorm(HybridBlock):
         c = max(c, 0)
         groups = (f"group_size={self._group_size}" if self._group_size
                   else f"num_groups={self._num_groups}")
+        wh = ("" if self._whitening == "zca" else
+              f", whitening='iternorm', iterations={self._iterations}")
         return (f"{self.__class__.__name__}({groups}, eps={self._epsilon}, "
                 f"momentum={self._momentum}, center={self._center}, scale={self._scale}, "
-                f"use_global_stats={self._use_global_stats}, in_channels={c or None})")
+                f"use_global_stats={self._use_global_stats}{wh}, in_channels={c or None})")
 
 
 def _dbn_grouping(num_groups, group_size, epsilon, in_channels):

@@ -28,7 +28,8 @@ gn_group_norm        the exact two-pass composition Reshape (N, G, -1) -> Reduce
 gn_moments           Reshape (N, G, -1) -> ReduceMean -> mean; ReduceMean of squared deviations
                      -> var (population variance), both (N, G).
 gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x as (N, G, D, -1))
-                     -> Reshape back.
+                     -> Reshape back; with ``affine=True`` (gamma, beta inputs) then the
+                     per-channel Mul / Add of gn_channel_affine.
 gn_channel_affine    per-channel Mul / Add on an (N, C, -1) view.
 gn_dbn               not exported: it is the training op (``HybridBlock.export`` always writes the
                      inference graph with ``gn_dbn_inference``); a clear error says so.
@@ -211,12 +212,28 @@ def convert_moments(node, **kwargs):
     return b.nodes, (cdt, cdt)
 
 
+def _affine_attr(b):
+    """gn_dbn / gn_dbn_inference's ``affine`` attribute (absent in graphs exported before it)."""
+    return str(b.attrs.get("affine", "False")).strip().lower() in ("true", "1")
+
+
+def _per_channel_affine(b, x3, gamma, beta, gdt, bdt, cdt):
+    """gamma[c] * x3 + beta[c] on an (N, C, S) view in dtype cdt."""
+    return b.op("Add", [b.op("Mul", [x3, b.reshape(b.cast(gamma, gdt, cdt), [-1, 1])]),
+                        b.reshape(b.cast(beta, bdt, cdt), [-1, 1])])
+
+
 @_register("gn_dbn_inference")
 def convert_dbn_inference(node, **kwargs):
     b = _Builder(node, kwargs)
     G = b.attr_int("num_groups", 1)
-    x, mean, proj = b.inputs
-    xdt, mdt, pdt = b.in_dtypes
+    if _affine_attr(b):  # inputs data, gamma, beta, running_mean, running_projection
+        x, gamma, beta, mean, proj = b.inputs
+        xdt, gdt, bdt, mdt, pdt = b.in_dtypes
+    else:
+        x, mean, proj = b.inputs
+        xdt, mdt, pdt = b.in_dtypes
+        gamma = None
     cdt = _compute_dtype(xdt)
     x3 = b.reshape(b.cast(x, xdt, cdt), [0, 0, -1])                       # (N, C, S)
     xc = b.op("Sub", [x3, b.reshape(b.cast(mean, mdt, cdt), [-1, 1])])
@@ -225,6 +242,8 @@ def convert_dbn_inference(node, **kwargs):
     view = b.op("Concat", [b.const("ng", np.array([0, G], np.int64)), d,
                            b.const("s", np.array([-1], np.int64))], axis=0)
     yg = b.op("MatMul", [p, b.reshape(xc, view)])                         # (N, G, D, S)
+    if gamma is not None:
+        yg = _per_channel_affine(b, b.reshape(yg, b.op("Shape", [x3])), gamma, beta, gdt, bdt, cdt)
     y = b.reshape(yg, b.op("Shape", [x]))
     b.cast(y, cdt, xdt, b.name)
     return b.nodes, (xdt,)
@@ -237,8 +256,7 @@ def convert_channel_affine(node, **kwargs):
     xdt, gdt, bdt = b.in_dtypes
     cdt = _compute_dtype(xdt) if gdt != xdt else xdt
     x3 = b.reshape(b.cast(x, xdt, cdt), [0, 0, -1])
-    y3 = b.op("Add", [b.op("Mul", [x3, b.reshape(b.cast(gamma, gdt, cdt), [-1, 1])]),
-                      b.reshape(b.cast(beta, bdt, cdt), [-1, 1])])
+    y3 = _per_channel_affine(b, x3, gamma, beta, gdt, bdt, cdt)
     y = b.reshape(y3, b.op("Shape", [x]))
     b.cast(y, cdt, xdt, b.name)
     return b.nodes, (xdt,)

@@ -74,9 +74,10 @@ def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_
 
 def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, momentum=0.9,
                             training=True, name=None, in_channels=0, gamma=None, beta=None,
-                            running_mean=None, running_projection=None, use_global_stats=False):
-    """Decorrelated BN: whitening (``gn_dbn`` if ``training`` else ``gn_dbn_inference``) followed by
-    the per-channel affine ``gn_channel_affine`` (the same graph as the Gluon block).
+                            running_mean=None, running_projection=None, use_global_stats=False,
+                            whitening="zca", iterations=5):
+    """Decorrelated BN: whitening and the per-channel affine in one op (``gn_dbn`` if ``training``
+    else ``gn_dbn_inference``, both with ``affine=True``; the same graph as the Gluon block).
 
     num_groups / group_size: give at most one (default num_groups=16); group_size needs
     ``in_channels`` here (a symbol has no channel count to divide).
@@ -85,7 +86,12 @@ def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, mo
     every forward), False for prediction (running statistics). Build both with the same ``name``
     (or use :func:`inference_symbol`) so they share their arguments and aux states.
     use_global_stats: running statistics in both modes (as BatchNorm's switch).
+    whitening / iterations: the training whitening, 'zca' or 'iternorm' with T = iterations
+    (see ``DecorrelatedBatchNorm``); prediction is the same for both.
     """
+    if whitening not in ("zca", "iternorm"):
+        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: whitening must be 'zca' or "
+                         f"'iternorm', got {whitening!r}")
     num_groups, group_size = _dbn_grouping(num_groups, group_size, eps, in_channels)
     if not eps > 0:
         raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: eps must be > 0, got {eps!r}")
@@ -106,11 +112,12 @@ def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, mo
                 (num_groups, D, D) if C else None, GroupIdentity())
     x = _np.to_legacy(data)
     if training and not use_global_stats:
-        xhat = mx.sym.gn_dbn(x, rm, rp, num_groups=num_groups, eps=float(eps),
-                             momentum=float(momentum), name=f"{name}_whiten")[0]
+        kw = {} if whitening == "zca" else {"whitening": whitening, "iterations": int(iterations)}
+        out = mx.sym.gn_dbn(x, g, b, rm, rp, num_groups=num_groups, eps=float(eps),
+                            momentum=float(momentum), affine=True, name=name, **kw)[0]
     else:
-        xhat = mx.sym.gn_dbn_inference(x, rm, rp, num_groups=num_groups, name=f"{name}_whiten")
-    out = mx.sym.gn_channel_affine(xhat, g, b, name=name)
+        out = mx.sym.gn_dbn_inference(x, g, b, rm, rp, num_groups=num_groups, affine=True,
+                                      name=name)
     return _np.like(out, np_kind)
 
 
@@ -129,10 +136,12 @@ def inference_symbol(symbol):
         if node["op"] == "gn_dbn":
             node["op"] = "gn_dbn_inference"
             attrs = node.get("attrs", {})
-            node["attrs"] = {k: v for k, v in attrs.items() if k not in ("eps", "momentum")}
+            node["attrs"] = {k: v for k, v in attrs.items()
+                             if k not in ("eps", "momentum", "whitening", "iterations")}
             changed.add(i)
         if node["op"] == "gn_dbn_inference":
-            for src, _, *_ in node["inputs"][1:3]:
+            # every input after data: (gamma, beta with affine,) running_mean, running_projection
+            for src, _, *_ in node["inputs"][1:]:
                 if nodes[src]["op"] == "null":
                     nodes[src].setdefault("attrs", {}).setdefault("__storage_type__", "0")
     for node in graph["nodes"]:

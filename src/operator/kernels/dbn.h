@@ -20,7 +20,7 @@
  *   running_projection = momentum * running_projection + (1 - momentum) * W
  * A non-finite Sigma (NaN/inf input) skips the eigensolver and yields NaN eig/out; never a crash.
  *
- * Backward (training), given dY; derivation in dbn_cpu.cc above dbn_bwd_cpu:
+ * Backward (training), given dY; derivation in dbn_cpu.cc above BwdLayout:
  *   G_W    = dY Xc^T,  Gs = (G_W + G_W^T)/2
  *   K_ij   = -1 / (sqrt(l_i) sqrt(l_j) (sqrt(l_i) + sqrt(l_j)))     (divided difference of l^-1/2,
  *                                                       diagonal = f'(l_i); no 1/(l_i - l_j) at all)
@@ -79,6 +79,13 @@
 
 namespace gn_mx {
 
+// The whitening of the training op. ZCA: W = Sigma^{-1/2} by eigendecomposition (above). IterNorm
+// (Huang et al., CVPR 2019): W = P_T / sqrt(tr(Sigma)) after T Newton iterations on the
+// trace-normalized Sigma (dbn_math.h); the forward then saves Sigma (eps included) as `eigvec` and
+// its diagonal as `eigval`, which the backward reads. Running statistics and the inference op are
+// the same for both (running_projection averages W).
+enum class DbnWhitening { kZca = 0, kIterNorm = 1 };
+
 struct DbnFwdArgs {
   DType dtype = DType::kFloat32;       // x / y dtype
   DType stat_dtype = DType::kFloat32;  // running_mean / running_projection dtype (dtype or AccT)
@@ -89,10 +96,17 @@ struct DbnFwdArgs {
   void* eigval = nullptr;              // (G, D) AccT, eigenvalues of Sigma (eps included), >= eps
   void* running_mean = nullptr;        // (C,) stat_dtype, updated in place; nullptr: no update
   void* running_proj = nullptr;        // (G, D, D) stat_dtype, updated in place; nullptr: no update
+  // Fused affine (optional): y = gamma[c] * (W (x - mu))[c] + beta[c]. Both or neither; the running
+  // and saved statistics are those of the whitening alone.
+  DType param_dtype = DType::kFloat32; // gamma / beta dtype (dtype or AccT)
+  const void* gamma = nullptr;         // (C,) param_dtype
+  const void* beta = nullptr;          // (C,) param_dtype
   void* workspace = nullptr;           // dbn_fwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
   double eps = 1e-5;
   double momentum = 0.9;
+  DbnWhitening whitening = DbnWhitening::kZca;
+  int iterations = 5;                  // IterNorm's T, in [1, kDbnMaxIterations]
   int num_threads = 0;                 // CPU only; 0 = omp_get_max_threads()
 };
 
@@ -104,8 +118,16 @@ struct DbnBwdArgs {
   const void* eigvec = nullptr;        // (G, D, D) AccT, from forward
   const void* eigval = nullptr;        // (G, D) AccT, from forward
   void* dx = nullptr;                  // (N, C, S)
+  // Fused affine (optional, all three or none): dy is the gradient of y = gamma xhat + beta;
+  // dgamma = sum(dy xhat), dbeta = sum(dy) per channel are written (overwritten).
+  DType param_dtype = DType::kFloat32;
+  const void* gamma = nullptr;         // (C,) param_dtype
+  void* dgamma = nullptr;              // (C,) param_dtype
+  void* dbeta = nullptr;               // (C,) param_dtype
   void* workspace = nullptr;           // dbn_bwd_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
+  DbnWhitening whitening = DbnWhitening::kZca;  // as the forward's
+  int iterations = 5;
   int num_threads = 0;
 };
 
@@ -118,6 +140,14 @@ struct DbnInferenceArgs {
   const void* running_mean = nullptr;  // (C,) stat_dtype
   const void* running_proj = nullptr;  // (G, D, D) stat_dtype
   void* y = nullptr;                   // (N, C, S)  (dx for the backward)
+  // Fused affine (optional): y = gamma P (x - r_mean) + beta; its backward dx = P^T (gamma dy) and,
+  // from the forward's input `data`, dgamma = sum(dy P (data - r_mean)), dbeta = sum(dy).
+  DType param_dtype = DType::kFloat32;
+  const void* gamma = nullptr;         // (C,) param_dtype
+  const void* beta = nullptr;          // (C,) param_dtype (forward)
+  const void* data = nullptr;          // (N, C, S) the forward's x (backward)
+  void* dgamma = nullptr;              // (C,) param_dtype (backward)
+  void* dbeta = nullptr;               // (C,) param_dtype (backward)
   void* workspace = nullptr;           // dbn_inference_workspace_*() bytes
   int64_t N = 0, C = 0, G = 1, S = 1;
   int num_threads = 0;
@@ -176,6 +206,40 @@ inline bool dbn_stat_dtype_ok(DType data, DType stat) {
 }
 constexpr const char* kDbnStatDtypeError =
     "running statistics must have the data dtype or its accumulation dtype";
+// gamma / beta follow the same dtype rule; given together (both pointers, or neither).
+constexpr const char* kDbnParamDtypeError =
+    "gamma and beta must have the data dtype or its accumulation dtype";
+constexpr const char* kDbnAffineError = "gamma and beta (and their gradients) go together";
+// IterNorm's iteration count T: in [1, kDbnMaxIterations]. The paper's iteration (uncoupled
+// Newton-Schulz, P^3 Sigma_N) amplifies rounding errors, the faster the worse Sigma is conditioned
+// (Higham's analysis of the Newton square root): measured with the float64 numpy reference of the
+// paper's algorithm (the op's fp64 D x D math follows it), ||cov(y) - I||_F / sqrt(D) stays
+// bounded up to T = 11 and blows up (8 .. 1e5, then inf/NaN) from T = 12-13 for cond(Sigma) =
+// 2e4 .. 1e9 (D = 16 .. 128), from T = 25 for cond 14; docs/dbn.md has the table. The paper uses
+// T = 5; 10 leaves a margin below the blow-up.
+constexpr int kDbnMaxIterations = 10;
+constexpr const char* kDbnIterationsError = "iterations must be in [1, 10]";
+static_assert(kDbnMaxIterations == 10, "kDbnIterationsError names the limit");
+inline const char* dbn_whitening_error(DbnWhitening w, int iterations) {
+  if (w != DbnWhitening::kZca && w != DbnWhitening::kIterNorm) return "unknown whitening";
+  if (w == DbnWhitening::kIterNorm && (iterations < 1 || iterations > kDbnMaxIterations))
+    return kDbnIterationsError;
+  return nullptr;
+}
+inline const char* dbn_affine_fwd_error(const DbnFwdArgs& a) {
+  if (!a.gamma != !a.beta) return kDbnAffineError;
+  return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;
+}
+inline const char* dbn_affine_bwd_error(const DbnBwdArgs& a) {
+  if (!a.gamma != !a.dgamma || !a.gamma != !a.dbeta) return kDbnAffineError;
+  return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;
+}
+inline const char* dbn_affine_inf_error(const DbnInferenceArgs& a, bool backward) {
+  const bool bad = backward ? (!a.gamma != !a.dgamma || !a.gamma != !a.dbeta || !a.gamma != !a.data)
+                            : !a.gamma != !a.beta;
+  if (bad) return kDbnAffineError;
+  return (a.gamma && !dbn_stat_dtype_ok(a.dtype, a.param_dtype)) ? kDbnParamDtypeError : nullptr;
+}
 
 // The one load/store of a running-statistics element of dtype `t`, widened to / narrowed from
 // fp64 (host and device).

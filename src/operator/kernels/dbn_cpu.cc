@@ -164,8 +164,9 @@ struct FwdLayout {
   double* tcnt;  // T x G, their column count
   double* delta; // T x D
   A* csum;       // T x D, a chunk's row sums
-  A* W;          // G x D x D, Sigma^{-1/2} in AccT for the whitening gemm
-  A* panel;      // T x D x K
+  A* W;          // G x D x (D+1): [diag(gamma) W | beta] in AccT for the whitening product (D x D
+                 // when there is no affine)
+  A* panel;      // T x (D+1) x K (row D: ones, the affine's beta column)
   A* out;        // T x D x K
   A* cb;         // T x D x D, one chunk's syrk result
   double* sig;   // T x D x D
@@ -173,13 +174,18 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
-  double* tmp;   // T x (2 D^2 + D), dbn_whitening_matrix scratch (Ut, V, r)
+  double* tmp;   // T x fwd_tmp(), dbn_whitening_matrix's (Ut, V, r) or dbn_iternorm_whitening's
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
 
+// Doubles of a thread's D x D scratch in the forward: ZCA 2 D^2 + D, IterNorm 5 D^2 + 1.
+int64_t fwd_tmp(const PanelGeo& q, DbnWhitening w) {
+  return w == DbnWhitening::kIterNorm ? 5 * q.D * q.D + 1 : 2 * q.D * q.D + q.D;
+}
+
 template <typename A>
-FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
+FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T, DbnWhitening w) {
   FwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -187,8 +193,8 @@ FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.tcnt = c->take<double>(T * q.G);
   L.delta = c->take<double>(T * q.D);
   L.csum = c->take<A>(T * q.D);
-  L.W = c->take<A>(q.G * DD);
-  L.panel = c->take<A>(T * q.D * q.ld);
+  L.W = c->take<A>(q.G * q.D * (q.D + 1));
+  L.panel = c->take<A>(T * (q.D + 1) * q.ld);
   L.out = c->take<A>(T * q.D * q.ld);
   L.cb = c->take<A>(T * DD);
   L.sig = c->take<double>(T * DD);
@@ -196,143 +202,219 @@ FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.l = c->take<double>(T * q.D);
   L.Wd = c->take<double>(T * DD);
   L.ea = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * (2 * DD + q.D));
+  L.tmp = c->take<double>(T * fwd_tmp(q, w));
   L.work = c->take<double>(T * eig_lwork(q.D));
   L.iwork = c->take<int>(T * eig_liwork(q.D));
   return L;
 }
 
+// The training forward's stages, one function each, over the call's shared state (args, geometry,
+// workspace) and one thread's slice of the workspace (Tls):
+//   stats_chunk(it)   pass 1, mean and covariance of one column chunk merged into the thread's state
+//   finish_group(g)   merge the threads' states, Sigma, eigh, W, saved and running statistics
+//   whiten_chunk(it)  pass 2, y = W (x - mu) for one column chunk
+template <typename T>
+struct FwdPass {
+  using A = AccT<T>;
+  const DbnFwdArgs& a;
+  PanelGeo q;
+  int nt;
+  FwdLayout<A> L;
+  const T* x;
+  T* y;
+  A* mean;
+  A* eigvec;
+  A* eigval;
+  int64_t D, DD;
+  int Di;
+  bool affine;  // y = gamma xhat + beta
+  int Dw;       // columns of the whitening product's matrix: D, or D + 1 with the beta column
+
+  // One thread's scratch.
+  struct Tls {
+    int t;
+    dbn_small::CpuExec ex;
+    double* acc;  // the thread's G x D x D M2 sums
+    A *panel, *cb, *csum, *out;
+    double *delta, *sig, *U, *l, *Wd, *tmp;
+    EigScratch es;
+  };
+
+  FwdPass(const DbnFwdArgs& args, Carver* cv)
+      : a(args), q(make_geo(a.N, a.C, a.G, a.S)), nt(resolve_threads(a.num_threads)),
+        L(fwd_layout<A>(cv, q, nt, a.whitening)), x(static_cast<const T*>(a.x)),
+        y(static_cast<T*>(a.y)),
+        mean(static_cast<A*>(a.mean)), eigvec(static_cast<A*>(a.eigvec)),
+        eigval(static_cast<A*>(a.eigval)), D(q.D), DD(q.D * q.D), Di(static_cast<int>(q.D)),
+        affine(a.gamma != nullptr), Dw(Di + (affine ? 1 : 0)) {}
+
+  Tls tls(int t) const {
+    Tls s;
+    s.t = t;
+    s.acc = L.acc + t * q.G * DD;
+    s.panel = L.panel + t * (D + 1) * q.ld;
+    s.cb = L.cb + t * DD;
+    s.csum = L.csum + t * D;
+    s.out = L.out + t * D * q.ld;
+    s.delta = L.delta + t * D;
+    s.sig = L.sig + t * DD;
+    s.U = L.U + t * DD;
+    s.l = L.l + t * D;
+    s.Wd = L.Wd + t * DD;
+    s.tmp = L.tmp + t * fwd_tmp(q, a.whitening);
+    s.es = EigScratch{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
+                      static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
+    return s;
+  }
+
+  // Pass 1: mean and covariance in one read of x. Each chunk is centred on its own mean while
+  // it sits in cache (exact two-pass statistics of the chunk), then merged into the thread's
+  // fp64 state with Chan's update, the matrix form of welford.h's merge:
+  //   delta = mean_b - mean_a, n = n_a + n_b,
+  //   mean += delta n_b / n,   M2 = M2_a + M2_b + delta delta^T n_a n_b / n.
+  // No E[xx^T] - mu mu^T cancellation anywhere, whatever the offset of the data.
+  void stats_chunk(const Tls& s, int64_t it) const {
+    const auto [g, j0, kc] = chunk_of(q, it);
+    A* csum = s.csum;
+    double* delta = s.delta;
+    gather_sum(x, q, g, j0, kc, s.panel, q.ld, csum);
+    for (int64_t d = 0; d < D; ++d) {
+      A* row = s.panel + d * q.ld;
+      const A c = csum[d] / static_cast<A>(kc);
+      A r = 0;  // residual sum after centring (rounding of c), folded in exactly below
+#pragma omp simd reduction(+ : r)
+      for (int64_t k = 0; k < kc; ++k) {
+        row[k] -= c;
+        r += row[k];
+      }
+      csum[d] = c;  // chunk mean = c + r / kc
+      delta[d] = static_cast<double>(r);
+    }
+    panel_gram(s.panel, s.panel, q.ld, Di, static_cast<int>(kc), s.cb, true);
+    double* accg = s.acc + g * DD;
+    double* tmean = L.tmean + (s.t * q.G + g) * D;
+    double& na = L.tcnt[s.t * q.G + g];
+    const double nb = static_cast<double>(kc), n = na + nb, w = na * nb / n;
+    for (int64_t d = 0; d < D; ++d) {
+      const double r = delta[d];
+      delta[d] = static_cast<double>(csum[d]) + r / nb - tmean[d];  // mean_b - mean_a
+      csum[d] = static_cast<A>(r);
+    }
+    for (int64_t j = 0; j < D; ++j) {
+      const double rj = static_cast<double>(csum[j]) / nb, dj = delta[j] * w;
+      for (int64_t i = 0; i <= j; ++i)
+        accg[i + j * D] += static_cast<double>(s.cb[i + j * D]) -
+                           static_cast<double>(csum[i]) * rj + delta[i] * dj;
+    }
+    for (int64_t d = 0; d < D; ++d) tmean[d] += delta[d] * nb / n;
+    na = n;
+  }
+
+  // Merges the threads' (count, mean, M2) states of group g (Chan): the mean into mu, M2 (upper
+  // triangle, column-major) into m2.
+  void merge_states(int64_t g, double* mu, double* m2) const {
+    double n = 0.0;
+    std::fill(mu, mu + D, 0.0);
+    std::fill(m2, m2 + DD, 0.0);
+    for (int u = 0; u < nt; ++u) {
+      const double nb = L.tcnt[u * q.G + g];
+      if (nb == 0) continue;
+      const double* mb = L.tmean + (u * q.G + g) * D;
+      const double* m2b = L.acc + (u * q.G + g) * DD;
+      const double nn = n + nb, w = n * nb / nn;
+      for (int64_t j = 0; j < D; ++j)
+        for (int64_t i = 0; i <= j; ++i)
+          m2[i + j * D] += m2b[i + j * D] + (mb[i] - mu[i]) * (mb[j] - mu[j]) * w;
+      for (int64_t d = 0; d < D; ++d) mu[d] += (mb[d] - mu[d]) * nb / nn;
+      n = nn;
+    }
+  }
+
+  // sig = M2 / m + eps I (full symmetric, row-major); false when an entry is not finite.
+  bool covariance(const double* m2, double* sig) const {
+    bool finite = true;
+    for (int64_t j = 0; j < D; ++j)
+      for (int64_t i = 0; i <= j; ++i) {
+        double v = m2[i + j * D] / static_cast<double>(q.m);
+        if (i == j) v += a.eps;
+        sig[i * D + j] = sig[j * D + i] = v;
+        finite = finite && std::isfinite(v);
+      }
+    return finite;
+  }
+
+  // Per group: Sigma, eigh, W (into s.Wd), the saved and the running statistics.
+  void finish_group(const Tls& s, int64_t g) const {
+    double *U = s.U, *l = s.l, *Wd = s.Wd;
+    merge_states(g, l, Wd);  // mean into l, M2 into Wd (both free until eigh)
+    for (int64_t d = 0; d < D; ++d) mean[g * D + d] = static_cast<A>(l[d]);
+    const bool finite = covariance(Wd, s.sig);
+    if (a.whitening == DbnWhitening::kIterNorm) {
+      // W by the Newton iterations; saved: Sigma (eigvec) and its diagonal (eigval).
+      if (finite) {
+        dbn_iternorm_whitening(s.ex, s.sig, Di, a.iterations, Wd, s.tmp, s.tmp + 5 * DD);
+      } else {
+        std::fill(Wd, Wd + DD, std::numeric_limits<double>::quiet_NaN());
+      }
+      std::copy(s.sig, s.sig + DD, U);
+      for (int64_t d = 0; d < D; ++d) l[d] = s.sig[d * D + d];
+    } else if (finite) {
+      eigh(s.sig, Di, U, l, s.es);
+      dbn_whitening_matrix(s.ex, U, l, Di, a.eps, Wd, s.tmp, s.tmp + DD, s.tmp + 2 * DD);
+    } else {
+      const double nan = std::numeric_limits<double>::quiet_NaN();
+      std::fill(U, U + DD, nan);
+      std::fill(l, l + D, nan);
+      std::fill(Wd, Wd + DD, nan);
+    }
+    for (int64_t i = 0; i < DD; ++i) eigvec[g * DD + i] = static_cast<A>(U[i]);
+    store_whitening(g, Wd);
+    for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
+    dbn_update_running(s.ex, a.stat_dtype, a.running_proj, a.running_mean, g, Di, Wd, mean,
+                       a.momentum);
+  }
+
+  // The whitening product's matrix of group g in AccT: W, or with the affine
+  // [diag(gamma) W | beta] (scaled in fp64, then rounded once).
+  void store_whitening(int64_t g, const double* Wd) const {
+    A* M = L.W + g * D * Dw;
+    for (int64_t i = 0; i < D; ++i) {
+      const double gi = affine ? dbn_load_stat(a.param_dtype, a.gamma, g * D + i) : 1.0;
+      for (int64_t j = 0; j < D; ++j)
+        M[i * Dw + j] = static_cast<A>(affine ? gi * Wd[i * D + j] : Wd[i * D + j]);
+      if (affine) M[i * Dw + D] = static_cast<A>(dbn_load_stat(a.param_dtype, a.beta, g * D + i));
+    }
+  }
+
+  // Pass 2: whitening, y = W (x - mu); with the affine y = [diag(gamma) W | beta] [x - mu; 1].
+  void whiten_chunk(const Tls& s, int64_t it) const {
+    const auto [g, j0, kc] = chunk_of(q, it);
+    gather(x, q, g, j0, kc, mean + g * D, s.panel, q.ld);
+    if (affine) std::fill(s.panel + D * q.ld, s.panel + D * q.ld + kc, A(1));
+    apply_out(L.W + g * D * Dw, Di, Dw, s.panel, q.ld, static_cast<int>(kc), s.out, q, g, j0, y);
+  }
+
+  const char* run() {
+    const int64_t gb = group_block(q, sizeof(T), nt);
+    const bool per_group = use_per_group(q, sizeof(T), nt);
+    // Zeroed up front: a team smaller than nt must still leave every partial state defined.
+    std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
+    std::fill(L.tmean, L.tmean + nt * q.G * D, 0.0);
+    std::fill(L.tcnt, L.tcnt + nt * q.G, 0.0);
+#pragma omp parallel num_threads(nt)
+    {
+      const Tls s = tls(threads::thread_id());
+      run_stages(q, per_group, gb, 1, [&](int64_t it) { stats_chunk(s, it); },
+                 [&](int64_t g) { finish_group(s, g); }, [&](int64_t it) { whiten_chunk(s, it); });
+    }
+    return nullptr;
+  }
+};
+
 template <typename T>
 const char* fwd_impl(const DbnFwdArgs& a) {
-  using A = AccT<T>;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
-  const FwdLayout<A> L = fwd_layout<A>(&cv, q, nt);
-  const T* x = static_cast<const T*>(a.x);
-  T* y = static_cast<T*>(a.y);
-  A* mean = static_cast<A*>(a.mean);
-  A* eigvec = static_cast<A*>(a.eigvec);
-  A* eigval = static_cast<A*>(a.eigval);
-  const int64_t D = q.D, DD = D * D;
-  const int Di = static_cast<int>(D);
-  const int64_t gb = group_block(q, sizeof(T), nt);
-  const bool per_group = use_per_group(q, sizeof(T), nt);
-  // Zeroed up front: a team smaller than nt must still leave every partial state defined.
-  std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
-  std::fill(L.tmean, L.tmean + nt * q.G * D, 0.0);
-  std::fill(L.tcnt, L.tcnt + nt * q.G, 0.0);
-
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = threads::thread_id();
-    const dbn_small::CpuExec ex;
-    // Pass 1: mean and covariance in one read of x. Each chunk is centred on its own mean while
-    // it sits in cache (exact two-pass statistics of the chunk), then merged into the thread's
-    // fp64 state with Chan's update, the matrix form of welford.h's merge:
-    //   delta = mean_b - mean_a, n = n_a + n_b,
-    //   mean += delta n_b / n,   M2 = M2_a + M2_b + delta delta^T n_a n_b / n.
-    // No E[xx^T] - mu mu^T cancellation anywhere, whatever the offset of the data.
-    double* acc_t = L.acc + t * q.G * DD;
-    A* panel = L.panel + t * D * q.ld;
-    A* cb = L.cb + t * DD;
-    A* csum = L.csum + t * D;
-    double* delta = L.delta + t * D;
-    const EigScratch es{L.ea + t * DD, L.work + t * eig_lwork(D), L.iwork + t * eig_liwork(D),
-                        static_cast<int>(eig_lwork(D)), static_cast<int>(eig_liwork(D))};
-    double* sig = L.sig + t * DD;
-    double* U = L.U + t * DD;
-    double* l = L.l + t * D;
-    double* Wd = L.Wd + t * DD;
-    A* out = L.out + t * D * q.ld;
-    auto stats_chunk = [&](int64_t it) {
-      const auto [g, j0, kc] = chunk_of(q, it);
-      gather_sum(x, q, g, j0, kc, panel, q.ld, csum);
-      for (int64_t d = 0; d < D; ++d) {
-        A* row = panel + d * q.ld;
-        const A c = csum[d] / static_cast<A>(kc);
-        A r = 0;  // residual sum after centring (rounding of c), folded in exactly below
-#pragma omp simd reduction(+ : r)
-        for (int64_t k = 0; k < kc; ++k) {
-          row[k] -= c;
-          r += row[k];
-        }
-        csum[d] = c;  // chunk mean = c + r / kc
-        delta[d] = static_cast<double>(r);
-      }
-      panel_gram(panel, panel, q.ld, Di, static_cast<int>(kc), cb, true);
-      double* accg = acc_t + g * DD;
-      double* tmean = L.tmean + (t * q.G + g) * D;
-      double& na = L.tcnt[t * q.G + g];
-      const double nb = static_cast<double>(kc), n = na + nb, w = na * nb / n;
-      for (int64_t d = 0; d < D; ++d) {
-        const double r = delta[d];
-        delta[d] = static_cast<double>(csum[d]) + r / nb - tmean[d];  // mean_b - mean_a
-        csum[d] = static_cast<A>(r);
-      }
-      for (int64_t j = 0; j < D; ++j) {
-        const double rj = static_cast<double>(csum[j]) / nb, dj = delta[j] * w;
-        for (int64_t i = 0; i <= j; ++i)
-          accg[i + j * D] += static_cast<double>(cb[i + j * D]) -
-                             static_cast<double>(csum[i]) * rj + delta[i] * dj;
-      }
-      for (int64_t d = 0; d < D; ++d) tmean[d] += delta[d] * nb / n;
-      na = n;
-    };
-    // Per group: Sigma, eigh, W, running statistics.
-    auto finish_group = [&](int64_t g) {
-      // Merge the threads' (count, mean, M2) states (Chan), into l (mean) and Wd (M2).
-      double n = 0.0;
-      std::fill(l, l + D, 0.0);
-      std::fill(Wd, Wd + DD, 0.0);
-      for (int u = 0; u < nt; ++u) {
-        const double nb = L.tcnt[u * q.G + g];
-        if (nb == 0) continue;
-        const double* mb = L.tmean + (u * q.G + g) * D;
-        const double* m2b = L.acc + (u * q.G + g) * DD;
-        const double nn = n + nb, w = n * nb / nn;
-        for (int64_t j = 0; j < D; ++j)
-          for (int64_t i = 0; i <= j; ++i)
-            Wd[i + j * D] += m2b[i + j * D] + (mb[i] - l[i]) * (mb[j] - l[j]) * w;
-        for (int64_t d = 0; d < D; ++d) l[d] += (mb[d] - l[d]) * nb / nn;
-        n = nn;
-      }
-      for (int64_t d = 0; d < D; ++d) mean[g * D + d] = static_cast<A>(l[d]);
-      bool finite = true;
-      for (int64_t j = 0; j < D; ++j)
-        for (int64_t i = 0; i <= j; ++i) {
-          double s = Wd[i + j * D] / static_cast<double>(q.m);
-          if (i == j) s += a.eps;
-          sig[i * D + j] = sig[j * D + i] = s;
-          finite = finite && std::isfinite(s);
-        }
-      if (finite) {
-        eigh(sig, Di, U, l, es);
-        double* tmp = L.tmp + t * (2 * DD + D);
-        dbn_whitening_matrix(ex, U, l, Di, a.eps, Wd, tmp, tmp + DD, tmp + 2 * DD);
-      } else {
-        const double nan = std::numeric_limits<double>::quiet_NaN();
-        std::fill(U, U + DD, nan);
-        std::fill(l, l + D, nan);
-        std::fill(Wd, Wd + DD, nan);
-      }
-      for (int64_t i = 0; i < DD; ++i) {
-        eigvec[g * DD + i] = static_cast<A>(U[i]);
-        L.W[g * DD + i] = static_cast<A>(Wd[i]);
-      }
-      for (int64_t i = 0; i < D; ++i) eigval[g * D + i] = static_cast<A>(l[i]);
-      dbn_update_running(ex, a.stat_dtype, a.running_proj, a.running_mean, g, Di, Wd, mean,
-                         a.momentum);
-    };
-    // Pass 3: whitening, y = W (x - mu).
-    auto whiten_chunk = [&](int64_t it) {
-      const auto [g, j0, kc] = chunk_of(q, it);
-      gather(x, q, g, j0, kc, mean + g * D, panel, q.ld);
-      apply_out(L.W + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
-    };
-    run_stages(q, per_group, gb, 1, stats_chunk, finish_group, whiten_chunk);
-  }
-  return nullptr;
+  return FwdPass<T>(a, &cv).run();
 }
 
 // ---- Training backward ------------------------------------------------------------------------
@@ -356,6 +438,10 @@ const char* fwd_impl(const DbnFwdArgs& a) {
 // pass 2 is one gemm per panel with [W | B] (D x 2D) on the stacked panel [dY - mean(dY); Xc].
 // Xc is recomputed from x and the saved AccT mean (exactly the forward's centring), which keeps
 // fp16 inputs exact, unlike Xc = W^-1 Y from the rounded output.
+// With the fused affine (y = gamma xhat + beta), dY above is gamma dy (dy: the gradient of y), so
+// pass 1 sums dy Xc^T and dy unchanged and the D x D step scales: G_W's rows by gamma, and the
+// apply matrix becomes [W diag(gamma) | B] on [dy - mean(dy); Xc]; dgamma_c = sum_j W_cj (dy Xc^T)_cj
+// and dbeta_c = sum(dy_c) come from the D x D sums, with no extra pass over the data.
 template <typename A>
 struct BwdLayout {
   double* acc;    // T x G x D x D, G_W sums (row-major)
@@ -371,11 +457,20 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x (3 D^2 + 2 D), dbn_bwd_small scratch (H, T, Ut, sq, r)
+  double* tmp;    // T x bwd_tmp(): dbn_bwd_small's (H, T, Ut, sq, r) or dbn_bwd_iternorm's
+  double* gam;    // T x 2D, gamma and dgamma of a group (fp64)
 };
 
+// Doubles of a thread's D x D scratch in the backward.
+int64_t bwd_tmp(const PanelGeo& q, const DbnBwdArgs& a) {
+  return a.whitening == DbnWhitening::kIterNorm
+             ? dbn_iternorm_bwd_scratch(static_cast<int>(q.D),
+                                        std::max(1, std::min(a.iterations, kDbnMaxIterations)))
+             : 3 * q.D * q.D + 2 * q.D;
+}
+
 template <typename A>
-BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
+BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T, const DbnBwdArgs& a) {
   BwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -391,143 +486,303 @@ BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T) {
   L.GW = c->take<double>(T * DD);
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
-  L.tmp = c->take<double>(T * (3 * DD + 2 * q.D));
+  L.tmp = c->take<double>(T * bwd_tmp(q, a));
+  L.gam = c->take<double>(T * 2 * q.D);
   return L;
 }
+
+// The training backward's stages over the call's shared state and one thread's scratch (Tls):
+//   gram_chunk(it)   pass 1, G_W += dY Xc^T and sum(dY) of one column chunk
+//   group_step(g)    merge the threads' sums, dbn_bwd_small, [W | B], dgamma / dbeta
+//   apply_chunk(it)  pass 2, dX = [W | B] [dY - mean(dY); Xc] for one column chunk
+template <typename T>
+struct BwdPass {
+  using A = AccT<T>;
+  const DbnBwdArgs& a;
+  PanelGeo q;
+  int nt;
+  BwdLayout<A> L;
+  const T *x, *dy;
+  T* dx;
+  const A *mean, *eigvec, *eigval;
+  int64_t D, DD;
+  int Di;
+  bool affine;
+
+  struct Tls {
+    int t;
+    dbn_small::CpuExec ex;
+    double *acc, *dys;   // the thread's G_W and sum(dY) sums
+    A *pdy, *pxc, *cb, *rsum, *out;
+    double *U, *l, *GW, *W, *B, *gam;
+    DbnBwdScratch bs;
+  };
+
+  BwdPass(const DbnBwdArgs& args, Carver* cv)
+      : a(args), q(make_geo(a.N, a.C, a.G, a.S)), nt(resolve_threads(a.num_threads)),
+        L(bwd_layout<A>(cv, q, nt, a)), x(static_cast<const T*>(a.x)),
+        dy(static_cast<const T*>(a.dy)), dx(static_cast<T*>(a.dx)),
+        mean(static_cast<const A*>(a.mean)), eigvec(static_cast<const A*>(a.eigvec)),
+        eigval(static_cast<const A*>(a.eigval)), D(q.D), DD(q.D * q.D),
+        Di(static_cast<int>(q.D)), affine(a.gamma != nullptr) {}
+
+  Tls tls(int t) const {
+    Tls s;
+    s.t = t;
+    s.acc = L.acc + t * q.G * DD;
+    s.dys = L.dysum + t * q.G * D;
+    s.pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
+    s.pxc = s.pdy + D * q.ld;            // rows D..2D-1: Xc
+    s.cb = L.cb + t * DD;
+    s.rsum = L.rsum + t * D;
+    s.out = L.out + t * D * q.ld;
+    s.U = L.U + t * DD;
+    s.l = L.l + t * D;
+    s.GW = L.GW + t * DD;
+    s.W = L.W + t * DD;
+    s.B = L.B + t * DD;
+    s.gam = L.gam + t * 2 * D;
+    double* tmp = L.tmp + t * bwd_tmp(q, a);
+    s.bs = DbnBwdScratch{tmp, tmp + DD, tmp + 2 * DD, tmp + 3 * DD, tmp + 3 * DD + D};
+    return s;
+  }
+
+  // Pass 1: G_W = dY Xc^T and sum(dY).
+  void gram_chunk(const Tls& s, int64_t it) const {
+    const auto [g, j0, kc] = chunk_of(q, it);
+    gather_sum(dy, q, g, j0, kc, s.pdy, q.ld, s.rsum);
+    gather(x, q, g, j0, kc, mean + g * D, s.pxc, q.ld);
+    panel_gram(s.pdy, s.pxc, q.ld, Di, static_cast<int>(kc), s.cb, false);  // G_W = dY Xc^T
+    double* accg = s.acc + g * DD;
+    for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(s.cb[i]);
+    double* dsg = s.dys + g * D;
+    for (int64_t d = 0; d < D; ++d) dsg[d] += static_cast<double>(s.rsum[d]);
+  }
+
+  // Per group: the threads' sums, dbn_bwd_small, [W (diag(gamma)) | B], dgamma / dbeta.
+  void group_step(const Tls& s, int64_t g) const {
+    double *U = s.U, *l = s.l, *GW = s.GW, *W = s.W, *B = s.B;
+    double *gam = s.gam, *dgam = s.gam + D;
+    for (int64_t i = 0; i < DD; ++i) {
+      double v = 0.0;
+      for (int u = 0; u < nt; ++u) v += L.acc[(u * q.G + g) * DD + i];
+      GW[i] = v;
+      U[i] = static_cast<double>(eigvec[g * DD + i]);
+    }
+    for (int64_t d = 0; d < D; ++d) {
+      double v = 0.0;
+      for (int u = 0; u < nt; ++u) v += L.dysum[(u * q.G + g) * D + d];
+      L.dymean[g * D + d] = static_cast<A>(v / static_cast<double>(q.m));
+      l[d] = static_cast<double>(eigval[g * D + d]);
+      if (affine) {
+        gam[d] = dbn_load_stat(a.param_dtype, a.gamma, g * D + d);
+        dbn_store_stat(a.param_dtype, a.dbeta, g * D + d, v);
+      }
+    }
+    if (a.whitening == DbnWhitening::kIterNorm)  // U holds the forward's Sigma
+      dbn_bwd_iternorm(s.ex, U, GW, Di, a.iterations, static_cast<double>(q.m),
+                       affine ? gam : nullptr, dgam, W, B, s.bs.H);
+    else
+      dbn_bwd_small(s.ex, U, l, GW, Di, static_cast<double>(q.m), affine ? gam : nullptr, dgam, W,
+                    B, s.bs);
+    A* a2 = L.A2 + g * 2 * DD;
+    for (int64_t i = 0; i < D; ++i)
+      for (int64_t j = 0; j < D; ++j) {
+        a2[i * 2 * D + j] = static_cast<A>(affine ? W[i * D + j] * gam[j] : W[i * D + j]);
+        a2[i * 2 * D + D + j] = static_cast<A>(B[i * D + j]);
+      }
+    if (affine)
+      for (int64_t d = 0; d < D; ++d) dbn_store_stat(a.param_dtype, a.dgamma, g * D + d, dgam[d]);
+  }
+
+  // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
+  void apply_chunk(const Tls& s, int64_t it) const {
+    const auto [g, j0, kc] = chunk_of(q, it);
+    gather(dy, q, g, j0, kc, L.dymean + g * D, s.pdy, q.ld);
+    gather(x, q, g, j0, kc, mean + g * D, s.pxc, q.ld);
+    apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, s.pdy, q.ld, static_cast<int>(kc), s.out, q, g, j0,
+              dx);
+  }
+
+  const char* run() {
+    const int64_t gb = group_block(q, sizeof(T), nt);
+    const bool per_group = use_per_group(q, sizeof(T), nt);
+    std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
+    std::fill(L.dysum, L.dysum + nt * q.G * D, 0.0);
+#pragma omp parallel num_threads(nt)
+    {
+      const Tls s = tls(threads::thread_id());
+      run_stages(q, per_group, gb, 4, [&](int64_t it) { gram_chunk(s, it); },
+                 [&](int64_t g) { group_step(s, g); }, [&](int64_t it) { apply_chunk(s, it); });
+    }
+    return nullptr;
+  }
+};
 
 template <typename T>
 const char* bwd_impl(const DbnBwdArgs& a) {
-  using A = AccT<T>;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
   Carver cv{static_cast<char*>(a.workspace)};
-  const BwdLayout<A> L = bwd_layout<A>(&cv, q, nt);
-  const T* x = static_cast<const T*>(a.x);
-  const T* dy = static_cast<const T*>(a.dy);
-  T* dx = static_cast<T*>(a.dx);
-  const A* mean = static_cast<const A*>(a.mean);
-  const A* eigvec = static_cast<const A*>(a.eigvec);
-  const A* eigval = static_cast<const A*>(a.eigval);
-  const int64_t D = q.D, DD = D * D;
-  const int Di = static_cast<int>(D);
-  const int64_t gb = group_block(q, sizeof(T), nt);
-  const bool per_group = use_per_group(q, sizeof(T), nt);
-  std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
-  std::fill(L.dysum, L.dysum + nt * q.G * D, 0.0);
-
-#pragma omp parallel num_threads(nt)
-  {
-    const int t = threads::thread_id();
-    const dbn_small::CpuExec ex;
-    double* acc_t = L.acc + t * q.G * DD;
-    double* dys_t = L.dysum + t * q.G * D;
-    A* pdy = L.panel + t * 2 * D * q.ld;  // rows 0..D-1: dY
-    A* pxc = pdy + D * q.ld;              // rows D..2D-1: Xc
-    A* cb = L.cb + t * DD;
-    double* U = L.U + t * DD;
-    double* l = L.l + t * D;
-    double* GW = L.GW + t * DD;
-    double* W = L.W + t * DD;
-    double* B = L.B + t * DD;
-    double* tmp = L.tmp + t * (3 * DD + 2 * D);
-    const DbnBwdScratch bs{tmp, tmp + DD, tmp + 2 * DD, tmp + 3 * DD, tmp + 3 * DD + D};
-    A* out = L.out + t * D * q.ld;
-    // Pass 1: G_W = dY Xc^T and sum(dY).
-    auto gram_chunk = [&](int64_t it) {
-      const auto [g, j0, kc] = chunk_of(q, it);
-      gather_sum(dy, q, g, j0, kc, pdy, q.ld, L.rsum + t * D);
-      gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
-      panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);  // G_W = dY Xc^T
-      double* accg = acc_t + g * DD;
-      for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
-      double* dsg = dys_t + g * D;
-      for (int64_t d = 0; d < D; ++d) dsg[d] += static_cast<double>(L.rsum[t * D + d]);
-    };
-    auto group_step = [&](int64_t g) {
-      for (int64_t i = 0; i < DD; ++i) {
-        double s = 0.0;
-        for (int u = 0; u < nt; ++u) s += L.acc[(u * q.G + g) * DD + i];
-        GW[i] = s;
-        U[i] = static_cast<double>(eigvec[g * DD + i]);
-      }
-      for (int64_t d = 0; d < D; ++d) {
-        double s = 0.0;
-        for (int u = 0; u < nt; ++u) s += L.dysum[(u * q.G + g) * D + d];
-        L.dymean[g * D + d] = static_cast<A>(s / static_cast<double>(q.m));
-        l[d] = static_cast<double>(eigval[g * D + d]);
-      }
-      dbn_bwd_small(ex, U, l, GW, Di, static_cast<double>(q.m), W, B, bs);
-      A* a2 = L.A2 + g * 2 * DD;
-      for (int64_t i = 0; i < D; ++i)
-        for (int64_t j = 0; j < D; ++j) {
-          a2[i * 2 * D + j] = static_cast<A>(W[i * D + j]);
-          a2[i * 2 * D + D + j] = static_cast<A>(B[i * D + j]);
-        }
-    };
-    // Pass 2: dX = [W | B] [dY - mean(dY); Xc].
-    auto apply_chunk = [&](int64_t it) {
-      const auto [g, j0, kc] = chunk_of(q, it);
-      gather(dy, q, g, j0, kc, L.dymean + g * D, pdy, q.ld);
-      gather(x, q, g, j0, kc, mean + g * D, pxc, q.ld);
-      apply_out(L.A2 + g * 2 * DD, Di, 2 * Di, pdy, q.ld, static_cast<int>(kc), out, q, g, j0, dx);
-    };
-    run_stages(q, per_group, gb, 4, gram_chunk, group_step, apply_chunk);
-  }
-  return nullptr;
+  return BwdPass<T>(a, &cv).run();
 }
 
 // ---- Inference forward / backward -------------------------------------------------------------
+// Forward y = P (x - r_mean), backward dx = P^T dy, one product per column panel. With the fused
+// affine the forward's matrix is [diag(gamma) P | beta] on the panel [x - r_mean; 1] and the
+// backward's (diag(gamma) P)^T; the backward's dgamma = sum(dy P (x - r_mean)) per channel comes
+// from one more pass summing dy (x - r_mean)^T (as the training backward's pass 1) and
+// dbn_affine_dgamma; dbeta = sum(dy).
 template <typename A>
 struct InfLayout {
-  A* P;      // G x D x D (transposed for the backward)
-  A* shift;  // C
-  A* panel;  // T x D x K
-  A* out;    // T x D x K
+  A* P;         // G x D x (D+1) (transposed for the backward; column D: beta)
+  A* shift;     // C
+  A* panel;     // T x 2D x K (rows 0..D: the product's input, D..2D-1: x - r_mean for dgamma)
+  A* out;       // T x D x K
+  // The affine backward's dgamma pass only (empty otherwise):
+  A* cb;        // T x D x D, a panel's dy Xc^T
+  A* rsum;      // T x D
+  double* acc;  // T x G x D x D
+  double* dys;  // T x G x D
+  double* tmp;  // T x (2 D^2 + 2 D): P (fp64), the sums, dgamma
 };
 
 template <typename A>
-InfLayout<A> inf_layout(Carver* c, const PanelGeo& q, int T) {
+InfLayout<A> inf_layout(Carver* c, const PanelGeo& q, int T, bool grads) {
   InfLayout<A> L;
-  L.P = c->take<A>(q.G * q.D * q.D);
+  const size_t DD = q.D * q.D, g = grads ? 1 : 0;
+  L.P = c->take<A>(q.G * q.D * (q.D + 1));
   L.shift = c->take<A>(q.C);
-  L.panel = c->take<A>(T * q.D * q.ld);
+  L.panel = c->take<A>(T * 2 * q.D * q.ld);
   L.out = c->take<A>(T * q.D * q.ld);
+  L.cb = c->take<A>(g * T * DD);
+  L.rsum = c->take<A>(g * T * q.D);
+  L.acc = c->take<double>(g * T * q.G * DD);
+  L.dys = c->take<double>(g * T * q.G * q.D);
+  L.tmp = c->take<double>(g * T * (2 * DD + 2 * q.D));
   return L;
 }
 
 template <typename T>
-const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
+struct InfPass {
   using A = AccT<T>;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
-  const int nt = resolve_threads(a.num_threads);
-  Carver cv{static_cast<char*>(a.workspace)};
-  const InfLayout<A> L = inf_layout<A>(&cv, q, nt);
-  const T* x = static_cast<const T*>(a.x);
-  T* y = static_cast<T*>(a.y);
-  const int64_t D = q.D, DD = D * D;
-  const int Di = static_cast<int>(D);
-  for (int64_t g = 0; g < q.G; ++g)
-    for (int64_t i = 0; i < D; ++i)
-      for (int64_t j = 0; j < D; ++j) {
-        const double p = dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i * D + j);
-        L.P[g * DD + (backward ? j * D + i : i * D + j)] = static_cast<A>(p);
+  const DbnInferenceArgs& a;
+  bool backward;
+  PanelGeo q;
+  int nt;
+  InfLayout<A> L;
+  int64_t D, DD;
+  int Di, Dw;
+  bool affine;
+
+  InfPass(const DbnInferenceArgs& args, bool bwd, Carver* cv)
+      : a(args), backward(bwd), q(make_geo(a.N, a.C, a.G, a.S)),
+        nt(resolve_threads(a.num_threads)), L(inf_layout<A>(cv, q, nt, a.dgamma != nullptr)), D(q.D), DD(q.D * q.D),
+        Di(static_cast<int>(q.D)), affine(a.gamma != nullptr) {
+    Dw = Di + (affine && !backward ? 1 : 0);
+  }
+
+  double proj(int64_t g, int64_t i, int64_t j) const {
+    return dbn_load_stat(a.stat_dtype, a.running_proj, g * DD + i * D + j);
+  }
+  double param(const void* p, int64_t c) const { return dbn_load_stat(a.param_dtype, p, c); }
+
+  // The product's matrices (AccT) and the centring shift.
+  void prepare() {
+    for (int64_t g = 0; g < q.G; ++g) {
+      A* M = L.P + g * D * Dw;
+      for (int64_t i = 0; i < D; ++i) {
+        const double gi = affine ? param(a.gamma, g * D + i) : 1.0;
+        for (int64_t j = 0; j < D; ++j) {
+          const double p = affine ? gi * proj(g, i, j) : proj(g, i, j);
+          M[backward ? j * Dw + i : i * Dw + j] = static_cast<A>(p);
+        }
+        if (Dw > Di) M[i * Dw + D] = static_cast<A>(param(a.beta, g * D + i));
       }
-  for (int64_t c = 0; c < q.C; ++c)
-    L.shift[c] = backward ? A(0) : static_cast<A>(dbn_load_stat(a.stat_dtype, a.running_mean, c));
-  const int64_t items = q.G * q.nchunk;
+    }
+    for (int64_t c = 0; c < q.C; ++c)
+      L.shift[c] = backward ? A(0) : static_cast<A>(dbn_load_stat(a.stat_dtype, a.running_mean, c));
+  }
+
+  // Affine backward: dgamma, dbeta from sum(dy (x - r_mean)^T) and sum(dy) per group.
+  void affine_grads() {
+    std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
+    std::fill(L.dys, L.dys + nt * q.G * D, 0.0);
+    const T* dy = static_cast<const T*>(a.x);
+    const T* data = static_cast<const T*>(a.data);
+    const int64_t items = q.G * q.nchunk;
 #pragma omp parallel num_threads(nt)
-  {
-    const int t = threads::thread_id();
-    A* panel = L.panel + t * D * q.ld;
-    A* out = L.out + t * D * q.ld;
+    {
+      const int t = threads::thread_id();
+      A* pdy = L.panel + t * 2 * D * q.ld;
+      A* pxc = pdy + D * q.ld;
+      A* cb = L.cb + t * DD;
+      A* rsum = L.rsum + t * D;
 #pragma omp for schedule(static)
-    for (int64_t it = 0; it < items; ++it) {
-      const auto [g, j0, kc] = chunk_of(q, it);
-      gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
-      apply_out(L.P + g * DD, Di, Di, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
+      for (int64_t it = 0; it < items; ++it) {
+        const auto [g, j0, kc] = chunk_of(q, it);
+        gather_sum(dy, q, g, j0, kc, pdy, q.ld, rsum);
+        gather(data, q, g, j0, kc, L.shift + g * D, pxc, q.ld);
+        panel_gram(pdy, pxc, q.ld, Di, static_cast<int>(kc), cb, false);
+        double* accg = L.acc + (t * q.G + g) * DD;
+        for (int64_t i = 0; i < DD; ++i) accg[i] += static_cast<double>(cb[i]);
+        double* dsg = L.dys + (t * q.G + g) * D;
+        for (int64_t d = 0; d < D; ++d) dsg[d] += static_cast<double>(rsum[d]);
+      }
+#pragma omp for schedule(static)
+      for (int64_t g = 0; g < q.G; ++g) {
+        double* Pd = L.tmp + t * (2 * DD + 2 * D);
+        double* Gs = Pd + DD;
+        double* dg = Gs + DD;
+        for (int64_t i = 0; i < D; ++i)
+          for (int64_t j = 0; j < D; ++j) Pd[i * D + j] = proj(g, i, j);
+        for (int64_t i = 0; i < DD; ++i) {
+          double v = 0.0;
+          for (int u = 0; u < nt; ++u) v += L.acc[(u * q.G + g) * DD + i];
+          Gs[i] = v;
+        }
+        const dbn_small::CpuExec ex;
+        dbn_affine_dgamma(ex, Pd, Gs, Di, dg);
+        for (int64_t d = 0; d < D; ++d) {
+          double v = 0.0;
+          for (int u = 0; u < nt; ++u) v += L.dys[(u * q.G + g) * D + d];
+          dbn_store_stat(a.param_dtype, a.dbeta, g * D + d, v);
+          dbn_store_stat(a.param_dtype, a.dgamma, g * D + d, dg[d]);
+        }
+      }
     }
   }
-  return nullptr;
+
+  const char* run() {
+    // The backward's shift is zero, so the dgamma pass needs the running mean separately.
+    if (backward && affine) {
+      for (int64_t c = 0; c < q.C; ++c)
+        L.shift[c] = static_cast<A>(dbn_load_stat(a.stat_dtype, a.running_mean, c));
+      affine_grads();
+    }
+    prepare();
+    const T* x = static_cast<const T*>(a.x);
+    T* y = static_cast<T*>(a.y);
+    const int64_t items = q.G * q.nchunk;
+#pragma omp parallel num_threads(nt)
+    {
+      const int t = threads::thread_id();
+      A* panel = L.panel + t * 2 * D * q.ld;
+      A* out = L.out + t * D * q.ld;
+#pragma omp for schedule(static)
+      for (int64_t it = 0; it < items; ++it) {
+        const auto [g, j0, kc] = chunk_of(q, it);
+        gather(x, q, g, j0, kc, L.shift + g * D, panel, q.ld);
+        if (Dw > Di) std::fill(panel + D * q.ld, panel + D * q.ld + kc, A(1));
+        apply_out(L.P + g * D * Dw, Di, Dw, panel, q.ld, static_cast<int>(kc), out, q, g, j0, y);
+      }
+    }
+    return nullptr;
+  }
+};
+
+template <typename T>
+const char* inference_impl(const DbnInferenceArgs& a, bool backward) {
+  Carver cv{static_cast<char*>(a.workspace)};
+  return InfPass<T>(a, backward, &cv).run();
 }
 
 // Runs f(T{}) for the storage type of `t` (dispatch_cpu.h) and returns f's error, or the
@@ -554,20 +809,20 @@ size_t ws_size(const Args& a, L&& layout) {
 }  // namespace
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
-    fwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  return ws_size(a, [&a](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    fwd_layout<AccT<decltype(tag)>>(c, q, nt, a.whitening);
   });
 }
 
 size_t dbn_bwd_workspace_cpu(const DbnBwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
-    bwd_layout<AccT<decltype(tag)>>(c, q, nt);
+  return ws_size(a, [&a](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    bwd_layout<AccT<decltype(tag)>>(c, q, nt, a);
   });
 }
 
 size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const PanelGeo& q, int nt) {
-    inf_layout<AccT<decltype(tag)>>(c, q, nt);
+  return ws_size(a, [&a](auto tag, Carver* c, const PanelGeo& q, int nt) {
+    inf_layout<AccT<decltype(tag)>>(c, q, nt, a.dgamma != nullptr);
   });
 }
 
@@ -578,6 +833,8 @@ const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
   if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
     return kDbnStatDtypeError;
   if (!(a.eps > 0)) return "eps must be > 0";
+  if (const char* e = dbn_affine_fwd_error(a)) return e;
+  if (const char* e = dbn_whitening_error(a.whitening, a.iterations)) return e;
   return run_typed(a.dtype, [&](auto tag) { return fwd_impl<decltype(tag)>(a); });
 }
 
@@ -585,6 +842,8 @@ const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
   if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
   if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx || !a.workspace)
     return "backward: null pointer";
+  if (const char* e = dbn_affine_bwd_error(a)) return e;
+  if (const char* e = dbn_whitening_error(a.whitening, a.iterations)) return e;
   return run_typed(a.dtype, [&](auto tag) { return bwd_impl<decltype(tag)>(a); });
 }
 
@@ -594,6 +853,8 @@ static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) 
     return "inference: null pointer";
   if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
     return kDbnStatDtypeError;
+  if (const char* e = dbn_affine_inf_error(a, backward)) return e;
+  if (backward && a.gamma && !a.running_mean) return "inference: null pointer";
   return run_typed(a.dtype, [&](auto tag) { return inference_impl<decltype(tag)>(a, backward); });
 }
 

@@ -1,6 +1,6 @@
 /*
  * dbn_cuda.cu: CUDA twins of dbn_cpu.cc (Decorrelated BN, ZCA whitening per group; math in dbn.h,
- * backward derivation above bwd_impl in dbn_cpu.cc, D x D formulas in dbn_math.h).
+ * backward derivation above BwdLayout in dbn_cpu.cc, D x D formulas in dbn_math.h).
  *
  * Group g is a D x m matrix (m = N*S columns j = n*S + s); column j of group g lives at
  * x + (n*C + g*D)*S + s with row stride S, so panels of K columns are gathered straight from NCHW
@@ -19,6 +19,12 @@
  *           (W, B = (2/m) G_S)
  *           apply kernel: dX = W (dY - mean(dY)) + B Xc
  * Inference (and its backward, P^T): prep kernel (running stats -> AccT), apply kernel.
+ * IterNorm (whitening = kIterNorm): eig_kernel runs dbn_iternorm_whitening instead of Jacobi and
+ * saves Sigma; bwd_small_kernel runs dbn_bwd_iternorm on it (the same dbn_math.h code as the CPU).
+ * Fused affine (gamma/beta given): the eig / prep kernels scale the rows of W / P by gamma and the
+ * apply kernel adds beta; the backward's small kernel scales G_W's rows and W's columns by gamma
+ * and writes dgamma (dbn_affine_dgamma) and dbeta from the sums it already has; the inference
+ * backward adds the gram kernel on (dy, x - r_mean) and affine_grad_kernel.
  * No host round trip, no per-group launch: the whole op is 3-4 launches on `stream`.
  *
  * Matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64); the
@@ -97,22 +103,36 @@ DbnCudaPlan make_plan(int64_t N, int64_t C, int64_t G, int64_t S, int panels, si
 
 using Carver = WorkspaceCarver<kAlign>;
 
-constexpr int kFwdScratchMats = 3;  // eig_kernel's D x D fp64 matrices per group
-constexpr int kBwdScratchMats = 5;  // bwd_small_kernel's
+constexpr int kFwdScratchMats = 3;  // eig_kernel's D x D fp64 matrices per group (ZCA)
+constexpr int kBwdScratchMats = 6;  // bwd_small_kernel's (ZCA)
+
+// fp64 scratch doubles per group of the forward / backward small kernels, IterNorm included
+// (eig_kernel with IterNorm: Sigma, W + dbn_iternorm_whitening's 5 D x D + 1; bwd_small_kernel:
+// GW, H, T (unused), Sigma, W + dbn_iternorm_bwd_scratch). T is clamped so that an invalid count (rejected before any launch) sizes nothing odd.
+int64_t fwd_scratch(int64_t D, DbnWhitening w) {
+  return w == DbnWhitening::kIterNorm ? 7 * D * D + 1 : kFwdScratchMats * D * D;
+}
+int64_t bwd_scratch(int64_t D, DbnWhitening w, int T) {
+  if (w != DbnWhitening::kIterNorm) return kBwdScratchMats * D * D;
+  T = std::max(1, std::min(T, kDbnMaxIterations));
+  return 5 * D * D + dbn_iternorm_bwd_scratch(static_cast<int>(D), T);
+}
 
 template <typename A>
 struct FwdWs {
   double* part;     // G x chunks x DD
-  A* W;             // G x DD
+  A* W;             // G x DD (diag(gamma) W with the affine)
+  A* bias;          // C, beta in AccT (affine)
   double* scratch;  // G x kFwdScratchMats x DD
 };
 template <typename A>
-FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q) {
+FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh) {
   const size_t DD = q.D * q.D;
   FwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * DD);
   w.W = c->take<A>(q.G * DD);
-  w.scratch = c->take<double>(q.G * kFwdScratchMats * DD);
+  w.bias = c->take<A>(q.C);
+  w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh));
   return w;
 }
 
@@ -125,27 +145,34 @@ struct BwdWs {
   double* scratch;  // G x kBwdScratchMats x DD
 };
 template <typename A>
-BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q) {
+BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, int T) {
   const size_t DD = q.D * q.D;
   BwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * (DD + q.D));
   w.W = c->take<A>(q.G * DD);
   w.B = c->take<A>(q.G * DD);
   w.dymean = c->take<A>(q.C);
-  w.scratch = c->take<double>(q.G * kBwdScratchMats * DD);
+  w.scratch = c->take<double>(q.G * bwd_scratch(q.D, wh, T));
   return w;
 }
 
 template <typename A>
 struct InfWs {
-  A* P;      // G x DD
-  A* shift;  // C
+  A* P;          // G x DD
+  A* shift;      // C
+  A* bias;       // C (affine forward)
+  // affine backward only (empty otherwise):
+  double* part;     // G x chunks x (DD + D): dy (x - r_mean)^T and sum(dy)
+  double* scratch;  // G x 2 x DD, affine_grad_kernel's P and summed partials
 };
 template <typename A>
-InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q) {
+InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q, bool grads) {
   InfWs<A> w;
   w.P = c->take<A>(q.G * q.D * q.D);
   w.shift = c->take<A>(q.C);
+  w.bias = c->take<A>(q.C);
+  w.part = c->take<double>(grads ? q.G * q.gram_chunks * (q.D * q.D + q.D) : 0);
+  w.scratch = c->take<double>(grads ? q.G * 2 * q.D * q.D : 0);
   return w;
 }
 
@@ -369,6 +396,36 @@ __device__ void block_jacobi(double* A, double* U, int D) {
   }
 }
 
+// eig_kernel's IterNorm step of group g: W by the Newton iterations from Sigma (Am; scratch after
+// it: W, dbn_iternorm_whitening's 5 D x D and one double), saved Sigma / diag(Sigma), W
+// (diag(gamma) W with the affine), beta, running statistics.
+template <typename A>
+__device__ void eig_iternorm(const BlockExec& ex, double* Am, int finite, int D, int T, int64_t g,
+                             double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
+                             A* __restrict__ eigval, A* __restrict__ Wout, DType stat_dtype,
+                             void* running_mean, void* running_proj, DType param_dtype,
+                             const void* gamma, const void* beta, A* __restrict__ bias) {
+  const int DD = D * D;
+  double* W = Am + DD;
+  if (finite) {
+    dbn_iternorm_whitening(ex, Am, D, T, W, W + DD, W + 6 * DD);
+  } else {
+    const double nan = __longlong_as_double(0x7ff8000000000000LL);
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) W[e] = nan;
+    __syncthreads();
+  }
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    eigvec[g * DD + e] = static_cast<A>(Am[e]);
+    const double gi = gamma ? dbn_load_stat(param_dtype, gamma, g * D + e / D) : 1.0;
+    Wout[g * DD + e] = static_cast<A>(gamma ? gi * W[e] : W[e]);
+  }
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    eigval[g * D + i] = static_cast<A>(Am[i * D + i]);
+    if (gamma) bias[g * D + i] = static_cast<A>(dbn_load_stat(param_dtype, beta, g * D + i));
+  }
+  dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
+}
+
 // One block per group: Sigma -> eigh (block_jacobi, stable ascending rank sort) ->
 // dbn_whitening_matrix (clamp, W), outputs and dbn_update_running.
 template <typename A>
@@ -376,13 +433,15 @@ __global__ void __launch_bounds__(kBlock)
 eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, double eps,
            double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
            A* __restrict__ eigval, A* __restrict__ Wout, double* __restrict__ scratch,
-           DType stat_dtype, void* running_mean, void* running_proj) {
+           DType stat_dtype, void* running_mean, void* running_proj, DType param_dtype,
+           const void* gamma, const void* beta, A* __restrict__ bias, DbnWhitening wh, int T,
+           int64_t scratch_per_group) {
   __shared__ double s_l[kMaxD], s_ls[kMaxD];
   __shared__ int s_rank[kMaxD];
   const BlockExec ex;
   const int64_t g = blockIdx.x;
   const int DD = D * D;
-  double* Am = scratch + g * kFwdScratchMats * DD;  // Sigma, destroyed by Jacobi, then U^T
+  double* Am = scratch + g * scratch_per_group;     // Sigma, destroyed by Jacobi, then U^T
   double* U = Am + DD;                              // Jacobi's U, then V = U diag(l^-1/2)
   double* Us = U + DD;                              // sorted U, then W
   int finite = 1;
@@ -395,6 +454,11 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     finite &= isfinite(s) ? 1 : 0;
   }
   finite = __syncthreads_and(finite);
+  if (wh == DbnWhitening::kIterNorm) {
+    eig_iternorm(ex, Am, finite, D, T, g, momentum, mean, eigvec, eigval, Wout, stat_dtype,
+                 running_mean, running_proj, param_dtype, gamma, beta, bias);
+    return;
+  }
   if (finite) {
     block_jacobi(Am, U, D);
     for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = Am[i * D + i];
@@ -419,8 +483,14 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
   // eigvec is written before dbn_whitening_matrix's first barrier, so W may overwrite Us.
   for (int e = threadIdx.x; e < DD; e += blockDim.x) eigvec[g * DD + e] = static_cast<A>(Us[e]);
   dbn_whitening_matrix(ex, Us, s_ls, D, eps, /*W=*/Us, /*Ut=*/Am, /*V=*/U, /*r=*/s_l);
-  for (int i = threadIdx.x; i < D; i += blockDim.x) eigval[g * D + i] = static_cast<A>(s_ls[i]);
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) Wout[g * DD + e] = static_cast<A>(Us[e]);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    eigval[g * D + i] = static_cast<A>(s_ls[i]);
+    if (gamma) bias[g * D + i] = static_cast<A>(dbn_load_stat(param_dtype, beta, g * D + i));
+  }
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const double gi = gamma ? dbn_load_stat(param_dtype, gamma, g * D + e / D) : 1.0;
+    Wout[g * DD + e] = static_cast<A>(gamma ? gi * Us[e] : Us[e]);
+  }
   dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, Us, mean, momentum);
 }
 
@@ -429,16 +499,19 @@ template <typename A>
 __global__ void __launch_bounds__(kBlock)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
-                 A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch) {
-  __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD];
+                 A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch,
+                 DType param_dtype, const void* gamma, void* dgamma, void* dbeta, DbnWhitening wh,
+                 int T, int64_t scratch_per_group) {
+  __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD], s_gam[kMaxD], s_dgam[kMaxD];
   const BlockExec ex;
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
-  double* GW = scratch + g * kBwdScratchMats * DD;  // G_W, then B
-  double* H = GW + DD;                              // then W
-  double* T = H + DD;
-  double* U = T + DD;
-  double* Ut = U + DD;
+  double* GW = scratch + g * scratch_per_group;     // G_W, then B
+  double* H = GW + DD;
+  double* Tm = H + DD;
+  double* U = Tm + DD;                              // U (ZCA) or Sigma (IterNorm)
+  double* Ut = U + DD;                              // IterNorm: W, then its scratch
+  double* W = Ut + DD;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
     double s = 0.0;
     for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
@@ -447,15 +520,56 @@ bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double 
       U[e] = static_cast<double>(eigvec[g * DD + e]);
     } else {
       dymean[g * D + (e - DD)] = static_cast<A>(s / m);
+      if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
     }
   }
-  for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = static_cast<double>(eigval[g * D + i]);
+  for (int i = threadIdx.x; i < D; i += blockDim.x) {
+    s_l[i] = static_cast<double>(eigval[g * D + i]);
+    if (gamma) s_gam[i] = dbn_load_stat(param_dtype, gamma, g * D + i);
+  }
   __syncthreads();
-  dbn_bwd_small(ex, U, s_l, GW, D, m, /*W=*/H, /*B=*/GW, DbnBwdScratch{H, T, Ut, s_sq, s_r});
+  if (wh == DbnWhitening::kIterNorm)  // U holds the forward's Sigma; H on: the iterations' scratch
+    dbn_bwd_iternorm(ex, U, GW, D, T, m, gamma ? s_gam : nullptr, s_dgam, Ut, /*B=*/GW, Ut + DD);
+  else
+    dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
+                  DbnBwdScratch{H, Tm, Ut, s_sq, s_r});
+  if (wh == DbnWhitening::kIterNorm) W = Ut;
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     Bout[g * DD + e] = static_cast<A>(GW[e]);
-    Wout[g * DD + e] = static_cast<A>(H[e]);
+    Wout[g * DD + e] = static_cast<A>(gamma ? W[e] * s_gam[e % D] : W[e]);
   }
+  if (gamma)
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
+}
+
+// Affine inference backward, one block per group: dgamma = dbn_affine_dgamma(P, sum dy (x -
+// r_mean)^T), dbeta = sum(dy), from the gram kernel's partials (scratch: 2 D x D per group).
+template <typename A>
+__global__ void __launch_bounds__(kBlock)
+affine_grad_kernel(const double* __restrict__ part, int64_t chunks, int D, DType stat_dtype,
+                   const void* running_proj, DType param_dtype, void* dgamma, void* dbeta,
+                   double* __restrict__ scratch) {
+  __shared__ double s_dg[kMaxD];
+  const BlockExec ex;
+  const int64_t g = blockIdx.x;
+  const int DD = D * D, E = DD + D;
+  double* P = scratch + g * 2 * DD;
+  double* Gs = P + DD;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    double s = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+    if (e < DD) {
+      Gs[e] = s;
+      P[e] = dbn_load_stat(stat_dtype, running_proj, g * DD + e);
+    } else {
+      dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
+    }
+  }
+  __syncthreads();
+  dbn_affine_dgamma(ex, P, Gs, D, s_dg);
+  for (int i = threadIdx.x; i < D; i += blockDim.x)
+    dbn_store_stat(param_dtype, dgamma, g * D + i, s_dg[i]);
 }
 
 // P[g] (AccT) = running_proj[g] (transposed for the backward); shift = running_mean.
@@ -463,28 +577,34 @@ template <typename A>
 __global__ void __launch_bounds__(kBlock)
 inference_prep_kernel(DType stat_dtype, const void* running_proj, const void* running_mean,
                       int64_t G, int D, int64_t C, bool transpose, A* __restrict__ P,
-                      A* __restrict__ shift) {
+                      A* __restrict__ shift, DType param_dtype, const void* gamma,
+                      const void* beta, A* __restrict__ bias) {
   const int64_t DD = int64_t(D) * D;
   const int64_t total = G * DD;
   for (int64_t e = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; e < total + C;
        e += int64_t(gridDim.x) * blockDim.x) {
     if (e < total) {
       const int64_t g = e / DD, r = e - g * DD, i = r / D, j = r - i * D;
+      const double p = dbn_load_stat(stat_dtype, running_proj, e);
       P[g * DD + (transpose ? j * D + i : i * D + j)] =
-          static_cast<A>(dbn_load_stat(stat_dtype, running_proj, e));
-    } else if (running_mean) {
-      shift[e - total] = static_cast<A>(dbn_load_stat(stat_dtype, running_mean, e - total));
+          static_cast<A>(gamma ? dbn_load_stat(param_dtype, gamma, g * D + i) * p : p);
+    } else {
+      const int64_t c = e - total;
+      if (running_mean) shift[c] = static_cast<A>(dbn_load_stat(stat_dtype, running_mean, c));
+      if (beta) bias[c] = static_cast<A>(dbn_load_stat(param_dtype, beta, c));
     }
   }
 }
 
-// Grid (G, blocks): out[:, j] = M1[g] (in1[:, j] - shift1) (+ M2[g] (in2[:, j] - shift2)).
+// Grid (G, blocks): out[:, j] = M1[g] (in1[:, j] - shift1) (+ M2[g] (in2[:, j] - shift2))
+// (+ bias[g*D:], the affine's beta; may be null).
 template <typename T, bool kTwo>
 __global__ void __launch_bounds__(kBlock)
 apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
              const AccT<T>* __restrict__ M1, const T* __restrict__ in2,
              const AccT<T>* __restrict__ shift2, const AccT<T>* __restrict__ M2,
-             T* __restrict__ out, int64_t C, int64_t S, int D, int64_t m, int K, int64_t cols) {
+             const AccT<T>* __restrict__ bias, T* __restrict__ out, int64_t C, int64_t S, int D,
+             int64_t m, int K, int64_t cols) {
   using A = AccT<T>;
   extern __shared__ __align__(16) unsigned char smem[];
   const int ld = K + 1;
@@ -509,7 +629,7 @@ apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
     __syncthreads();
     for (int idx = threadIdx.x; idx < D * kc; idx += blockDim.x) {
       const int d = idx / kc, k = idx - d * kc;
-      A o = 0;
+      A o = bias ? bias[g * D + d] : A(0);
       for (int t = 0; t < D; ++t) o += m1[d * D + t] * P1[t * ld + k];
       if (kTwo)
         for (int t = 0; t < D; ++t) o += m2[d * D + t] * P2[t * ld + k];
@@ -556,19 +676,27 @@ const char* plan_for(const DbnBwdArgs& a, DbnCudaPlan* q) {
                            apply_kernel<T, true>, q);
 }
 template <typename T>
-const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {  // no gram kernel: its plan is unused
+const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {
+  if (a.dgamma) {  // the affine backward runs the training backward's gram kernel: its plan
+    DbnBwdArgs b;
+    b.dtype = a.dtype;
+    b.N = a.N; b.C = a.C; b.G = a.G; b.S = a.S;
+    return plan_for<T>(b, q);
+  }
+  // no gram kernel: its plan is unused
   return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, 0, apply_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 
 template <typename T, bool kTwo>
 const char* launch_apply(const DbnCudaPlan& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
-                         const T* in2, const AccT<T>* shift2, const AccT<T>* M2, T* out,
-                         cudaStream_t st) {
+                         const T* in2, const AccT<T>* shift2, const AccT<T>* M2,
+                         const AccT<T>* bias, T* out, cudaStream_t st) {
   const dim3 grid(static_cast<unsigned>(q.G), static_cast<unsigned>(q.apply_blocks));
   const size_t sm = smem_bytes(static_cast<int>(q.D), q.K, kTwo ? 2 : 1, sizeof(AccT<T>));
-  apply_kernel<T, kTwo><<<grid, kBlock, sm, st>>>(in1, shift1, M1, in2, shift2, M2, out, q.C, q.S,
-                                                 static_cast<int>(q.D), q.m, q.K, q.apply_cols);
+  apply_kernel<T, kTwo><<<grid, kBlock, sm, st>>>(in1, shift1, M1, in2, shift2, M2, bias, out,
+                                                 q.C, q.S, static_cast<int>(q.D), q.m, q.K,
+                                                 q.apply_cols);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -579,7 +707,7 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   DbnCudaPlan q;
   if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
-  const FwdWs<A> w = fwd_ws<A>(&cv, q);
+  const FwdWs<A> w = fwd_ws<A>(&cv, q, a.whitening);
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
@@ -592,10 +720,11 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
       static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
-      a.running_mean, a.running_proj);
+      a.running_mean, a.running_proj, a.param_dtype, a.gamma, a.beta, w.bias, a.whitening,
+      a.iterations, fwd_scratch(q.D, a.whitening));
   GN_CUDA_CHECK_LAUNCH();
-  return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr, static_cast<T*>(a.y),
-                                st);
+  return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr,
+                                a.gamma ? w.bias : nullptr, static_cast<T*>(a.y), st);
 }
 
 template <typename T>
@@ -604,7 +733,7 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   DbnCudaPlan q;
   if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
-  const BwdWs<A> w = bwd_ws<A>(&cv, q);
+  const BwdWs<A> w = bwd_ws<A>(&cv, q, a.whitening, a.iterations);
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
   const A* mean = static_cast<const A*>(a.mean);
@@ -615,9 +744,11 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   GN_CUDA_CHECK_LAUNCH();
   bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
-      static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch);
+      static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
+      a.dgamma, a.dbeta, a.whitening, a.iterations, bwd_scratch(q.D, a.whitening, a.iterations));
   GN_CUDA_CHECK_LAUNCH();
-  return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, static_cast<T*>(a.dx), st);
+  return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, nullptr, static_cast<T*>(a.dx),
+                               st);
 }
 
 template <typename T>
@@ -626,16 +757,31 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
   DbnCudaPlan q;
   if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
-  const InfWs<A> w = inf_ws<A>(&cv, q);
+  // the affine backward's dgamma / dbeta (the same test as the workspace size's and the plan's)
+  const bool grads = backward && a.dgamma != nullptr;
+  const InfWs<A> w = inf_ws<A>(&cv, q, grads);
   const int D = static_cast<int>(q.D);
   const int64_t total = q.G * q.D * q.D + q.C;
   const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, kBlock), 4096));
-  inference_prep_kernel<A><<<blocks, kBlock, 0, st>>>(a.stat_dtype, a.running_proj,
-                                                      backward ? nullptr : a.running_mean, q.G, D,
-                                                      q.C, backward, w.P, w.shift);
+  const void* beta = backward ? nullptr : a.beta;
+  inference_prep_kernel<A><<<blocks, kBlock, 0, st>>>(
+      a.stat_dtype, a.running_proj, (backward && !grads) ? nullptr : a.running_mean, q.G, D, q.C,
+      backward, w.P, w.shift, a.param_dtype, a.gamma, beta, w.bias);
   GN_CUDA_CHECK_LAUNCH();
+  if (grads) {
+    gram_kernel<T, true><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
+                           kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
+        static_cast<const T*>(a.data), w.shift, static_cast<const T*>(a.x), q.C, q.S, D, q.m, q.K,
+        q.gram_cols, w.part);
+    GN_CUDA_CHECK_LAUNCH();
+    affine_grad_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
+        w.part, q.gram_chunks, D, a.stat_dtype, a.running_proj, a.param_dtype, a.dgamma, a.dbeta,
+        w.scratch);
+    GN_CUDA_CHECK_LAUNCH();
+  }
   return launch_apply<T, false>(q, static_cast<const T*>(a.x), backward ? nullptr : w.shift, w.P,
-                                nullptr, nullptr, nullptr, static_cast<T*>(a.y), st);
+                                nullptr, nullptr, nullptr, (a.gamma && !backward) ? w.bias : nullptr,
+                                static_cast<T*>(a.y), st);
 }
 
 const char* check_ws(const void* ws) {
@@ -672,20 +818,20 @@ const char* checked_run(const Args& a, std::initializer_list<const char*> errors
 }  // namespace
 
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
-    fwd_ws<AccT<decltype(tag)>>(c, q);
+  return ws_size(a, [&a](auto tag, Carver* c, const DbnCudaPlan& q) {
+    fwd_ws<AccT<decltype(tag)>>(c, q, a.whitening);
   });
 }
 
 size_t dbn_bwd_workspace_cuda(const DbnBwdArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
-    bwd_ws<AccT<decltype(tag)>>(c, q);
+  return ws_size(a, [&a](auto tag, Carver* c, const DbnCudaPlan& q) {
+    bwd_ws<AccT<decltype(tag)>>(c, q, a.whitening, a.iterations);
   });
 }
 
 size_t dbn_inference_workspace_cuda(const DbnInferenceArgs& a) {
-  return ws_size(a, [](auto tag, Carver* c, const DbnCudaPlan& q) {
-    inf_ws<AccT<decltype(tag)>>(c, q);
+  return ws_size(a, [&a](auto tag, Carver* c, const DbnCudaPlan& q) {
+    inf_ws<AccT<decltype(tag)>>(c, q, a.dgamma != nullptr);
   });
 }
 
@@ -696,7 +842,8 @@ const char* dbn_fwd_cuda(const DbnFwdArgs& a, void* stream) {
       {(!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval) ? "forward: null pointer" : nullptr,
        check_ws(a.workspace),
        (stats && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype)) ? kDbnStatDtypeError : nullptr,
-       !(a.eps > 0) ? "eps must be > 0" : nullptr},
+       !(a.eps > 0) ? "eps must be > 0" : nullptr, dbn_affine_fwd_error(a),
+       dbn_whitening_error(a.whitening, a.iterations)},
       [&](auto tag) { return fwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
@@ -705,7 +852,8 @@ const char* dbn_bwd_cuda(const DbnBwdArgs& a, void* stream) {
       a,
       {(!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx) ? "backward: null pointer"
                                                                      : nullptr,
-       check_ws(a.workspace)},
+       check_ws(a.workspace), dbn_affine_bwd_error(a),
+       dbn_whitening_error(a.whitening, a.iterations)},
       [&](auto tag) { return bwd_impl<decltype(tag)>(a, static_cast<cudaStream_t>(stream)); });
 }
 
@@ -716,7 +864,9 @@ static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward, 
            ? "inference: null pointer"
            : nullptr,
        check_ws(a.workspace),
-       !dbn_stat_dtype_ok(a.dtype, a.stat_dtype) ? kDbnStatDtypeError : nullptr},
+       !dbn_stat_dtype_ok(a.dtype, a.stat_dtype) ? kDbnStatDtypeError : nullptr,
+       dbn_affine_inf_error(a, backward),
+       (backward && a.gamma && !a.running_mean) ? "inference: null pointer" : nullptr},
       [&](auto tag) {
         return inference_impl<decltype(tag)>(a, backward, static_cast<cudaStream_t>(stream));
       });

@@ -19,12 +19,14 @@ namespace gn_mx {
 
 // The Jacobi rotation (c, s) that zeroes A_pq of a symmetric matrix: t = tan(angle) is the smaller
 // root of t^2 + 2 theta t - 1 = 0 with theta = (A_qq - A_pp) / (2 A_pq); for huge theta, t ~ 1/(2 theta)
-// avoids overflowing theta^2. Requires apq != 0.
+// avoids overflowing theta^2 (kDbnJacobiThetaHuge: theta^2 + 1 stays finite and exact enough below
+// 1e150, and above it 1/(2 theta) equals the root to fp64 rounding). Requires apq != 0.
+constexpr double kDbnJacobiThetaHuge = 1e150;
 GN_HOST_DEVICE inline void dbn_jacobi_rotation(double app, double aqq, double apq, double* c,
                                                double* s) {
   const double theta = (aqq - app) / (2.0 * apq);
   double t;
-  if (fabs(theta) > 1e150) {
+  if (fabs(theta) > kDbnJacobiThetaHuge) {
     t = 0.5 / theta;
   } else {
     t = 1.0 / (fabs(theta) + sqrt(theta * theta + 1.0));
@@ -206,22 +208,51 @@ struct DbnBwdScratch {
   double *H, *T, *Ut, *sq, *r;
 };
 
-// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
-// GW = dY Xc^T (not necessarily symmetric), m = number of columns. Outputs: W = Sigma^{-1/2} and
-// B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that dX = W (dY - mean(dY)) + B Xc
-// (derivation above bwd_impl in dbn_cpu.cc). B may alias GW; W may alias s.H. Ends synced.
+// The fused affine's parameter gradient through a whitening matrix: out[i] = sum_j M_ij G_ij, i.e.
+// dgamma_c = sum(dy_c xhat_c) for xhat = M Xc and G = dY Xc^T (sum over the columns). Each row
+// is one call of f. Ends synced.
 template <class Ex>
-GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, const double* GW,
-                                  int D, double m, double* W, double* B, DbnBwdScratch s) {
+GN_HOST_DEVICE void dbn_affine_dgamma(Ex& ex, const double* M, const double* G, int D,
+                                      double* out) {
+  ex.each(D, [&](int i) {
+    double acc = 0.0;
+    for (int j = 0; j < D; ++j) acc += M[i * D + j] * G[i * D + j];
+    out[i] = acc;
+  });
+  ex.sync();
+}
+
+// Backward small-matrix step for one group. Inputs: U, l (forward eigendecomposition, l >= eps),
+// GW = dY Xc^T (not necessarily symmetric; overwritten), m = number of columns. Outputs:
+// W = Sigma^{-1/2} and B = (2/m) G_S with G_S = U (K o (U^T sym(GW) U)) U^T, so that
+// dX = W (dY - mean(dY)) + B Xc (derivation above BwdLayout in dbn_cpu.cc).
+// Fused affine (gamma non-null; dY is then the gradient of gamma xhat + beta): dgamma[i] =
+// sum_j W_ij GW_ij (dbn_affine_dgamma) and GW's rows are scaled by gamma (the whitening's
+// gradient is gamma dY), so dX = W diag(gamma) (dY - mean(dY)) + B Xc.
+// B may alias GW; W must not alias the scratch. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, double* GW, int D,
+                                  double m, const double* gamma, double* dgamma, double* W,
+                                  double* B, DbnBwdScratch s) {
   double *H = s.H, *T = s.T, *Ut = s.Ut;
   ex.each(D, [&](int k) {  // K and l^-1/2 from D roots, not D^2
     s.sq[k] = sqrt(l[k]);
     s.r[k] = 1.0 / s.sq[k];
   });
-  ex.each_ij(D, [&](int i, int j) {
-    H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]);
-    Ut[j * D + i] = U[i * D + j];
+  ex.sync();
+  ex.each_ij(D, [&](int i, int k) {
+    const double u = U[i * D + k];
+    Ut[k * D + i] = u;
+    T[i * D + k] = u * s.r[k];  // V = U diag(l^-1/2)
   });
+  ex.sync();
+  dbn_inv_sqrt(ex, T, Ut, D, W);
+  if (gamma) {
+    dbn_affine_dgamma(ex, W, GW, D, dgamma);
+    ex.each_ij(D, [&](int i, int j) { GW[i * D + j] *= gamma[i]; });
+    ex.sync();
+  }
+  ex.each_ij(D, [&](int i, int j) { H[i * D + j] = 0.5 * (GW[i * D + j] + GW[j * D + i]); });
   ex.sync();
   ex.mm(H, U, T, D);   // T = sym(GW) U
   ex.mm(Ut, T, H, D);  // H = U^T sym(GW) U
@@ -230,9 +261,182 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, cons
   ex.mm(U, H, T, D);   // T = U (K o H)
   ex.mm(T, Ut, B, D);  // B = T U^T
   dbn_symmetrize(ex, B, D, 2.0 / m);
-  ex.each_ij(D, [&](int i, int k) { T[i * D + k] = U[i * D + k] * s.r[k]; });  // V, in T
+}
+
+// ---- IterNorm (Huang et al., CVPR 2019): whitening by Newton iterations --------------------------
+// Sigma_N = Sigma / tr(Sigma), P_0 = I, P_{k+1} = 1.5 P_k - 0.5 P_k^3 Sigma_N (k < T),
+// W = P_T / sqrt(tr(Sigma)) ~ Sigma^{-1/2} (exact as T -> inf: the eigenvalues of Sigma_N lie in
+// (0, 1], where the iteration converges). Matrix products only: no eigensolver.
+// T in [1, kDbnMaxIterations] (dbn.h).
+
+// A^T into At (D x D). Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_transpose(Ex& ex, const double* A, double* At, int D) {
+  ex.each_ij(D, [&](int i, int j) { At[j * D + i] = A[i * D + j]; });
   ex.sync();
-  dbn_inv_sqrt(ex, T, Ut, D, W);
+}
+
+// *tr = trace(A) by one thread (D additions), visible to all on return.
+template <class Ex>
+GN_HOST_DEVICE void dbn_trace(Ex& ex, const double* A, int D, double* tr) {
+  ex.each(1, [&](int) {
+    double t = 0.0;
+    for (int i = 0; i < D; ++i) t += A[i * D + i];
+    *tr = t;
+  });
+  ex.sync();
+}
+
+// The iterations from Sigma: Sn = Sigma_N, P[k] = P_k for k = 0..T (P: (T + 1) D x D matrices, or
+// two alternating ones when `keep` is false: then the result is in P[T % 2]); returns P_T's index.
+// Scratch: A, B (D x D); tr: one double. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE int dbn_iternorm_iterate(Ex& ex, const double* Sigma, int D, int T, bool keep,
+                                        double* Sn, double* P, double* A, double* B, double* tr) {
+  const int DD = D * D;
+  dbn_trace(ex, Sigma, D, tr);
+  const double inv_tr = 1.0 / *tr;
+  ex.each_ij(D, [&](int i, int j) {
+    Sn[i * D + j] = Sigma[i * D + j] * inv_tr;
+    P[i * D + j] = i == j ? 1.0 : 0.0;
+  });
+  ex.sync();
+  int cur = 0;
+  for (int k = 0; k < T; ++k) {
+    const int nxt = keep ? k + 1 : (k + 1) % 2;
+    const double* Pk = P + cur * DD;
+    double* Pn = P + nxt * DD;
+    ex.mm(Pk, Pk, A, D);  // P^2
+    ex.mm(A, Pk, B, D);   // P^3
+    ex.mm(B, Sn, A, D);   // P^3 Sigma_N
+    ex.each_ij(D, [&](int i, int j) { Pn[i * D + j] = 1.5 * Pk[i * D + j] - 0.5 * A[i * D + j]; });
+    ex.sync();
+    cur = nxt;
+  }
+  return cur;
+}
+
+// IterNorm forward of one group: W = P_T / sqrt(tr(Sigma)), symmetrized (symmetric in exact
+// arithmetic). Scratch: 5 D x D (Sn, two P's, A, B) and one double. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_iternorm_whitening(Ex& ex, const double* Sigma, int D, int T, double* W,
+                                           double* scratch, double* tr) {
+  const int DD = D * D;
+  double *Sn = scratch, *P = scratch + DD, *A = scratch + 3 * DD, *B = scratch + 4 * DD;
+  const int last = dbn_iternorm_iterate(ex, Sigma, D, T, false, Sn, P, A, B, tr);
+  const double s = 1.0 / sqrt(*tr);
+  const double* PT = P + last * DD;
+  ex.each_ij(D, [&](int i, int j) { W[i * D + j] = PT[i * D + j] * s; });
+  ex.sync();
+  dbn_symmetrize(ex, W, D, 1.0);
+}
+
+// Scratch of one backward iteration: six D x D matrices.
+struct DbnIterBackScratch {
+  double *M2, *M3, *X, *Y, *Z, *Zt;
+};
+
+// One iteration back: with M = P_k and G = dL/dP_{k+1} on entry,
+//   dSn += -1/2 (M^3)^T G,
+//   G   <- 3/2 G - 1/2 (G (M^2 Sn)^T + (M^2)^T G Sn^T + M^T G (M Sn)^T)   (= dL/dP_k).
+// Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_iternorm_back_step(Ex& ex, const double* M, const double* Sn, int D,
+                                           double* G, double* dSn, DbnIterBackScratch s) {
+  double *M2 = s.M2, *M3 = s.M3, *X = s.X, *Y = s.Y, *Z = s.Z, *Zt = s.Zt;
+  ex.mm(M, M, M2, D);     // M^2
+  ex.mm(M2, M, M3, D);    // M^3
+  dbn_transpose(ex, M3, Z, D);
+  ex.mm(Z, G, X, D);      // (M^3)^T G
+  ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * X[i * D + j]; });
+  ex.mm(M2, Sn, Z, D);    // M^2 Sn
+  dbn_transpose(ex, Z, Zt, D);
+  ex.mm(G, Zt, X, D);     // X = G (M^2 Sn)^T
+  dbn_transpose(ex, M2, Z, D);
+  ex.mm(Z, G, Y, D);      // (M^2)^T G
+  dbn_transpose(ex, Sn, Zt, D);
+  ex.mm(Y, Zt, Z, D);     // (M^2)^T G Sn^T
+  ex.each_ij(D, [&](int i, int j) { X[i * D + j] += Z[i * D + j]; });
+  ex.sync();
+  dbn_transpose(ex, M, Z, D);
+  ex.mm(Z, G, Y, D);      // M^T G
+  ex.mm(M, Sn, Z, D);     // M Sn
+  dbn_transpose(ex, Z, Zt, D);
+  ex.mm(Y, Zt, Z, D);     // M^T G (M Sn)^T
+  ex.each_ij(D, [&](int i, int j) {
+    G[i * D + j] = 1.5 * G[i * D + j] - 0.5 * (X[i * D + j] + Z[i * D + j]);
+  });
+  ex.sync();
+}
+
+// Doubles of dbn_bwd_iternorm's scratch.
+GN_HOST_DEVICE inline int64_t dbn_iternorm_bwd_scratch(int D, int T) {
+  return int64_t(T + 1 + 9) * D * D + 1;
+}
+
+// IterNorm backward of one group, through the iterations written out (the paper's eqs.): from
+// GW = dY Xc^T (overwritten) and Sigma (the forward's, eps included):
+//   G = dL/dP_T = GW / sqrt(tr),  dL/dtr|W = -tr^-3/2 / 2 <GW, P_T>,  for k = T-1 .. 0 with
+//   M = P_k:  dSn += -1/2 (M^3)^T G,
+//             G <- 3/2 G - 1/2 (G (M^2 Sn)^T + (M^2)^T G Sn^T + M^T G (M Sn)^T)   (dL/dP_k)
+//   dL/dSigma = dSn / tr + (dL/dtr|W - <dSn, Sigma> / tr^2) I
+// and B = (2/m) sym(dL/dSigma), W = P_T / sqrt(tr) (symmetrized), so that dX = W (dY - mean(dY))
+// + B Xc as for ZCA (dbn_cpu.cc's derivation, steps 1, 3, 4). Fused affine as dbn_bwd_small.
+// B may alias GW; W must not alias the scratch. Ends synced.
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_iternorm(Ex& ex, const double* Sigma, double* GW, int D, int T,
+                                     double m, const double* gamma, double* dgamma, double* W,
+                                     double* B, double* scratch) {
+  const int DD = D * D;
+  double* P = scratch;                 // (T + 1) x DD: P_0 .. P_T
+  double* Sn = P + (T + 1) * DD;
+  double* G = Sn + DD;                 // dL/dP_k
+  double* dSn = G + DD;
+  double* M2 = dSn + DD;
+  double* M3 = M2 + DD;
+  double* X = M3 + DD;                 // products
+  double* Y = X + DD;
+  double* Z = Y + DD;
+  double* Zt = Z + DD;
+  double* tr = Zt + DD;                // one double
+  dbn_iternorm_iterate(ex, Sigma, D, T, true, Sn, P, X, Y, tr);
+  const double trv = *tr, rs = 1.0 / sqrt(trv);
+  const double* PT = P + T * DD;
+  ex.each_ij(D, [&](int i, int j) { W[i * D + j] = PT[i * D + j] * rs; });
+  ex.sync();
+  dbn_symmetrize(ex, W, D, 1.0);
+  if (gamma) {
+    dbn_affine_dgamma(ex, W, GW, D, dgamma);
+    ex.each_ij(D, [&](int i, int j) { GW[i * D + j] *= gamma[i]; });
+    ex.sync();
+  }
+  // dL/dtr through W's 1/sqrt(tr), by one thread; G = GW / sqrt(tr); dSn = 0.
+  double* dtr = Zt;  // Zt's first entry, until the loop needs Zt
+  ex.each(1, [&](int) {
+    double s = 0.0;
+    for (int e = 0; e < DD; ++e) s += GW[e] * PT[e];
+    *dtr = -0.5 * rs * rs * rs * s;
+  });
+  ex.each_ij(D, [&](int i, int j) {
+    G[i * D + j] = GW[i * D + j] * rs;
+    dSn[i * D + j] = 0.0;
+  });
+  ex.sync();
+  const double dtr_w = *dtr;
+  ex.sync();
+  for (int k = T - 1; k >= 0; --k)
+    dbn_iternorm_back_step(ex, P + k * DD, Sn, D, G, dSn, DbnIterBackScratch{M2, M3, X, Y, Z, Zt});
+  // dL/dSigma = dSn / tr + (dtr_w - <dSn, Sigma> / tr^2) I; B = (2/m) sym(dL/dSigma).
+  ex.each(1, [&](int) {
+    double s = 0.0;
+    for (int e = 0; e < DD; ++e) s += dSn[e] * Sigma[e];
+    *tr = dtr_w - s / (trv * trv);
+  });
+  ex.sync();
+  const double diag = *tr;
+  ex.each_ij(D, [&](int i, int j) { B[i * D + j] = dSn[i * D + j] / trv + (i == j ? diag : 0.0); });
+  ex.sync();
+  dbn_symmetrize(ex, B, D, 2.0 / m);
 }
 
 }  // namespace gn_mx

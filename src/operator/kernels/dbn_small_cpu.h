@@ -16,6 +16,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <utility>
 
 #include "cpu_isa.h"
@@ -112,47 +113,73 @@ struct CpuExec {
 //     A = Q T Q^T with T tridiagonal (d, e); Q is kept transposed (rows = columns of Q);
 //  3. implicit QL with Wilkinson's shift on (d, e): each sweep chases the bulge with plane
 //     rotations, applied to consecutive rows of Q^T (contiguous, vectorizable); an off-diagonal
-//     is zero once |e_m| <= DBL_EPSILON (|d_m| + |d_{m+1}|);
+//     is zero once |e_m| <= DBL_EPSILON (|d_m| + |d_{m+1}|) (kQlEps);
 //  4. sort ascending (as LAPACK), U = (Q^T)^T.
-// Returns false (caller falls back to Jacobi) if a QL iteration count exceeds 60 per eigenvalue
+// Returns false (caller falls back to Jacobi) if a QL iteration count exceeds kQlMaxIter per eigenvalue
 // or the input is not finite. work: 2*D*D + 4*D doubles.
 inline size_t eigh_ql_work(int D) { return 2 * static_cast<size_t>(D) * D + 4 * static_cast<size_t>(D); }
+
+// Range limits of the QL solver, each with its reason:
+//  kQlHypotLo/Hi: a^2 + b^2 neither underflows nor overflows for max(|a|, |b|) in (1e-150, 1e150)
+//    (squares in (1e-300, 1e300), inside fp64's normal range 2.2e-308 .. 1.8e308); outside,
+//    std::hypot's scaled (slower) form;
+//  kQlMaxIter: QL iterations per eigenvalue before giving up (usually 1-3; the caller falls back);
+//  kQlFinite: the largest finite double: an |entry| not <= it is inf or NaN (rejected).
+constexpr double kQlHypotLo = 1e-150;
+constexpr double kQlHypotHi = 1e150;
+constexpr int kQlMaxIter = 60;
+constexpr double kQlFinite = std::numeric_limits<double>::max();
+constexpr double kQlEps = std::numeric_limits<double>::epsilon();  // deflation: |e_m| <= eps (|d_m| + |d_m+1|)
 
 // sqrt(a^2 + b^2) without std::hypot's cost when no square can overflow or underflow.
 inline double fast_hypot(double a, double b) {
   const double m = std::fmax(std::fabs(a), std::fabs(b));
-  if (m > 1e-150 && m < 1e150) return std::sqrt(a * a + b * b);
+  if (m > kQlHypotLo && m < kQlHypotHi) return std::sqrt(a * a + b * b);
   return std::hypot(a, b);
 }
 
-__attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int D, double* U,
-                                                        double* l, double* work) {
-  double* A = work;                  // D*D, destroyed
-  double* Qt = work + D * D;         // D*D
-  double* d = Qt + D * D;            // D
-  double* e = d + D;                 // D
-  double* v = e + D;                 // D
-  double* p = v + D;                 // D
+// The solver's scratch, carved from `work` (eigh_ql_work(D) doubles).
+struct QlWork {
+  double* A;   // D*D, the scaled input, destroyed (reflectors kept right of the diagonal)
+  double* Qt;  // D*D, Q^T: its rows are the eigenvectors being rotated
+  double* d;   // D, diagonal of the tridiagonal matrix, then the eigenvalues
+  double* e;   // D, its off-diagonal
+  double* v;   // D, a reflector
+  double* p;   // D, p = tau A v, then w
+};
+inline QlWork ql_work(double* work, int D) {
+  QlWork w;
+  w.A = work;
+  w.Qt = w.A + D * D;
+  w.d = w.Qt + D * D;
+  w.e = w.d + D;
+  w.v = w.e + D;
+  w.p = w.v + D;
+  return w;
+}
+
+// Step 0: A = 2^-ex A_in with max |A_ij| in [0.5, 1); returns false for a non-finite input. A zero
+// matrix sets *zero and leaves A untouched (the caller answers l = 0, U = I).
+__attribute__((always_inline)) inline bool ql_scale(const double* A_in, int D, double* A, int* ex,
+                                                    bool* zero) {
   double amax = 0.0;
   for (int i = 0; i < D * D; ++i) {
     const double a = std::fabs(A_in[i]);
-    if (!(a <= 1.79e308)) return false;  // inf / NaN
+    if (!(a <= kQlFinite)) return false;  // inf / NaN
     amax = a > amax ? a : amax;
   }
-  if (amax == 0.0) {
-    for (int i = 0; i < D; ++i) {
-      l[i] = 0.0;
-      for (int j = 0; j < D; ++j) U[i * D + j] = i == j ? 1.0 : 0.0;
-    }
-    return true;
-  }
-  int ex;
-  std::frexp(amax, &ex);  // amax = f 2^ex, f in [0.5, 1)
-  for (int i = 0; i < D * D; ++i) A[i] = std::ldexp(A_in[i], -ex);
+  *zero = amax == 0.0;
+  *ex = 0;
+  if (*zero) return true;
+  std::frexp(amax, ex);  // amax = f 2^ex, f in [0.5, 1)
+  for (int i = 0; i < D * D; ++i) A[i] = std::ldexp(A_in[i], -*ex);
+  return true;
+}
 
-  // 1. Tridiagonalization; reflector k is kept in row k of A right of the diagonal (v_0 = 1
-  //    implied), its tau in taus[k].
-  double* taus = U;  // U is free until step 4: D doubles of scratch
+// Step 1: Householder tridiagonalization A = Q T Q^T, T = tridiag(d, e). Reflector k is kept in
+// row k of A right of the diagonal (v_0 = 1 implied), its tau in taus[k].
+__attribute__((always_inline)) inline void ql_tridiagonalize(const QlWork& w, int D, double* taus) {
+  double *A = w.A, *d = w.d, *e = w.e, *v = w.v, *p = w.p;
   for (int k = 0; k + 2 < D; ++k) {
     double* x = A + k * D + k + 1;  // row k right of the diagonal == column k below it
     const int n = D - k - 1;
@@ -201,17 +228,20 @@ __attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int 
   }
   d[D - 1] = A[(D - 1) * D + D - 1];
   e[D - 1] = 0.0;
+}
 
-  // 2. Q = H_0 ... H_{D-3}, built backwards (Q2 <- H_k Q2 on rows/columns k+1..D-1) in Qt's
-  //    storage, then transposed in place.
-  double* Q = Qt;
+// Step 2: Q = H_0 ... H_{D-3}, built backwards (Q2 <- H_k Q2 on rows/columns k+1..D-1) in Qt's
+// storage, then transposed in place.
+__attribute__((always_inline)) inline void ql_accumulate_q(const QlWork& w, int D,
+                                                           const double* taus) {
+  double *Q = w.Qt, *v = w.v, *p = w.p;
   for (int i = 0; i < D * D; ++i) Q[i] = 0.0;
   for (int i = 0; i < D; ++i) Q[i * D + i] = 1.0;
   for (int k = D - 3; k >= 0; --k) {
     const double tau = taus[k];
     if (tau == 0.0) continue;
     const int n = D - k - 1;
-    const double* x = A + k * D + k + 1;
+    const double* x = w.A + k * D + k + 1;
     v[0] = 1.0;
     for (int i = 1; i < n; ++i) v[i] = x[i];
     double* Q2 = Q + (k + 1) * D + (k + 1);
@@ -235,19 +265,22 @@ __attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int 
       Q[i * D + j] = Q[j * D + i];
       Q[j * D + i] = t;
     }
+}
 
-  // 3. Implicit QL on (d, e), rotations applied to rows of Qt.
-  const double eps = 2.220446049250313e-16;
+// Step 3: implicit QL with Wilkinson's shift on (d, e); each sweep chases the bulge with plane
+// rotations applied to consecutive rows of Qt. False after kQlMaxIter iterations on one eigenvalue.
+__attribute__((always_inline)) inline bool ql_implicit(const QlWork& w, int D) {
+  double *d = w.d, *e = w.e, *Qt = w.Qt;
   for (int l0 = 0; l0 < D; ++l0) {
     int iter = 0;
     int m;
     do {
       for (m = l0; m < D - 1; ++m) {
         const double dd = std::fabs(d[m]) + std::fabs(d[m + 1]);
-        if (std::fabs(e[m]) <= eps * dd) break;
+        if (std::fabs(e[m]) <= kQlEps * dd) break;
       }
       if (m == l0) break;
-      if (++iter > 60) return false;
+      if (++iter > kQlMaxIter) return false;
       double g = (d[l0 + 1] - d[l0]) / (2.0 * e[l0]);
       double r = fast_hypot(g, 1.0);
       g = d[m] - d[l0] + e[l0] / (g + (g >= 0 ? r : -r));
@@ -286,8 +319,13 @@ __attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int 
       e[m] = 0.0;
     } while (true);
   }
+  return true;
+}
 
-  // 4. Sort ascending, unscale, U = Qt^T.
+// Step 4: sort ascending (as LAPACK), unscale by 2^ex, U = Qt^T.
+__attribute__((always_inline)) inline void ql_sort_out(const QlWork& w, int D, int ex, double* U,
+                                                       double* l) {
+  double *d = w.d, *Qt = w.Qt;
   for (int i = 0; i < D; ++i) {
     int best = i;
     for (int j = i + 1; j < D; ++j)
@@ -302,6 +340,26 @@ __attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int 
   for (int i = 0; i < D; ++i) l[i] = std::ldexp(d[i], ex);
   for (int i = 0; i < D; ++i)
     for (int j = 0; j < D; ++j) U[i * D + j] = Qt[j * D + i];
+}
+
+__attribute__((always_inline)) inline bool eigh_ql_body(const double* A_in, int D, double* U,
+                                                        double* l, double* work) {
+  const QlWork w = ql_work(work, D);
+  int ex;
+  bool zero;
+  if (!ql_scale(A_in, D, w.A, &ex, &zero)) return false;
+  if (zero) {
+    for (int i = 0; i < D; ++i) {
+      l[i] = 0.0;
+      for (int j = 0; j < D; ++j) U[i * D + j] = i == j ? 1.0 : 0.0;
+    }
+    return true;
+  }
+  double* taus = U;  // U is free until step 4: D doubles of scratch
+  ql_tridiagonalize(w, D, taus);
+  ql_accumulate_q(w, D, taus);
+  if (!ql_implicit(w, D)) return false;
+  ql_sort_out(w, D, ex, U, l);
   return true;
 }
 

@@ -387,6 +387,21 @@ int main() {
     Buf rp = random_buf({2, 3, 3}, sdt, rng, -1, 1);
     check_op("gn_dbn_inference " + d, "gn_dbn_inference", {{"num_groups", "2"}}, {xd, rmean, rp},
              rng, true, {}, {1, 2});
+    // The fused affine (inputs data, gamma, beta, running_mean, running_projection); float16 data
+    // with float32 gamma/beta, as the Gluon block's multi-precision use.
+    Buf gam = random_buf({6}, sdt, rng, -1.5, 1.5), bet = random_buf({6}, sdt, rng, -1, 1);
+    Attrs dbn_aff = dbn_attrs;
+    dbn_aff["affine"] = "True";
+    check_op("gn_dbn affine " + d, "gn_dbn", dbn_aff, {xd, gam, bet, rmean, rproj}, rng, true, {2},
+             {3, 4});
+    Attrs dbn_it = dbn_aff;  // IterNorm (eigvec then holds Sigma: comparable across devices)
+    dbn_it["whitening"] = "iternorm";
+    dbn_it["iterations"] = "4";
+    check_op("gn_dbn iternorm " + d, "gn_dbn", dbn_it, {xd, gam, bet, rmean, rproj}, rng, true, {},
+             {3, 4});
+    check_op("gn_dbn_inference affine " + d, "gn_dbn_inference",
+             {{"num_groups", "2"}, {"affine", "True"}}, {xd, gam, bet, rmean, rp}, rng, true, {},
+             {3, 4});
   }
   // gn_group_norm's double backward: the re-registered _backward_gn_group_norm, forward (= the first
   // order backward) and backward (group_norm_grad2_*), inputs [dout, dmean, drstd, data, gamma, beta,
