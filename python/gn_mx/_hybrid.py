@@ -72,8 +72,13 @@ class _Keyed:
         self.parked = {}
         self.inputs = None  # (in_format, dtypes, NumPy-interface?) of the traced inputs
 
-    def key_now(self, training):
-        return (training if self.mode else None, tuple(is_add(p) for p in self.params))
+    def key_now(self, training=None):
+        """The key for the current state (``training``: the mode to use, default the current)."""
+        if not self.mode:
+            training = None
+        elif training is None:
+            training = autograd.is_training()
+        return (training, tuple([p.grad_req == "add" for p in self.params]))
 
 
 def note_mode_dependent():
@@ -221,15 +226,20 @@ def _get_graph(orig):
 
 def _call_cached_op(orig):
     def call_cached_op(self, *args):
-        training = autograd.is_training()
         state = self.__dict__.get(_STATE)
+        training = None  # asked of autograd (a C call) only for mode-keyed blocks, once
         if state is not None:
+            if state.mode:
+                training = autograd.is_training()
             _activate(self, state, state.key_now(training))
         out = orig(self, *args)
         # Looked up again: the first call traces the graph and only then knows its dependencies.
         state = self.__dict__.get(_STATE)
-        if training and state is not None and state.mode and _compat.static_alloc(self):
-            _fence_aux(self, out)
+        if state is not None and state.mode:
+            if training is None:
+                training = autograd.is_training()
+            if training and _compat.static_alloc(self):
+                _fence_aux(self, out)
         return out
     return call_cached_op
 
