@@ -70,7 +70,7 @@ def test_use_global_stats_trains_with_running_stats(hybrid):
     np.testing.assert_array_equal(blk.running_projection.data().asnumpy(), rp)
     # one graph for both modes: inference gives the same output
     np.testing.assert_allclose(blk(xs).asnumpy(), y.asnumpy(), rtol=1e-6, atol=1e-6)
-    assert "_gnmx_modes" not in blk.__dict__
+    assert not gn_mx._hybrid.is_mode_keyed(blk)
 
 
 def test_use_global_stats_finite_differences_float64():

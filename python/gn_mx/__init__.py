@@ -6,22 +6,18 @@
 before ``gluon.SymbolBlock.imports`` / ``mx.sym.load``. With onnx installed it also registers the
 ONNX converters (``gn_mx.onnx``) with ``mx.onnx.export_model``.
 """
-from ._library import library_path, load as _load
-from . import amp
+from . import _compat  # first: without MXNet 1.9 it raises the install hint (others import mxnet)
+from . import _symbolic, amp, ops, parallel, sym
+from ._convert import convert, convert_symbol  # docs/convert.md
+from ._library import library_path, load as _load, register_onnx_converters as _onnx
+from .nn import DecorrelatedBatchNorm, GroupNorm
+from .parallel import sync_running_stats
+from .zoo import norm_layer
 
-amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers our ops with AMP
-
-from . import _symbolic  # noqa: E402
-
+# The one place the op library is loaded (the submodules only use the ops at call time): through
+# amp.install, which keeps amp.init()'s wrappers and registers our ops with AMP.
+amp.install(_load)
 _symbolic.install()  # shape placeholders for shapeless parameter variables (see _symbolic.py)
-
-from . import ops, parallel, sym  # noqa: E402
-from .nn import DecorrelatedBatchNorm, GroupNorm  # noqa: E402
-from .parallel import sync_running_stats  # noqa: E402
-from .zoo import norm_layer  # noqa: E402
-from ._convert import convert, convert_symbol  # noqa: E402  (docs/convert.md)
-from ._library import register_onnx_converters as _onnx  # noqa: E402
-
 _onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is installed
 
 __version__ = "0.1.0"

@@ -1,39 +1,60 @@
 """Every private MXNet name gn_mx relies on, in one place, checked once at import.
 
-gn_mx patches two MXNet internals that have no public hook:
+gn_mx replaces these MXNet internals (they have no public hook):
 
-* ``_modal.py`` (mode-keyed CachedOps for DecorrelatedBatchNorm) wraps methods of
-  ``gluon.HybridBlock`` and reads its cache attributes;
-* ``amp.py`` (surviving ``mx.library.load`` after ``amp.init()``) reads AMP's state and rebuilds its
-  wrapper closures;
-* ``_symbolic.py`` hooks the creator of every generated ``mx.sym.*`` function;
-* ``parallel.py`` creates a Trainer's kvstore and its initial broadcast ahead of the first step,
-  ``sym.py`` names variables with the current NameManager.
+* four methods of ``gluon.HybridBlock`` (``_get_graph``, ``_call_cached_op``, ``_clear_cached_op``,
+  ``export``), wrapped by ``_hybrid.py`` (CachedOps keyed by training mode and accumulating
+  parameters) through :func:`wrap_hybrid_block`;
+* ``mxnet.symbol.register._symbol_creator``, wrapped by ``_symbolic.py`` (shape placeholders for
+  shapeless parameter variables; it also wraps the public ``mx.sym.load`` / ``load_json``);
+* AMP's wrapper closures around ``mx.nd`` / ``mx.sym`` op functions, rebuilt by ``amp.py`` after
+  ``mx.library.load`` regenerated the functions.
 
-Both were written against MXNet 1.9.1. :func:`check` verifies at ``import gn_mx`` that each name
+and reads or calls these:
+
+* HybridBlock's cache attributes (:func:`hybrid_cache`, :func:`set_hybrid_cache`, :func:`static_alloc`)
+  and ``_build_cache`` (``_hybrid.py``); ``mxnet.gluon.block._flatten`` (:data:`flatten`);
+* AMP's state, op lists and ``_wrap_symbol_functions`` (``amp.py``);
+* ``Symbol._set_attr`` and ``mxnet.base._LIB.NNGetOpHandle`` (:func:`op_handle`, ``_symbolic.py``);
+* ``mxnet.base._OP_NAME_PREFIX_LIST`` (``amp.py``);
+* a Trainer's kvstore creation and initial broadcast, ``Block._children`` (``parallel.py``);
+* the current ``NameManager`` (``sym.py``).
+
+All were written against MXNet 1.9.1. :func:`check` verifies at ``import gn_mx`` that each name
 still exists with the expected kind, so a different MXNet fails at import with a message naming
 what is missing, never later with an AttributeError deep inside a training step. Modules that use
-the names import them from here.
+the names reach them through here.
 """
+import collections
+import ctypes
 import types
 
 from ._library import _import_mxnet
 
+# Imported through _import_mxnet first: without MXNet 1.9 that raises the install hint, where the
+# imports below would fail with a bare ModuleNotFoundError / AttributeError.
 mx = _import_mxnet()
 
 from mxnet import base as _base  # noqa: E402
 from mxnet.contrib.amp import amp as amp_module  # noqa: E402
 from mxnet.contrib.amp import lists as amp_lists  # noqa: E402
 from mxnet.gluon import block as gluon_block  # noqa: E402
+from mxnet.symbol import register as symbol_register  # noqa: E402
 
 #: The MXNet release these internals were read from (and tested with).
 TESTED_MXNET = "1.9.1"
 
-#: HybridBlock methods wrapped by _modal.py (called with the same signatures as in 1.9.1).
-HYBRID_METHODS = ("_get_graph", "_call_cached_op", "_clear_cached_op", "_build_cache", "export")
-#: HybridBlock instance attributes that hold its cache (set in __init__ / _clear_cached_op).
-HYBRID_CACHE_ATTRS = ("_cached_graph", "_cached_op", "_cached_op_args", "_in_format",
-                      "_out_format", "_flags")
+#: HybridBlock methods _hybrid.py wraps (called with the same signatures as in 1.9.1).
+HYBRID_WRAPPED = ("_get_graph", "_call_cached_op", "_clear_cached_op", "export")
+#: Every HybridBlock method gn_mx relies on: the wrapped ones and ``_build_cache`` (called).
+HYBRID_METHODS = HYBRID_WRAPPED + ("_build_cache",)
+#: One traced graph and its CachedOp: the HybridBlock instance attributes that hold them (set in
+#: __init__ / _clear_cached_op / _build_cache), in HybridCache's field order.
+HybridCache = collections.namedtuple("HybridCache", "graph op op_args in_format out_format")
+_CACHE_FIELDS = HybridCache("_cached_graph", "_cached_op", "_cached_op_args", "_in_format",
+                            "_out_format")
+#: All HybridBlock instance attributes gn_mx reads: the cache and the hybridize() flags.
+HYBRID_CACHE_ATTRS = tuple(_CACHE_FIELDS) + ("_flags",)
 #: AMP module functions / state used by amp.py.
 AMP_NAMES = ("_amp_initialized", "_wrap_symbol_functions", "list_widest_type_cast",
              "list_lp16_ops", "list_fp32_ops", "list_conditional_fp32_ops", "bfloat16")
@@ -46,7 +67,6 @@ TRAINER_ATTRS = ("_kv_initialized", "_kvstore", "_params", "_update_on_kvstore",
 
 #: Symbol internals used by _symbolic.py (rank placeholders for shapeless parameter variables):
 #: the creator every generated mx.sym.* function calls, attribute setting, the C API handle.
-from mxnet.symbol import register as symbol_register  # noqa: E402
 SYMBOL_NAMES = ("mxnet.symbol.register._symbol_creator", "Symbol._set_attr", "mxnet.base._LIB")
 
 #: The prefixes of op submodules (``mx.nd.contrib``...) that mx.library.load regenerates.
@@ -111,6 +131,50 @@ def check():
             + ", ".join(missing) + f". Install mxnet=={TESTED_MXNET} (or mxnet-cu112=={TESTED_MXNET}) "
             "with 'numpy<1.24'.")
     return version
+
+
+def wrap_hybrid_block(**wrappers):
+    """Replace HybridBlock methods (names in HYBRID_WRAPPED) by ``wrappers[name](original)``, once
+    per process (a reloaded gn_mx module does not wrap twice)."""
+    HB = gluon_block.HybridBlock
+    if getattr(HB, "_gnmx_wrapped", False):
+        return
+    for name, wrap in wrappers.items():
+        if name not in HYBRID_WRAPPED:
+            raise ValueError(f"gn_mx: {name} is not a HybridBlock method listed in HYBRID_WRAPPED")
+        setattr(HB, name, wrap(getattr(HB, name)))
+    HB._gnmx_wrapped = True
+
+
+def hybrid_cache(block):
+    """A HybridBlock's traced graph and CachedOp (HybridCache; empty fields before the first trace)."""
+    return HybridCache(*(getattr(block, a) for a in _CACHE_FIELDS))
+
+
+def set_hybrid_cache(block, cache):
+    """Make ``cache`` (from hybrid_cache; None: an empty one, traced on the next call) the block's
+    active graph and CachedOp."""
+    if cache is None:
+        cache = HybridCache(graph=(), op=None, op_args=[], in_format=None, out_format=None)
+    for a, v in zip(_CACHE_FIELDS, cache):
+        object.__setattr__(block, a, v)
+
+
+def build_hybrid_cache(block, *args):
+    """Trace the block for inputs like ``args`` and build its CachedOp without running it."""
+    block._build_cache(*args)
+
+
+def static_alloc(block):
+    """Whether the block was hybridized with static_alloc=True."""
+    return any(k == "static_alloc" and v for k, v in block._flags)
+
+
+def op_handle(name):
+    """The NNVM op handle (an int, 0 when no such op) of op ``name``."""
+    h = _base.OpHandle()
+    _base.check_call(_base._LIB.NNGetOpHandle(_base.c_str(name), ctypes.byref(h)))
+    return h.value or 0
 
 
 def children(block):

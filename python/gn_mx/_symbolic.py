@@ -20,6 +20,10 @@ import functools
 import json
 
 import mxnet as mx
+import mxnet.symbol as msym
+from mxnet.symbol import symbol as msymsym
+
+from . import _compat  # the private names (symbol creator, op handles) are checked there
 
 # op -> rank of each input whose shape the op infers from data (None: data itself).
 PARAM_RANKS = {
@@ -49,14 +53,8 @@ def _fill_children(sym, op):
 
 
 def _op_handles():
-    import ctypes
-    from mxnet.base import _LIB, OpHandle, c_str, check_call
-    handles = {}
-    for op in PARAM_RANKS:
-        h = OpHandle()
-        check_call(_LIB.NNGetOpHandle(c_str(op), ctypes.byref(h)))
-        if h.value:
-            handles[h.value] = op
+    handles = {_compat.op_handle(op): op for op in PARAM_RANKS}
+    handles.pop(0, None)  # ops the loaded library lacks
     return handles
 
 
@@ -140,9 +138,7 @@ def _wrap_load(fn, load_json):
 
 def install():
     """Hook symbol creation and mx.sym.load / load_json (idempotent; after the library is loaded)."""
-    import mxnet.symbol as msym
-    from mxnet.symbol import symbol as msymsym
-    from ._compat import symbol_register as register  # private names checked there
+    register = _compat.symbol_register
     register._symbol_creator = _wrap_creator(register._symbol_creator, _op_handles())
     load_json = _wrap_load_json(msymsym.load_json)
     load = _wrap_load(msymsym.load, load_json)

@@ -1,25 +1,14 @@
 """Gluon blocks. They hold parameters and choose ops; all math is in the native ops."""
 import functools
-import numbers
 
+from mxnet import autograd as _autograd
+from mxnet import initializer as _initializer
 from mxnet.gluon import HybridBlock
+from mxnet.ndarray import NDArray
 
-from . import _gradreq, _library
-from . import _np
-
-_library.load()
-
-
-def _check_groups(cls, num_groups, epsilon, in_channels):
-    if isinstance(num_groups, bool) or not isinstance(num_groups, numbers.Integral) or num_groups <= 0:
-        raise ValueError(f"{cls}: num_groups must be a positive integer, got {num_groups!r}")
-    if not isinstance(epsilon, numbers.Real) or not epsilon >= 0 or epsilon == float("inf"):
-        raise ValueError(f"{cls}: epsilon must be a finite number >= 0, got {epsilon!r}")
-    if isinstance(in_channels, bool) or not isinstance(in_channels, numbers.Integral) or in_channels < 0:
-        raise ValueError(f"{cls}: in_channels must be an integer >= 0 (0 = infer), got {in_channels!r}")
-    if in_channels and in_channels % num_groups:
-        raise ValueError(f"{cls}: in_channels ({in_channels}) must be divisible by num_groups "
-                         f"({num_groups})")
+from . import _hybrid, _np
+from ._validate import (act_type, check_dbn_numbers, check_group_size, check_groups,
+                        check_nonempty, check_whitening, dbn_grouping)
 
 
 def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_initializer):
@@ -49,14 +38,6 @@ def numpy_interface(hybrid_forward):
     return wrapper
 
 
-def _check_nonempty(block, x):
-    """A clear error for an empty batch (Gluon's deferred init would fail with an AssertionError)."""
-    shape = getattr(x, "shape", None)  # None for Symbols
-    if shape is not None and 0 in shape:
-        raise ValueError(f"{type(block).__name__}: input of shape {shape} is empty; gn_mx blocks "
-                         f"need at least one sample and one element per channel")
-
-
 def accumulating_params(F, *params, block=None):
     """Route parameters through `identity` where grad_req='add' needs it.
 
@@ -65,15 +46,15 @@ def accumulating_params(F, *params, block=None):
     gradient in a temporary and honours 'add' itself, at the cost of one more op per parameter and
     call. With ``block`` given, only parameters whose ``grad_req`` is 'add' (``block.gamma``,
     ``block.beta``, in the order of ``params``) get the identity; the choice is made when the graph
-    is traced and re-made when a grad_req changes later (``_gradreq``). Without ``block`` every
+    is traced and re-made when a grad_req changes later (``_hybrid``). Without ``block`` every
     parameter gets it (the old, always-correct behaviour).
     """
     if block is None:
         return tuple(F.identity(p) for p in params)
     owners = (block.gamma, block.beta)[:len(params)]
-    if not isinstance(params[0], _nd_type()):
-        _gradreq.note_traced(owners)
-    return tuple(F.identity(p) if _gradreq.is_add(o) else p for p, o in zip(params, owners))
+    if not isinstance(params[0], NDArray):
+        _hybrid.note_grad_req_dependent(owners)
+    return tuple(F.identity(p) if _hybrid.is_add(o) else p for p, o in zip(params, owners))
 
 
 class GroupNorm(HybridBlock):
@@ -108,9 +89,8 @@ class GroupNorm(HybridBlock):
                  beta_initializer="zeros", gamma_initializer="ones", in_channels=0,
                  activation=None, **kwargs):
         super().__init__(**kwargs)
-        _check_groups("GroupNorm", num_groups, epsilon, in_channels)
-        from .ops import _act_type
-        self._act = _act_type(activation)
+        check_groups("GroupNorm", num_groups, epsilon, in_channels)
+        self._act = act_type(activation)
         self._num_groups = int(num_groups)
         self._epsilon = float(epsilon)
         self._center = bool(center)
@@ -121,7 +101,7 @@ class GroupNorm(HybridBlock):
                                                    beta_initializer, gamma_initializer)
 
     def forward(self, x, *args):
-        _check_nonempty(self, x)
+        check_nonempty(type(self).__name__, x)
         return super().forward(x, *args)
 
     @numpy_interface
@@ -140,11 +120,6 @@ class GroupNorm(HybridBlock):
 
 # ---------------------------------------------------------------------------------------------
 # Decorrelated Batch Normalization
-
-from mxnet import autograd as _autograd  # noqa: E402
-from mxnet import initializer as _initializer  # noqa: E402
-
-from . import _modal  # noqa: E402  (mode-keyed CachedOps for hybridized graphs)
 
 
 @_initializer.register
@@ -217,23 +192,13 @@ class DecorrelatedBatchNorm(HybridBlock):
                  group_size=None, use_global_stats=False, whitening="zca", iterations=5,
                  **kwargs):
         super().__init__(**kwargs)
-        if whitening not in ("zca", "iternorm"):
-            raise ValueError(f"DecorrelatedBatchNorm: whitening must be 'zca' or 'iternorm', got "
-                             f"{whitening!r}")
-        if (isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral)
-                or not 1 <= iterations <= 10):
-            raise ValueError(f"DecorrelatedBatchNorm: iterations must be an integer in [1, 10], "
-                             f"got {iterations!r}")
+        check_whitening("DecorrelatedBatchNorm", whitening, iterations)
         self._whitening = whitening
         self._iterations = int(iterations)
-        num_groups, group_size = _dbn_grouping(num_groups, group_size, epsilon, in_channels)
+        num_groups, group_size = dbn_grouping(num_groups, group_size, epsilon, in_channels)
         self._group_size = group_size
         self._use_global_stats = bool(use_global_stats)
-        if not epsilon > 0:
-            raise ValueError(f"DecorrelatedBatchNorm: epsilon must be > 0, got {epsilon!r}")
-        if (isinstance(momentum, bool) or not isinstance(momentum, numbers.Real)
-                or not 0 <= momentum <= 1):
-            raise ValueError(f"DecorrelatedBatchNorm: momentum must be in [0, 1], got {momentum!r}")
+        check_dbn_numbers("DecorrelatedBatchNorm", epsilon, momentum)
         self._num_groups = num_groups  # None with group_size and deferred in_channels
         self._epsilon = float(epsilon)
         self._momentum = float(momentum)
@@ -251,13 +216,13 @@ class DecorrelatedBatchNorm(HybridBlock):
                 init=GroupIdentity(), allow_deferred_init=True, differentiable=False)
 
     def forward(self, x, *args):
-        _check_nonempty(self, x)
+        check_nonempty(type(self).__name__, x)
         return super().forward(x, *args)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):
-        if not isinstance(x, _nd_type()) and not self._use_global_stats:
-            _modal.note_modal_trace()
+        if not isinstance(x, NDArray) and not self._use_global_stats:
+            _hybrid.note_mode_dependent()
         num_groups = self._groups_of(x)
         # The per-channel affine is fused into the op (affine=True: inputs data, gamma, beta,
         # running_mean, running_projection; float32 gamma/beta with float16 data; gamma/beta sized
@@ -279,16 +244,14 @@ class DecorrelatedBatchNorm(HybridBlock):
         if self._group_size is None or self._num_groups:
             return self._num_groups
         C = max(self.running_mean.shape[0], 0) if self.running_mean.shape else 0
-        if not C and isinstance(x, _nd_type()):
+        if not C and isinstance(x, NDArray):
             C = x.shape[1] if x.ndim >= 2 else 0
-        if not C and not isinstance(x, _nd_type()):
-            C = _modal.traced_channels(x)
+        if not C and not isinstance(x, NDArray):
+            C = _hybrid.traced_channels(x)
         if not C:
             raise ValueError(f"{self.name}: cannot infer the number of channels for "
                              f"group_size={self._group_size}; give in_channels")
-        if C % self._group_size:
-            raise ValueError(f"{self.name}: in_channels ({C}) must be divisible by group_size "
-                             f"({self._group_size})")
+        check_group_size(self.name, C, self._group_size)
         return C // self._group_size
 
     def __repr__(self):
@@ -302,26 +265,3 @@ class DecorrelatedBatchNorm(HybridBlock):
                 f"momentum={self._momentum}, center={self._center}, scale={self._scale}, "
                 f"use_global_stats={self._use_global_stats}{wh}, in_channels={c or None})")
 
-
-def _dbn_grouping(num_groups, group_size, epsilon, in_channels):
-    """Validates DecorrelatedBatchNorm's grouping; returns (num_groups or None, group_size or None)."""
-    cls = "DecorrelatedBatchNorm"
-    if num_groups is not None and group_size is not None:
-        raise ValueError(f"{cls}: give num_groups or group_size, not both "
-                         f"(got num_groups={num_groups!r}, group_size={group_size!r})")
-    if group_size is None:
-        num_groups = 16 if num_groups is None else num_groups
-        _check_groups(cls, num_groups, epsilon, in_channels)
-        return int(num_groups), None
-    if isinstance(group_size, bool) or not isinstance(group_size, numbers.Integral) or group_size <= 0:
-        raise ValueError(f"{cls}: group_size must be a positive integer, got {group_size!r}")
-    _check_groups(cls, 1, epsilon, in_channels)
-    if in_channels and in_channels % group_size:
-        raise ValueError(f"{cls}: in_channels ({in_channels}) must be divisible by group_size "
-                         f"({group_size})")
-    return (in_channels // group_size if in_channels else None), int(group_size)
-
-
-def _nd_type():
-    from mxnet.ndarray import NDArray
-    return NDArray

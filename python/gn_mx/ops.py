@@ -9,10 +9,8 @@ import functools
 
 import mxnet as mx
 
-from . import _library
 from . import _np
-
-_library.load()
+from ._validate import act_type as _act_type
 
 
 def _F(x):
@@ -39,17 +37,6 @@ def moments(data, num_groups=1):
     """
     out = _F(data).gn_moments(data, num_groups=num_groups)
     return out[0], out[1]
-
-
-_ACTS = {None: "none", "none": "none", "relu": "relu", "silu": "silu", "swish": "silu"}
-
-
-def _act_type(activation):
-    try:
-        return _ACTS[activation]
-    except (KeyError, TypeError):
-        raise ValueError(f"activation must be None, 'relu' or 'silu' ('swish' = 'silu'), "
-                         f"got {activation!r}") from None
 
 
 @_both_kinds

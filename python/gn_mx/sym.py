@@ -26,10 +26,9 @@ import json
 
 import mxnet as mx
 
-from . import _compat, _library, _np
-from .nn import GroupIdentity, _check_groups, _dbn_grouping
-
-_library.load()
+from . import _compat, _np
+from ._validate import check_dbn_numbers, check_groups, check_whitening, dbn_grouping
+from .nn import GroupIdentity
 
 
 def _auto_name(name, hint):
@@ -61,7 +60,7 @@ def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_
     them); by default ``Module``'s initializer handles the ``_gamma`` (ones) / ``_beta`` (zeros)
     suffixes, as for ``mx.sym.BatchNorm``.
     """
-    _check_groups("gn_mx.sym.group_norm", num_groups, eps, in_channels)
+    check_groups("gn_mx.sym.group_norm", num_groups, eps, in_channels)
     np_kind = _np.is_np(data)
     name = _auto_name(name, "groupnorm")
     shape = (in_channels,) if in_channels else None
@@ -89,18 +88,12 @@ def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, mo
     whitening / iterations: the training whitening, 'zca' or 'iternorm' with T = iterations
     (see ``DecorrelatedBatchNorm``); prediction is the same for both.
     """
-    if whitening not in ("zca", "iternorm"):
-        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: whitening must be 'zca' or "
-                         f"'iternorm', got {whitening!r}")
-    num_groups, group_size = _dbn_grouping(num_groups, group_size, eps, in_channels)
-    if not eps > 0:
-        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: eps must be > 0, got {eps!r}")
+    check_whitening("gn_mx.sym.decorrelated_batch_norm", whitening, iterations)
+    num_groups, group_size = dbn_grouping(num_groups, group_size, eps, in_channels)
+    check_dbn_numbers("gn_mx.sym.decorrelated_batch_norm", eps, momentum, eps_name="eps")
     if num_groups is None:
         raise ValueError("gn_mx.sym.decorrelated_batch_norm: group_size needs in_channels in the "
                          "Symbol API")
-    if not 0 <= momentum <= 1:
-        raise ValueError(f"gn_mx.sym.decorrelated_batch_norm: momentum must be in [0, 1], got "
-                         f"{momentum!r}")
     np_kind = _np.is_np(data)
     name = _auto_name(name, "decorrelatedbatchnorm")
     C = in_channels

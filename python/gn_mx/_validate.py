@@ -1,0 +1,98 @@
+"""Argument checks shared by the Gluon blocks (nn.py), the Symbol helpers (sym.py) and the functional
+wrappers (ops.py): one home for each rule and its message.
+
+Every check raises ValueError naming the caller (``who``: a block class or function name), the
+argument, the rule and the value received. The ops re-check what reaches them (shapes, dtypes,
+attributes; src/operator/mx) with their own messages; these checks catch bad constructor arguments
+before any graph exists.
+"""
+import numbers
+
+#: activation argument -> the ops' ``act_type`` attribute ('swish' is a synonym of 'silu').
+_ACTS = {None: "none", "none": "none", "relu": "relu", "silu": "silu", "swish": "silu"}
+#: DecorrelatedBatchNorm's number of groups when neither num_groups nor group_size is given.
+DBN_DEFAULT_GROUPS = 16
+
+
+def _positive_int(x):
+    return not isinstance(x, bool) and isinstance(x, numbers.Integral) and x > 0
+
+
+def act_type(activation):
+    """The op's ``act_type`` for an ``activation`` argument (None, 'relu', 'silu' or 'swish')."""
+    try:
+        return _ACTS[activation]
+    except (KeyError, TypeError):
+        raise ValueError(f"activation must be None, 'relu' or 'silu' ('swish' = 'silu'), "
+                         f"got {activation!r}") from None
+
+
+def check_groups(who, num_groups, epsilon, in_channels):
+    """num_groups a positive integer, epsilon finite and >= 0, in_channels an integer >= 0
+    (0 = inferred later) divisible by num_groups."""
+    if not _positive_int(num_groups):
+        raise ValueError(f"{who}: num_groups must be a positive integer, got {num_groups!r}")
+    if not isinstance(epsilon, numbers.Real) or not epsilon >= 0 or epsilon == float("inf"):
+        raise ValueError(f"{who}: epsilon must be a finite number >= 0, got {epsilon!r}")
+    if isinstance(in_channels, bool) or not isinstance(in_channels, numbers.Integral) or in_channels < 0:
+        raise ValueError(f"{who}: in_channels must be an integer >= 0 (0 = infer), got {in_channels!r}")
+    if in_channels and in_channels % num_groups:
+        raise ValueError(f"{who}: in_channels ({in_channels}) must be divisible by num_groups "
+                         f"({num_groups})")
+
+
+def check_group_size(who, channels, group_size):
+    """channels (when known, i.e. > 0) divisible by group_size."""
+    if channels and channels % group_size:
+        raise ValueError(f"{who}: in_channels ({channels}) must be divisible by group_size "
+                         f"({group_size})")
+
+
+def dbn_grouping(num_groups, group_size, epsilon, in_channels, who="DecorrelatedBatchNorm"):
+    """DecorrelatedBatchNorm's grouping: at most one of num_groups / group_size (neither: 16 groups).
+    Returns (num_groups, or None with group_size and unknown in_channels; group_size or None)."""
+    if num_groups is not None and group_size is not None:
+        raise ValueError(f"{who}: give num_groups or group_size, not both "
+                         f"(got num_groups={num_groups!r}, group_size={group_size!r})")
+    if group_size is None:
+        num_groups = DBN_DEFAULT_GROUPS if num_groups is None else num_groups
+        check_groups(who, num_groups, epsilon, in_channels)
+        return int(num_groups), None
+    if not _positive_int(group_size):
+        raise ValueError(f"{who}: group_size must be a positive integer, got {group_size!r}")
+    check_groups(who, 1, epsilon, in_channels)
+    check_group_size(who, in_channels, group_size)
+    return (in_channels // group_size if in_channels else None), int(group_size)
+
+
+def check_dbn_numbers(who, epsilon, momentum, eps_name="epsilon"):
+    """DBN's epsilon > 0 (the covariance must stay invertible) and momentum in [0, 1].
+    ``eps_name``: the caller's name for epsilon (the Symbol helpers call it ``eps``)."""
+    if not epsilon > 0:
+        raise ValueError(f"{who}: {eps_name} must be > 0, got {epsilon!r}")
+    if isinstance(momentum, bool) or not isinstance(momentum, numbers.Real) or not 0 <= momentum <= 1:
+        raise ValueError(f"{who}: momentum must be in [0, 1], got {momentum!r}")
+
+
+# IterNorm's largest T: the Newton iteration amplifies rounding errors from ~12 iterations on
+# ill-conditioned covariances (docs/dbn.md); the op checks the same limit (dbn.h kDbnMaxIterations).
+MAX_ITERNORM_ITERATIONS = 10
+
+
+def check_whitening(who, whitening, iterations):
+    """DBN's training whitening: 'zca' or 'iternorm' with an integer T in [1, 10]."""
+    if whitening not in ("zca", "iternorm"):
+        raise ValueError(f"{who}: whitening must be 'zca' or 'iternorm', got {whitening!r}")
+    if (isinstance(iterations, bool) or not isinstance(iterations, numbers.Integral)
+            or not 1 <= iterations <= MAX_ITERNORM_ITERATIONS):
+        raise ValueError(f"{who}: iterations must be an integer in [1, {MAX_ITERNORM_ITERATIONS}], "
+                         f"got {iterations!r}")
+
+
+def check_nonempty(who, x):
+    """A clear error for an empty batch (Gluon's deferred init would fail with an AssertionError).
+    Symbols (no shape) pass."""
+    shape = getattr(x, "shape", None)
+    if shape is not None and 0 in shape:
+        raise ValueError(f"{who}: input of shape {shape} is empty; gn_mx blocks "
+                         f"need at least one sample and one element per channel")
