@@ -18,7 +18,9 @@ and reads or calls these:
 * ``Symbol._set_attr`` and ``mxnet.base._LIB.NNGetOpHandle`` (:func:`op_handle`, ``_symbolic.py``);
 * ``mxnet.base._OP_NAME_PREFIX_LIST`` (``amp.py``);
 * a Trainer's kvstore creation and initial broadcast, ``Block._children`` (``parallel.py``);
-* the current ``NameManager`` (``sym.py``).
+* the current ``NameManager`` (``sym.py``);
+* a HybridBlock's hybridize() state and ``_clear_cached_op`` (:func:`copy_hybridize_state`,
+  :func:`clear_cached_op`, ``_convert.py``).
 
 All were written against MXNet 1.9.1. :func:`check` verifies at ``import gn_mx`` that each name
 still exists with the expected kind, so a different MXNet fails at import with a message naming
@@ -163,6 +165,16 @@ def set_hybrid_cache(block, cache):
 def build_hybrid_cache(block, *args):
     """Trace the block for inputs like ``args`` and build its CachedOp without running it."""
     block._build_cache(*args)
+
+
+def copy_hybridize_state(src, dst):
+    """Give ``dst`` the hybridize() state of ``src`` (active flag and flags such as static_alloc)."""
+    dst._active, dst._flags = getattr(src, "_active", False), list(getattr(src, "_flags", []))
+
+
+def clear_cached_op(block):
+    """Drop the block's traced graph and CachedOp (the next call traces again)."""
+    block._clear_cached_op()
 
 
 def static_alloc(block):

@@ -24,6 +24,8 @@ import sys
 import mxnet as mx
 from mxnet import gluon
 
+from . import _compat
+
 __all__ = ["convert", "convert_symbol", "ConversionReport"]
 
 
@@ -154,7 +156,7 @@ def _new_block(old, kind, num_groups, eps, act):
         new.beta.set_data(beta_v.astype(b_old.dtype))
     elif state == "deferred":
         new.initialize(ctx=g_old._deferred_init[1])
-    new._active, new._flags = getattr(old, "_active", False), list(getattr(old, "_flags", []))
+    _compat.copy_hybridize_state(old, new)
     return new, None
 
 
@@ -264,7 +266,7 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
             report.fused.append((path, act))
     for b in [root] + [c for _, _, c, _ in _walk(root)]:
         if isinstance(b, gluon.HybridBlock):
-            b._clear_cached_op()
+            _compat.clear_cached_op(b)
         for attr in ("_gn_mx_ndim", "_gn_mx_channels"):  # this call's sample only
             b.__dict__.pop(attr, None)
     result = root._children["0"] if root is not block else block
