@@ -285,7 +285,7 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
   T* y = static_cast<T*>(a.y);
   A* mean = static_cast<A*>(a.mean);
   A* rstd = static_cast<A*>(a.rstd);
-  const int64_t G = a.G, D = a.C / a.G, S = a.S, NG = a.N * G, M = D * S;
+  const int64_t G = a.dims.G, D = a.dims.C / a.dims.G, S = a.dims.S, NG = a.dims.N * G, M = D * S;
   const A eps = static_cast<A>(a.eps);
   const Plan pl = make_plan(NG, M);
   const bool nt = stream_output(NG * M, sizeof(T), kStreamBytesFwd);
@@ -353,7 +353,7 @@ void moments_typed(const MomentsArgs& a) {
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   A* var = static_cast<A*>(a.var);
-  const int64_t NG = a.N * a.G, M = (a.C / a.G) * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, M = (a.dims.C / a.dims.G) * a.dims.S;
   const Plan pl = make_plan(NG, M);
   if (!pl.coop) {
 #pragma omp parallel for schedule(static) num_threads(pl.nt) if (pl.nt > 1)
@@ -391,7 +391,7 @@ void moments_bwd_typed(const MomentsBwdArgs& a) {
   const A* dvar = static_cast<const A*>(a.dvar);
   const A* mean = static_cast<const A*>(a.mean);
   T* dx = static_cast<T*>(a.dx);
-  const int64_t NG = a.N * a.G, M = (a.C / a.G) * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, M = (a.dims.C / a.dims.G) * a.dims.S;
   const A inv_m = A(1) / static_cast<A>(M);
   const Plan pl = make_plan(NG, M);
   // dx = c0 + c1 (x - mu): the dx primitive with a zero dy coefficient (it reads x as dy: cached).
@@ -516,7 +516,7 @@ void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
   const A* mean = static_cast<const A*>(a.mean);
   const A* rstd = static_cast<const A*>(a.rstd);
   T* dx = static_cast<T*>(a.dx);
-  const int64_t N = a.N, C = a.C, G = a.G, D = C / G, S = a.S, NG = N * G, M = D * S;
+  const int64_t N = a.dims.N, C = a.dims.C, G = a.dims.G, D = C / G, S = a.dims.S, NG = N * G, M = D * S;
   A* dsc = static_cast<A*>(a.workspace);
   A* db = dsc + N * C;
   const A* dmean_o = static_cast<const A*>(a.dmean);
@@ -623,7 +623,7 @@ void bwd_params(const GroupNormBwdArgs& a) {
   P* dbeta = static_cast<P*>(a.dbeta);
   if (dgamma == nullptr && dbeta == nullptr) return;
   const A* dgs = static_cast<const A*>(a.workspace);
-  const int64_t N = a.N, C = a.C;
+  const int64_t N = a.dims.N, C = a.dims.C;
   const A* db = dgs + N * C;
   // Row order (n outer, c inner): contiguous reads of the (N, C) sums; threads own channel ranges.
   const int nt = N * C >= kMinParallel ? team_size() : 1;
@@ -663,24 +663,18 @@ std::vector<A> widen(const void* p, int64_t n) {
 template <typename T, typename P>
 void fwd_impl(const GroupNormFwdArgs& a) {
   using A = AccT<T>;
-  const std::vector<A> gam = widen<A, P>(a.gamma, a.C), bet = widen<A, P>(a.beta, a.C);
+  const std::vector<A> gam = widen<A, P>(a.gamma, a.dims.C), bet = widen<A, P>(a.beta, a.dims.C);
   dispatch_act(a.act, [&](auto act) { fwd_typed<T, decltype(act)::value>(a, gam.data(), bet.data()); });
 }
 
 template <typename T, typename P>
 void bwd_impl(const GroupNormBwdArgs& a) {
   using A = AccT<T>;
-  const std::vector<A> gam = widen<A, P>(a.gamma, a.C);
+  const std::vector<A> gam = widen<A, P>(a.gamma, a.dims.C);
   // beta enters only through the pre-activation z (and the exactly recomputed groups' z).
-  const std::vector<A> bet = a.beta ? widen<A, P>(a.beta, a.C) : std::vector<A>(a.C, A(0));
+  const std::vector<A> bet = a.beta ? widen<A, P>(a.beta, a.dims.C) : std::vector<A>(a.dims.C, A(0));
   dispatch_act(a.act, [&](auto act) { bwd_typed<T, decltype(act)::value>(a, gam.data(), bet.data()); });
   bwd_params<T, P>(a);
-}
-
-const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || S <= 0) return "empty tensors are not supported";
-  if (G <= 0 || C % G != 0) return "channels must be divisible by num_groups > 0";
-  return nullptr;
 }
 
 template <typename T, typename P> struct FwdRun { static void run(const GroupNormFwdArgs& a) { fwd_impl<T, P>(a); } };
@@ -690,26 +684,26 @@ template <typename T, typename P> struct BwdRun { static void run(const GroupNor
 
 size_t group_norm_bwd_workspace_cpu(const GroupNormBwdArgs& a) {
   const size_t acc = dtype_size(acc_dtype(a.dtype));
-  return 2 * static_cast<size_t>(a.N) * static_cast<size_t>(a.C) * acc;
+  return 2 * static_cast<size_t>(a.dims.N) * static_cast<size_t>(a.dims.C) * acc;
 }
 
 const char* moments_cpu(const MomentsArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data(a.dtype, [&](auto tag) { moments_typed<decltype(tag)>(a); });
 }
 
 const char* moments_bwd_cpu(const MomentsBwdArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data(a.dtype, [&](auto tag) { moments_bwd_typed<decltype(tag)>(a); });
 }
 
 const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data_param<FwdRun>(a);
 }
 
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   if (a.workspace == nullptr) return "backward needs a workspace";
   if (a.act != Act::kNone && a.beta == nullptr)
     return "backward with an activation needs beta";

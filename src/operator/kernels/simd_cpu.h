@@ -37,12 +37,9 @@ struct Prims {
   void (*bwd_sums)(const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2);
   // dx = c1 dy + c2 (x - mu) + c3.
   void (*bwd_dx)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
-  // The same two with non-temporal (streaming) stores, for outputs too large to stay in cache; a
-  // thread that used them calls fence() before its results are read by others.
-  void (*affine_nt)(const T* x, T* y, int64_t n, A a, A b);
-  void (*bwd_dx_nt)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
   // With a fused activation (act = kActNone/kActRelu/kActSilu of group_norm_math.h), indexed
-  // [act][streaming]:
+  // [act][streaming] (streaming = non-temporal stores, for outputs too large to stay in cache; a
+  // thread that used them calls fence() before its results are read by others):
   //   act_affine: y = act(x * a + b)
   //   act_sums:   g = act'(x * a + b) dy;  *s1 += sum g (x - mu), *s2 += sum g
   //   act_dx:     dx = c1 g + c2 (x - mu) + c3
@@ -56,7 +53,8 @@ struct Prims {
 };
 
 // Fills the tables of a Prims from templates Affine<ACT, NT>::f, Sums<ACT>::f, Dx<ACT, NT>::f; the
-// plain (no activation) entries are the ACT = kActNone instances behind the older signatures.
+// plain entries above (affine, bwd_sums, bwd_dx: gn_channel_affine and gn_moments' backward) are the
+// ACT = kActNone, cached-store instances.
 template <typename T, template <int, bool> class Affine, template <int> class Sums,
           template <int, bool> class Dx>
 void fill_act_tables(Prims<T>* p) {
@@ -71,15 +69,11 @@ void fill_act_tables(Prims<T>* p) {
   p->act_dx[1][0] = Dx<kActRelu, false>::f;  p->act_dx[1][1] = Dx<kActRelu, true>::f;
   p->act_dx[2][0] = Dx<kActSilu, false>::f;  p->act_dx[2][1] = Dx<kActSilu, true>::f;
   p->affine = Affine<kActNone, false>::f;
-  p->affine_nt = Affine<kActNone, true>::f;
   p->bwd_sums = [](const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2) {
     Sums<kActNone>::f(x, dy, n, mu, A(1), A(0), s1, s2);
   };
   p->bwd_dx = [](const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3) {
     Dx<kActNone, false>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
-  };
-  p->bwd_dx_nt = [](const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3) {
-    Dx<kActNone, true>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
   };
 }
 
