@@ -299,7 +299,7 @@ void exact_stats(const T* xg, int64_t M, double eps, double* x0, double* d, doub
   *r = 1.0 / std::sqrt(q / static_cast<double>(M) + eps);
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<T>* gam,
                const AccT<T>* bet, AccT<T>* mean, AccT<T>* rstd) {
   using A = AccT<T>;
@@ -317,7 +317,7 @@ void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<
 }
 
 // dx of one group and its per-channel sums dgs[c] = sum g xhat, db[c] = sum g.
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double eps,
                const AccT<T>* gam, const AccT<T>* bet, double dmean_o, double drstd_o, AccT<T>* dgs,
                AccT<T>* db) {
@@ -444,12 +444,12 @@ void moments_bwd_typed(const MomentsBwdArgs& a) {
 // Forward
 
 // y[lo, hi) of one group, given its statistics; gam/bet point at the group's D channels (AccT).
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void fwd_range(const simd::Prims<T>& P, const T* xg, T* yg, int64_t lo, int64_t hi, int64_t S,
                AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet, bool nt) {
   using A = AccT<T>;
   if (S >= kSmallS) {
-    const auto affine = P.act_affine[ACT][nt ? 1 : 0];
+    const auto affine = P.act_affine[static_cast<int>(ACT)][nt ? 1 : 0];
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t s0, int64_t s1) {
       A a, b;
       gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
@@ -465,7 +465,7 @@ void fwd_range(const simd::Prims<T>& P, const T* xg, T* yg, int64_t lo, int64_t 
 }
 
 // gn_group_norm forward: the statistics of each group, then y = act(x * a_c + b_c).
-template <typename T, int ACT>
+template <typename T, Act ACT>
 struct FwdJob {
   using A = AccT<T>;
   using Part = Welford<A>;
@@ -516,7 +516,7 @@ struct FwdJob {
   }
 };
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
   using A = AccT<T>;
   const GroupDims& d = a.dims;
@@ -531,22 +531,22 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
 // Backward
 
 // s1[d] += sum g (x - mu), s2[d] += sum g over the elements [lo, hi) of one group, g = dy act'(z).
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_sums_range(const simd::Prims<T>& P, const T* xg, const T* dyg, int64_t lo, int64_t hi,
                     int64_t S, AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet,
                     AccT<T>* s1, AccT<T>* s2) {
   using A = AccT<T>;
   if (S >= kSmallS) {
-    const auto sums = P.act_sums[ACT];
+    const auto sums = P.act_sums[static_cast<int>(ACT)];
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t a0, int64_t a1) {
       A a = 1, b = 0;
-      if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
       sums(xg + a0, dyg + a0, a1 - a0, mu, a, b, s1 + d, s2 + d);
     });
     return;
   }
   buffered_run<true>(P, xg, dyg, static_cast<T*>(nullptr), lo, hi, S, [&](A& v, A g, int64_t d) {
-    if (ACT != kActNone) {
+    if (ACT != Act::kNone) {
       A a, b;
       gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
       g = gn_act_grad<ACT>(v * a + b, g);
@@ -557,22 +557,22 @@ void bwd_sums_range(const simd::Prims<T>& P, const T* xg, const T* dyg, int64_t 
 }
 
 // dx over [lo, hi) of one group: c1_d = r gam[d], shared c2, c3.
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_dx_range(const simd::Prims<T>& P, const T* xg, const T* dyg, T* dxg, int64_t lo,
                   int64_t hi, int64_t S, AccT<T> mu, AccT<T> r, const AccT<T>* gam,
                   const AccT<T>* bet, AccT<T> c2, AccT<T> c3, bool nt) {
   using A = AccT<T>;
   if (S >= kSmallS) {
-    const auto bwd_dx = P.act_dx[ACT][nt ? 1 : 0];
+    const auto bwd_dx = P.act_dx[static_cast<int>(ACT)][nt ? 1 : 0];
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t a0, int64_t a1) {
       A a = 1, b = 0;
-      if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
       bwd_dx(xg + a0, dyg + a0, dxg + a0, a1 - a0, mu, a, b, r * gam[d], c2, c3);
     });
     return;
   }
   buffered_run<true>(P, xg, dyg, dxg, lo, hi, S, [&](A& v, A g, int64_t d) {
-    if (ACT != kActNone) {
+    if (ACT != Act::kNone) {
       A a, b;
       gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
       g = gn_act_grad<ACT>(v * a + b, g);
@@ -602,7 +602,7 @@ BwdSums<A> carve_bwd_sums(void* ws, const GroupDims& d, size_t* bytes = nullptr)
 
 // gn_group_norm's input gradient (and the per-(n, c) sums of the parameter gradients). The partial
 // of a thread is 2*D sums: s1[d] = sum g (x - mu), s2[d] = sum g over its elements.
-template <typename T, int ACT>
+template <typename T, Act ACT>
 struct BwdJob {
   using A = AccT<T>;
   using Part = A;
@@ -676,7 +676,7 @@ struct BwdJob {
   }
 };
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_input_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
   const int64_t NG = a.dims.N * a.dims.G, M = a.dims.D * a.dims.S;
   const BwdJob<T, ACT> job{simd::prims<T>(),

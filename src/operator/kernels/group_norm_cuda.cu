@@ -268,7 +268,7 @@ __device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __
   }
 }
 
-template <typename P, typename A, int ACT>
+template <typename P, typename A, Act ACT>
 struct FwdOp {
   struct Coef {
     A a, b;
@@ -294,7 +294,7 @@ struct FwdOp {
 
 // Grid (N*G, chunks). With splits > 1 the block first merges the group's partial states (and the
 // chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them.
-template <typename T, typename P, int V, int ACT>
+template <typename T, typename P, int V, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* __restrict__ beta,
                  T* __restrict__ y, AccT<T>* __restrict__ mean, AccT<T>* __restrict__ rstd,
@@ -359,7 +359,7 @@ moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
 // into gridDim.y pieces of `chunk` elements. Writes part[(row*splits + k)*2 + {0, 1}] = (dsc, db).
 // With an activation, g = dy * act'(x * a_c + b_c) replaces dy (gamma, beta, rstd, C are read only
 // then).
-template <typename T, typename P, int V, int kTeam, int ACT>
+template <typename T, typename P, int V, int kTeam, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                     const AccT<T>* __restrict__ mean, const AccT<T>* __restrict__ rstd,
@@ -374,7 +374,7 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   if (row < rows) {
     const A mu = mean[row / D];  // row = n*C + c, so row / D = n*G + g
     A ca = A(1), cb = A(0);
-    if (ACT != kActNone) {
+    if (ACT != Act::kNone) {
       const int64_t c = row % C;
       gn_fwd_coeffs<A>(mu, rstd[row / D], static_cast<A>(to_acc(gamma[c])),
                        static_cast<A>(to_acc(beta[c])), &ca, &cb);
@@ -424,10 +424,10 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   }
 }
 
-template <typename P, typename A, int ACT>
+template <typename P, typename A, Act ACT>
 struct BwdOp {
   struct Coef {
-    A c1, a, b;  // a, b: the forward's z = x * a + b (ACT != kActNone only)
+    A c1, a, b;  // a, b: the forward's z = x * a + b (ACT != Act::kNone only)
   };
   const P* gamma;  // this group's D channels
   const P* beta;
@@ -439,7 +439,7 @@ struct BwdOp {
     cf.c1 = single ? A(0) : r * gm;
     cf.a = A(1);
     cf.b = A(0);
-    if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
+    if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
     return cf;
   }
   __device__ __forceinline__ A operator()(const Coef& cf, A dy, A x) const {
@@ -449,7 +449,7 @@ struct BwdOp {
 
 // Backward kernel 2. Grid (param_blocks + N*G, chunks): blocks x < param_blocks (y == 0 only) reduce
 // dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group.
-template <typename T, typename P, int V, int ACT>
+template <typename T, typename P, int V, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
               const AccT<T>* __restrict__ rstd, const AccT<T>* __restrict__ dmean_o,
@@ -656,7 +656,7 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   const int splits = static_cast<int>(p.splits);
   const char* err = nullptr;
   dispatch_act(a.act, [&](auto act) {
-    constexpr int ACT = decltype(act)::value;
+    constexpr Act ACT = decltype(act)::value;
     auto* k = p.V > 1 ? fwd_apply_kernel<T, P, vec_width<T>(), ACT> : fwd_apply_kernel<T, P, 1, ACT>;
     int64_t chunk = 0, chunks = 1;
     if ((err = plan_map(k, NG, L, p.V, &chunk, &chunks))) return;
@@ -699,7 +699,7 @@ struct RowPlan {
 };
 
 // Row plan of the backward sums; split rows are sized by one wave of the block-per-row kernel.
-template <typename T, typename P, int ACT>
+template <typename T, typename P, Act ACT>
 const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
   RowPlan& p = *out;
   const int Vw = vec_width<T>();
@@ -738,7 +738,7 @@ AccT<T>* carve_rows(void* ws, int64_t rows, const RowPlan& p, size_t* bytes = nu
   return part;
 }
 
-template <typename T, typename P, int ACT>
+template <typename T, typename P, Act ACT>
 size_t bwd_workspace(const GroupNormBwdArgs& a) {
   if (check_dims(a.dims)) return 0;
   RowPlan p;
@@ -748,7 +748,7 @@ size_t bwd_workspace(const GroupNormBwdArgs& a) {
   return bytes;
 }
 
-template <typename T, typename P, int V, int ACT>
+template <typename T, typename P, int V, Act ACT>
 const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>* part,
                             cudaStream_t st) {
   using A = AccT<T>;
@@ -776,7 +776,7 @@ const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>
   return nullptr;
 }
 
-template <typename T, typename P, int ACT>
+template <typename T, typename P, Act ACT>
 const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
   if (a.workspace == nullptr) return "group_norm CUDA backward needs a workspace";
@@ -857,8 +857,8 @@ size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
   dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
-    n = std::max({bwd_workspace<T, P, kActNone>(a), bwd_workspace<T, P, kActRelu>(a),
-                  bwd_workspace<T, P, kActSilu>(a)});
+    n = std::max({bwd_workspace<T, P, Act::kNone>(a), bwd_workspace<T, P, Act::kRelu>(a),
+                  bwd_workspace<T, P, Act::kSilu>(a)});
   });
   return n;
 }
