@@ -15,6 +15,9 @@
  * reads x and dy once for the per-(n,c) sums dsc_c = sum dy (x - mu), db_c = sum dy, then again
  * (L2-hot) for dx; dgamma/dbeta come from those per-(n,c) sums, so there is no extra pass over dy.
  *
+ * Code layout: one job per computation (MomentsJob: statistics; FwdJob: statistics + y; BwdJob: the
+ * input gradient + per-(n, c) sums; bwd_params: the parameter gradients), each a reduction and an
+ * elementwise pass over a group; run_groups() alone decides how threads share them:
  * Threads (OpenMP; the team size is omp_get_max_threads(), i.e. OMP_NUM_THREADS or what MXNet sets):
  *   - per-group: the N*G groups are split statically over the team (used when they divide evenly or
  *     are many);
@@ -190,16 +193,17 @@ inline __attribute__((always_inline)) void buffered_run(const simd::Prims<T>& P,
 // The thread schedule (see the header): the one owner of "per group" vs "cooperative".
 //
 // A group job is two passes over each of the NG groups of M elements: a reduction (statistics, or
-// per-channel gradient sums) and an elementwise pass that uses coefficients derived from it:
+// per-channel gradient sums) and an elementwise pass that uses coefficients derived from it. Its
+// methods take the group's view q = group(ng) (offsets computed once per group: one division):
 //   Part                 the partial result of one thread over part of a group (part_len() values)
 //   kApply               whether there is a second pass (false: moments, a reduction only)
-//   skip(ng)             the group is recomputed exactly without a reduction (decided from inputs
+//   skip(q)              the group is recomputed exactly without a reduction (decided from inputs
 //                        every thread sees alike)
-//   reduce(ng, lo, hi, part)   partial over the elements [lo, hi)
-//   finish(ng, parts, n, owner, &coef)   combines n partials in a fixed order; the owner (one thread
+//   reduce(q, lo, hi, part)    partial over the elements [lo, hi)
+//   finish(q, parts, n, owner, &coef)    combines n partials in a fixed order; the owner (one thread
 //                        per group) publishes the group's outputs; false: recompute it exactly
-//   exact(ng)            the exactly recomputed group (run by its owner)
-//   apply(ng, lo, hi, coef)    the second pass over [lo, hi);  end_thread()  after a thread's last group
+//   exact(q)             the exactly recomputed group (run by its owner)
+//   apply(q, lo, hi, coef)     the second pass over [lo, hi);  end_thread()  after a thread's last group
 // Per group, each thread owns whole groups. Cooperative, every thread takes the same slice of each
 // group (so its second pass reads its own cache) and the partials meet after one barrier per group,
 // double-buffered by the parity of a count of the shared groups; all threads combine them in the same
@@ -217,15 +221,16 @@ void run_groups(const Plan& pl, int64_t NG, int64_t M, const Job& job) {
 #pragma omp for schedule(static)
       for (int64_t ng = 0; ng < NG; ++ng) {
         typename Job::Coef cf;
-        if (job.skip(ng)) {
-          job.exact(ng);
+        const auto q = job.group(ng);
+        if (job.skip(q)) {
+          job.exact(q);
           continue;
         }
-        job.reduce(ng, 0, M, mine);
-        if (!job.finish(ng, mine, 1, true, &cf))
-          job.exact(ng);
+        job.reduce(q, 0, M, mine);
+        if (!job.finish(q, mine, 1, true, &cf))
+          job.exact(q);
         else if (Job::kApply)
-          job.apply(ng, 0, M, cf);
+          job.apply(q, 0, M, cf);
       }
       job.end_thread();
     }
@@ -238,27 +243,30 @@ void run_groups(const Plan& pl, int64_t NG, int64_t M, const Job& job) {
     int64_t lo, hi;
     slice(M, t, T_, &lo, &hi);
     if (!Job::kApply) {
-      for (int64_t ng = 0; ng < NG; ++ng) job.reduce(ng, lo, hi, part.data() + (ng * nt + t) * len);
+      for (int64_t ng = 0; ng < NG; ++ng)
+        job.reduce(job.group(ng), lo, hi, part.data() + (ng * nt + t) * len);
       barrier();
       typename Job::Coef cf;
 #pragma omp for schedule(static)
-      for (int64_t ng = 0; ng < NG; ++ng) job.finish(ng, part.data() + ng * nt * len, T_, true, &cf);
+      for (int64_t ng = 0; ng < NG; ++ng)
+        job.finish(job.group(ng), part.data() + ng * nt * len, T_, true, &cf);
     } else {
       int64_t shared = 0;
       for (int64_t ng = 0; ng < NG; ++ng) {
         typename Job::Coef cf;
-        if (job.skip(ng)) {
-          if (t == 0) job.exact(ng);
+        const auto q = job.group(ng);
+        if (job.skip(q)) {
+          if (t == 0) job.exact(q);
           continue;
         }
         Part* base = part.data() + (shared++ & 1) * nt * len;
-        job.reduce(ng, lo, hi, base + t * len);
+        job.reduce(q, lo, hi, base + t * len);
         barrier();
-        if (!job.finish(ng, base, T_, t == 0, &cf)) {  // every thread sees the same partials
-          if (t == 0) job.exact(ng);
+        if (!job.finish(q, base, T_, t == 0, &cf)) {  // every thread sees the same partials
+          if (t == 0) job.exact(q);
           continue;
         }
-        job.apply(ng, lo, hi, cf);
+        job.apply(q, lo, hi, cf);
       }
     }
     job.end_thread();
@@ -391,6 +399,7 @@ struct MomentsJob {
   A* var;
   int64_t M;
 
+  int64_t group(int64_t ng) const { return ng; }
   size_t part_len() const { return 1; }
   bool skip(int64_t) const { return false; }
   void reduce(int64_t ng, int64_t lo, int64_t hi, Part* p) const {
@@ -482,34 +491,38 @@ struct FwdJob {
   const A* bet;
   int64_t G, D, S, M;
   double eps;
+  A eps_acc;     // eps in AccT, as the statistics use it
   bool nt;       // streaming stores
 
-  int64_t c0(int64_t ng) const { return (ng % G) * D; }  // the group's first channel
+  struct Group {
+    int64_t ng, c;  // the group and its first channel
+  };
+  Group group(int64_t ng) const { return {ng, (ng % G) * D}; }
 
   size_t part_len() const { return 1; }
-  bool skip(int64_t) const { return M <= kTinyGroup; }
-  void reduce(int64_t ng, int64_t lo, int64_t hi, Part* p) const {
-    *p = range_moments(P, x + ng * M + lo, hi - lo);
+  bool skip(const Group&) const { return M <= kTinyGroup; }
+  void reduce(const Group& q, int64_t lo, int64_t hi, Part* p) const {
+    *p = range_moments(P, x + q.ng * M + lo, hi - lo);
   }
-  bool finish(int64_t ng, const Part* parts, int n, bool owner, Coef* cf) const {
+  bool finish(const Group& q, const Part* parts, int n, bool owner, Coef* cf) const {
     Welford<A> w;
     for (int u = 0; u < n; ++u) w.merge(parts[u]);
     if (fwd_needs_exact<T>(w, M)) return false;
     cf->mu = w.mean;
-    cf->r = gn_rstd<A>(w.var(), static_cast<A>(eps));
+    cf->r = gn_rstd<A>(w.var(), eps_acc);
     if (owner) {
-      mean[ng] = cf->mu;
-      rstd[ng] = cf->r;
+      mean[q.ng] = cf->mu;
+      rstd[q.ng] = cf->r;
     }
     return true;
   }
-  void exact(int64_t ng) const {
-    const int64_t c = c0(ng);
-    exact_fwd<T, ACT>(x + ng * M, y + ng * M, D, S, eps, gam + c, bet + c, mean + ng, rstd + ng);
+  void exact(const Group& q) const {
+    exact_fwd<T, ACT>(x + q.ng * M, y + q.ng * M, D, S, eps, gam + q.c, bet + q.c, mean + q.ng,
+                      rstd + q.ng);
   }
-  void apply(int64_t ng, int64_t lo, int64_t hi, const Coef& cf) const {
-    const int64_t c = c0(ng);
-    fwd_range<T, ACT>(P, x + ng * M, y + ng * M, lo, hi, S, cf.mu, cf.r, gam + c, bet + c, nt);
+  void apply(const Group& q, int64_t lo, int64_t hi, const Coef& cf) const {
+    fwd_range<T, ACT>(P, x + q.ng * M, y + q.ng * M, lo, hi, S, cf.mu, cf.r, gam + q.c, bet + q.c,
+                      nt);
   }
   void end_thread() const {
     if (nt) P.fence();
@@ -523,7 +536,8 @@ void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet
   const int64_t NG = d.N * d.G, M = d.D * d.S;
   const FwdJob<T, ACT> job{simd::prims<T>(), static_cast<const T*>(a.x), static_cast<T*>(a.y),
                            static_cast<A*>(a.mean), static_cast<A*>(a.rstd), gam, bet, d.G, d.D,
-                           d.S, M, a.eps, stream_output(NG * M, sizeof(T), kStreamBytesFwd)};
+                           d.S, M, a.eps, static_cast<A>(a.eps),
+                           stream_output(NG * M, sizeof(T), kStreamBytesFwd)};
   run_groups(make_plan(NG, M), NG, M, job);
 }
 
@@ -609,67 +623,71 @@ struct BwdJob {
   struct Coef {
     A c2, c3;
   };
+  struct Group {
+    int64_t ng, c, row;  // the group, its first channel g*D, its first (N, C) sum n*C + g*D
+    A mu, r;
+  };
   static constexpr bool kApply = true;
   const simd::Prims<T>& P;
-  const GroupNormBwdArgs& a;
-  const A* gam;  // (C,) AccT
+  const T* x;
+  const T* dy;
+  T* dx;
+  const A* mean;
+  const A* rstd;
+  const A* dmean_o;  // (N, G) or nullptr (= 0)
+  const A* drstd_o;
+  const A* gam;      // (C,) AccT
   const A* bet;
   BwdSums<A> sums;
-  int64_t M;
-  bool nt;       // streaming stores
+  int64_t C, G, D, S, M;
+  double eps;
+  bool nt;           // streaming stores
 
-  int64_t D() const { return a.dims.D; }
-  // The group's first channel (g*D) and its first row of the (N, C) sums (n*C + g*D); one division.
-  int64_t ch0(int64_t ng) const { return (ng % a.dims.G) * D(); }
-  int64_t row0(int64_t ng, int64_t ch) const { return ng / a.dims.G * a.dims.C + ch; }
-  const T* x(int64_t ng) const { return static_cast<const T*>(a.x) + ng * M; }
-  const T* dy(int64_t ng) const { return static_cast<const T*>(a.dy) + ng * M; }
-  T* dx(int64_t ng) const { return static_cast<T*>(a.dx) + ng * M; }
-  A mu(int64_t ng) const { return static_cast<const A*>(a.mean)[ng]; }
-  A r(int64_t ng) const { return static_cast<const A*>(a.rstd)[ng]; }
-  A dmean(int64_t ng) const { return a.dmean ? static_cast<const A*>(a.dmean)[ng] : A(0); }
-  A drstd(int64_t ng) const { return a.drstd ? static_cast<const A*>(a.drstd)[ng] : A(0); }
+  Group group(int64_t ng) const {
+    const int64_t n = ng / G, c = (ng - n * G) * D;
+    return {ng, c, n * C + c, mean[ng], rstd[ng]};
+  }
+  A dmean(const Group& q) const { return dmean_o ? dmean_o[q.ng] : A(0); }
+  A drstd(const Group& q) const { return drstd_o ? drstd_o[q.ng] : A(0); }
 
-  size_t part_len() const { return 2 * static_cast<size_t>(D()); }
-  bool skip(int64_t ng) const { return bwd_needs_exact<T>(r(ng), M); }
-  void reduce(int64_t ng, int64_t lo, int64_t hi, A* p) const {
-    const int64_t c = ch0(ng);
-    std::fill(p, p + 2 * D(), A(0));
-    bwd_sums_range<T, ACT>(P, x(ng), dy(ng), lo, hi, a.dims.S, mu(ng), r(ng), gam + c, bet + c, p,
-                           p + D());
+  size_t part_len() const { return 2 * static_cast<size_t>(D); }
+  bool skip(const Group& q) const { return bwd_needs_exact<T>(q.r, M); }
+  void reduce(const Group& q, int64_t lo, int64_t hi, A* p) const {
+    std::fill(p, p + 2 * D, A(0));
+    bwd_sums_range<T, ACT>(P, x + q.ng * M, dy + q.ng * M, lo, hi, S, q.mu, q.r, gam + q.c,
+                           bet + q.c, p, p + D);
   }
   // Sums the n partials per channel in thread order; the owner publishes dsc/db.
-  bool finish(int64_t ng, const A* parts, int n, bool owner, Coef* cf) const {
-    const int64_t Dg = D(), len = 2 * Dg, c = ch0(ng), row = row0(ng, c);
-    const A* gg = gam + c;
-    const A rg = r(ng);
+  bool finish(const Group& q, const A* parts, int n, bool owner, Coef* cf) const {
+    const int64_t len = 2 * D;
+    const A* gg = gam + q.c;
+    A* dsc = sums.dsc + q.row;
+    A* db = sums.db + q.row;
     A sum_a = 0, sum_b = 0;
-    for (int64_t d = 0; d < Dg; ++d) {
-      A p1 = parts[d], p2 = parts[Dg + d];
+    for (int64_t d = 0; d < D; ++d) {
+      A p1 = parts[d], p2 = parts[D + d];
       for (int u = 1; u < n; ++u) {
         p1 += parts[u * len + d];
-        p2 += parts[u * len + Dg + d];
+        p2 += parts[u * len + D + d];
       }
       if (owner) {
-        sums.dsc[row + d] = p1 * rg;
-        sums.db[row + d] = p2;
+        dsc[d] = p1 * q.r;
+        db[d] = p2;
       }
       sum_a += gg[d] * p1;
       sum_b += gg[d] * p2;
     }
-    gn_bwd_coeffs<A>(sum_a, sum_b, rg, A(1) / static_cast<A>(M), dmean(ng), drstd(ng), &cf->c2,
+    gn_bwd_coeffs<A>(sum_a, sum_b, q.r, A(1) / static_cast<A>(M), dmean(q), drstd(q), &cf->c2,
                      &cf->c3);
     return true;
   }
-  void exact(int64_t ng) const {
-    const int64_t c = ch0(ng), row = row0(ng, c);
-    exact_bwd<T, ACT>(x(ng), dy(ng), dx(ng), D(), a.dims.S, a.eps, gam + c, bet + c, dmean(ng),
-                      drstd(ng), sums.dsc + row, sums.db + row);
+  void exact(const Group& q) const {
+    exact_bwd<T, ACT>(x + q.ng * M, dy + q.ng * M, dx + q.ng * M, D, S, eps, gam + q.c, bet + q.c,
+                      dmean(q), drstd(q), sums.dsc + q.row, sums.db + q.row);
   }
-  void apply(int64_t ng, int64_t lo, int64_t hi, const Coef& cf) const {
-    const int64_t c = ch0(ng);
-    bwd_dx_range<T, ACT>(P, x(ng), dy(ng), dx(ng), lo, hi, a.dims.S, mu(ng), r(ng), gam + c,
-                         bet + c, cf.c2, cf.c3, nt);
+  void apply(const Group& q, int64_t lo, int64_t hi, const Coef& cf) const {
+    bwd_dx_range<T, ACT>(P, x + q.ng * M, dy + q.ng * M, dx + q.ng * M, lo, hi, S, q.mu, q.r,
+                         gam + q.c, bet + q.c, cf.c2, cf.c3, nt);
   }
   void end_thread() const {
     if (nt) P.fence();
@@ -678,13 +696,22 @@ struct BwdJob {
 
 template <typename T, Act ACT>
 void bwd_input_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
-  const int64_t NG = a.dims.N * a.dims.G, M = a.dims.D * a.dims.S;
+  using A = AccT<T>;
+  const GroupDims& d = a.dims;
+  const int64_t NG = d.N * d.G, M = d.D * d.S;
   const BwdJob<T, ACT> job{simd::prims<T>(),
-                           a,
+                           static_cast<const T*>(a.x),
+                           static_cast<const T*>(a.dy),
+                           static_cast<T*>(a.dx),
+                           static_cast<const A*>(a.mean),
+                           static_cast<const A*>(a.rstd),
+                           static_cast<const A*>(a.dmean),
+                           static_cast<const A*>(a.drstd),
                            gam,
                            bet,
-                           carve_bwd_sums<AccT<T>>(a.workspace, a.dims),
-                           M,
+                           carve_bwd_sums<A>(a.workspace, d),
+                           d.C, d.G, d.D, d.S, M,
+                           a.eps,
                            stream_output(NG * M, sizeof(T), kStreamBytesBwd)};
   run_groups(make_plan(NG, M), NG, M, job);
 }
@@ -697,6 +724,8 @@ void bwd_params(const GroupNormBwdArgs& a) {
   P* dbeta = static_cast<P*>(a.dbeta);
   if (dgamma == nullptr && dbeta == nullptr) return;
   const BwdSums<A> sums = carve_bwd_sums<A>(a.workspace, a.dims);
+  const A* dsc = sums.dsc;
+  const A* dbs = sums.db;
   const int64_t N = a.dims.N, C = a.dims.C;
   // Row order (n outer, c inner): contiguous reads of the (N, C) sums; threads own channel ranges.
   const int nt = N * C >= kMinParallel ? team_size() : 1;
@@ -709,8 +738,8 @@ void bwd_params(const GroupNormBwdArgs& a) {
     if (c0 < c1) {
       std::vector<A> sg(static_cast<size_t>(c1 - c0), A(0)), sb(static_cast<size_t>(c1 - c0), A(0));
       for (int64_t n = 0; n < N; ++n) {
-        const A* ds = sums.dsc + n * C;
-        const A* dbn = sums.db + n * C;
+        const A* ds = dsc + n * C;
+        const A* dbn = dbs + n * C;
 #pragma omp simd
         for (int64_t k = c0; k < c1; ++k) {
           sg[k - c0] += ds[k];
