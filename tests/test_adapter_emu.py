@@ -45,8 +45,9 @@ def driver(tmp_path_factory):
     cuda_objs = build_emu.compile_objects(os.path.join(ROOT, "build", "gpu-emu"))
     jobs = []
     # Host code as CMake builds it for a CUDA build (lib_api.cc with the same renames).
-    host = [os.path.join(MX, "src", "lib_api.cc"), os.path.join(ROOT, "src", "link", "register_once.cc"),
-            os.path.join(EMU, "adapter_driver.cc")]
+    link = os.path.join(ROOT, "src", "link")  # the replaced lib_api entry points
+    host = [os.path.join(MX, "src", "lib_api.cc"), os.path.join(EMU, "adapter_driver.cc")]
+    host += [os.path.join(link, f) for f in sorted(os.listdir(link)) if f.endswith(".cc")]
     host += [os.path.join(ROOT, "src", "operator", "mx", f)
              for f in sorted(os.listdir(os.path.join(ROOT, "src", "operator", "mx"))) if f.endswith(".cc")]
     host += [os.path.join(KERNELS, f) for f in sorted(os.listdir(KERNELS)) if f.endswith(".cc")]

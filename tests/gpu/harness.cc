@@ -57,7 +57,7 @@ GNH_API size_t gnh_moments_workspace(int dtype, const void* x, int64_t N, int64_
   MomentsArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.x = x;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return moments_workspace_cuda(a);
 }
 
@@ -67,7 +67,7 @@ GNH_API const char* gnh_moments(int dtype, const void* x, void* mean, void* var,
   a.dtype = static_cast<DType>(dtype);
   a.x = x; a.mean = mean; a.var = var;
   a.workspace = workspace;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return moments_cuda(a, stream);
 }
 
@@ -77,7 +77,7 @@ GNH_API const char* gnh_moments_bwd(int dtype, const void* dmean, const void* dv
   MomentsBwdArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.dmean = dmean; a.dvar = dvar; a.x = x; a.mean = mean; a.dx = dx;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return moments_bwd_cuda(a, stream);
 }
 
@@ -87,7 +87,7 @@ GNH_API size_t gnh_gn_fwd_workspace(int dtype, int param_dtype, const void* x, c
   a.dtype = static_cast<DType>(dtype);
   a.param_dtype = static_cast<DType>(param_dtype);
   a.x = x; a.y = const_cast<void*>(y);
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return group_norm_fwd_workspace_cuda(a);
 }
 
@@ -102,7 +102,7 @@ GNH_API const char* gnh_gn_fwd_act(int dtype, int param_dtype, const void* x, co
   a.param_dtype = static_cast<DType>(param_dtype);
   a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.rstd = rstd;
   a.workspace = workspace;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   a.eps = eps;
   a.act = static_cast<Act>(act);
   return group_norm_fwd_cuda(a, stream);
@@ -126,7 +126,7 @@ static GroupNormBwdArgs bwd_args(int dtype, int param_dtype, const void* dy, con
   a.dy = dy; a.x = x; a.mean = mean; a.rstd = rstd; a.gamma = gamma;
   a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta; a.dmean = dmean; a.drstd = drstd;
   a.workspace = workspace;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return a;
 }
 
@@ -237,7 +237,7 @@ GNH_API const char* gnh_affine_fwd(int dtype, int param_dtype, const void* x, co
   a.dtype = static_cast<DType>(dtype);
   a.param_dtype = static_cast<DType>(param_dtype);
   a.x = x; a.gamma = gamma; a.beta = beta; a.y = y;
-  a.N = N; a.C = C; a.S = S;
+  a.dims = group_dims(N, C, 1, S);
   return affine_fwd_cuda(a, stream);
 }
 
@@ -248,6 +248,6 @@ GNH_API const char* gnh_affine_bwd(int dtype, int param_dtype, const void* dy, c
   a.dtype = static_cast<DType>(dtype);
   a.param_dtype = static_cast<DType>(param_dtype);
   a.dy = dy; a.x = x; a.gamma = gamma; a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta;
-  a.N = N; a.C = C; a.S = S;
+  a.dims = group_dims(N, C, 1, S);
   return affine_bwd_cuda(a, stream);
 }

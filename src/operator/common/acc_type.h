@@ -29,15 +29,6 @@ namespace gn_mx {
 // Values equal mxnet::ext::MXDType (and mshadow's type flags), so the adapter casts directly.
 enum class DType : int { kFloat32 = 0, kFloat64 = 1, kFloat16 = 2 };
 
-inline const char* dtype_name(DType t) {
-  switch (t) {
-    case DType::kFloat32: return "float32";
-    case DType::kFloat64: return "float64";
-    case DType::kFloat16: return "float16";
-  }
-  return "unknown";
-}
-
 // Host-side IEEE binary16 storage. Same size and alignment as __half.
 struct Half {
   uint16_t bits;

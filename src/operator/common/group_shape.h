@@ -1,66 +1,68 @@
 /*
- * group_shape.h: the (N, C, G, D = C/G, S = prod(spatial)) view every kernel works on, and the
- * validation shared by all ops. Data layout is (N, C, *spatial), row-major, 0..k spatial dims, so a
- * group of sample n is one contiguous block of D*S elements starting at (n*C + g*D)*S.
+ * group_shape.h: GroupDims, the one shape type of every op on every device, and its one check.
+ *
+ * Data layout is (N, C, *spatial), row-major, 0..k spatial dims, seen as (N, C, S) with
+ * S = prod(spatial) (S = 1 for (N, C) data) and G groups of D = C/G channels, so the group (n, g) is
+ * one contiguous block of D*S elements starting at (n*C + g*D)*S. Per-channel ops without groups
+ * (gn_channel_affine) use G = 1, D = C.
+ *
+ * Every kernel Args struct embeds a GroupDims (`dims`); the adapter fills it from the data shape
+ * (mx/validate.h data_groups()), a harness or benchmark with group_dims(). check_group_dims() is the
+ * only place the rules are checked and worded: the kernels return its message as their error, the
+ * adapter prefixes the op name and appends the data shape. Device-specific limits (CUDA's 32-bit
+ * offsets, DBN's largest group) are checked next to the kernels that have them.
+ *
+ * Host code only (kernels receive plain integers); safe to include from .cu files.
  */
 #pragma once
 #include <cstdint>
-#include <sstream>
-#include <string>
-#include <vector>
+#include <cstdio>
 
 namespace gn_mx {
 
-struct GroupShape {
+struct GroupDims {
   int64_t N = 0, C = 0, G = 1, D = 0, S = 1;
-  int64_t group_elems() const { return D * S; }
-  int64_t numel() const { return N * C * S; }
 };
 
-inline std::string shape_str(const std::vector<int64_t>& s) {
-  std::ostringstream os;
-  os << "(";
-  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
-  if (s.size() == 1) os << ",";
-  os << ")";
-  return os.str();
+// The dims of (N, C, S) data in G groups; D = C/G (0 when G does not divide C: check_group_dims
+// then reports it).
+inline GroupDims group_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
+  GroupDims d;
+  d.N = N;
+  d.C = C;
+  d.G = G;
+  d.D = (G > 0 && C % G == 0) ? C / G : 0;
+  d.S = S;
+  return d;
 }
 
-// Returns "" when `shape` is a valid (N, C, *spatial) input for `num_groups`, else a message that
-// starts with `op` and names the problem, what was expected and what was received.
-inline std::string check_group_shape(const char* op, const std::vector<int64_t>& shape,
-                                     int64_t num_groups, GroupShape* out) {
-  std::ostringstream os;
-  if (shape.size() < 2) {
-    os << op << ": data must have at least 2 dims (N, C, *spatial); got shape " << shape_str(shape);
-    return os.str();
+// nullptr when num_groups is valid, else the message (also used when parsing the attribute).
+// Thread-local storage, valid until the next call on this thread.
+inline const char* num_groups_error(int64_t G) {
+  if (G > 0) return nullptr;
+  thread_local char buf[64];
+  std::snprintf(buf, sizeof(buf), "num_groups must be positive; got %lld", static_cast<long long>(G));
+  return buf;
+}
+
+// nullptr for valid dims, else the one wording of the broken rule, with the values involved
+// (thread-local storage, valid until the next call on this thread).
+inline const char* check_group_dims(const GroupDims& d) {
+  if (d.N <= 0 || d.C <= 0 || d.S <= 0)
+    return "empty tensors are not supported (every dim must be > 0)";
+  if (const char* e = num_groups_error(d.G)) return e;
+  thread_local char buf[128];
+  if (d.C % d.G != 0) {
+    std::snprintf(buf, sizeof(buf), "channels (C=%lld) must be divisible by num_groups (%lld)",
+                  static_cast<long long>(d.C), static_cast<long long>(d.G));
+    return buf;
   }
-  for (int64_t d : shape) {
-    if (d <= 0) {
-      os << op << ": empty tensors are not supported (every dim must be > 0); data shape "
-         << shape_str(shape);
-      return os.str();
-    }
+  if (d.D != d.C / d.G) {
+    std::snprintf(buf, sizeof(buf), "group size D=%lld must equal C/num_groups = %lld",
+                  static_cast<long long>(d.D), static_cast<long long>(d.C / d.G));
+    return buf;
   }
-  if (num_groups <= 0) {
-    os << op << ": num_groups must be positive; got " << num_groups;
-    return os.str();
-  }
-  const int64_t C = shape[1];
-  if (C % num_groups != 0) {
-    os << op << ": channels (C=" << C << ") must be divisible by num_groups (" << num_groups
-       << "); data shape " << shape_str(shape);
-    return os.str();
-  }
-  GroupShape g;
-  g.N = shape[0];
-  g.C = C;
-  g.G = num_groups;
-  g.D = C / num_groups;
-  g.S = 1;
-  for (size_t i = 2; i < shape.size(); ++i) g.S *= shape[i];
-  if (out) *out = g;
-  return "";
+  return nullptr;
 }
 
 }  // namespace gn_mx

@@ -12,6 +12,7 @@
 #include <cstdint>
 
 #include "../common/acc_type.h"
+#include "../common/group_shape.h"
 
 namespace gn_mx {
 
@@ -22,7 +23,7 @@ struct AffineArgs {
   const void* gamma = nullptr;          // (C,)
   const void* beta = nullptr;           // (C,)
   void* y = nullptr;                    // (N, C, S)
-  int64_t N = 0, C = 0, S = 1;
+  GroupDims dims;                       // (N, C, S) data; G = 1, D = C (no groups)
 };
 
 struct AffineBwdArgs {
@@ -34,7 +35,7 @@ struct AffineBwdArgs {
   void* dx = nullptr;                   // (N, C, S)
   void* dgamma = nullptr;               // (C,) or nullptr
   void* dbeta = nullptr;                // (C,) or nullptr
-  int64_t N = 0, C = 0, S = 1;
+  GroupDims dims;                       // (N, C, S) data; G = 1, D = C (no groups)
 };
 
 const char* affine_fwd_cpu(const AffineArgs& a);

@@ -22,7 +22,7 @@ struct AffineFwd {
     const P* gamma = static_cast<const P*>(a.gamma);
     const P* beta = static_cast<const P*>(a.beta);
     T* y = static_cast<T*>(a.y);
-    const int64_t C = a.C, S = a.S, rows = a.N * C;
+    const int64_t C = a.dims.C, S = a.dims.S, rows = a.dims.N * C;
 #pragma omp parallel for schedule(static) if (rows * S > 32768)
     for (int64_t r = 0; r < rows; ++r) {
       const int64_t c = r % C;
@@ -43,7 +43,7 @@ struct AffineBwd {
     T* dx = static_cast<T*>(a.dx);
     P* dgamma = static_cast<P*>(a.dgamma);
     P* dbeta = static_cast<P*>(a.dbeta);
-    const int64_t N = a.N, C = a.C, S = a.S;
+    const int64_t N = a.dims.N, C = a.dims.C, S = a.dims.S;
 #pragma omp parallel for schedule(static) if (N * C * S > 32768)
     for (int64_t c = 0; c < C; ++c) {
       const A g = static_cast<A>(to_acc(gamma[c]));
@@ -59,19 +59,15 @@ struct AffineBwd {
   }
 };
 
-const char* check(int64_t N, int64_t C, int64_t S) {
-  return (N <= 0 || C <= 0 || S <= 0) ? "empty tensors are not supported" : nullptr;
-}
-
 }  // namespace
 
 const char* affine_fwd_cpu(const AffineArgs& a) {
-  if (const char* e = check(a.N, a.C, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data_param<AffineFwd>(a);
 }
 
 const char* affine_bwd_cpu(const AffineBwdArgs& a) {
-  if (const char* e = check(a.N, a.C, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data_param<AffineBwd>(a);
 }
 

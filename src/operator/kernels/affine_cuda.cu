@@ -56,31 +56,31 @@ __global__ void affine_bwd_kernel(const T* __restrict__ dy, const T* __restrict_
 
 template <typename T, typename P>
 const char* fwd_typed(const AffineArgs& a, cudaStream_t stream) {
-  const int64_t total = a.N * a.C * a.S;
+  const int64_t total = a.dims.N * a.dims.C * a.dims.S;
   const int threads = 256;
   const int64_t blocks = ceil_div(total, threads);
   affine_fwd_kernel<T, P><<<static_cast<unsigned>(blocks < 65535 * 8 ? blocks : 65535 * 8),
                               threads, 0, stream>>>(
       static_cast<const T*>(a.x), static_cast<const P*>(a.gamma),
-      static_cast<const P*>(a.beta), static_cast<T*>(a.y), total, a.C, a.S);
+      static_cast<const P*>(a.beta), static_cast<T*>(a.y), total, a.dims.C, a.dims.S);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
 
 template <typename T, typename P>
 const char* bwd_typed(const AffineBwdArgs& a, cudaStream_t stream) {
-  const int threads = a.S >= kMaxBwdThreads ? kMaxBwdThreads : (a.S >= 128 ? 128 : 32);
-  affine_bwd_kernel<T, P><<<static_cast<unsigned>(a.C), threads, 0, stream>>>(
+  const int threads = a.dims.S >= kMaxBwdThreads ? kMaxBwdThreads : (a.dims.S >= 128 ? 128 : 32);
+  affine_bwd_kernel<T, P><<<static_cast<unsigned>(a.dims.C), threads, 0, stream>>>(
       static_cast<const T*>(a.dy), static_cast<const T*>(a.x), static_cast<const P*>(a.gamma),
-      static_cast<T*>(a.dx), static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta), a.N, a.C,
-      a.S);
+      static_cast<T*>(a.dx), static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta), a.dims.N, a.dims.C,
+      a.dims.S);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
 
 template <typename Args, typename F>
 const char* dispatch(const Args& a, F&& f) {
-  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  if (const char* e = check_group_dims(a.dims)) return e;
   return dispatch_data_param(a.dtype, a.param_dtype, f);
 }
 

@@ -1,7 +1,8 @@
 /*
  * group_norm.h: framework-free GroupNorm and group-moments kernels (no MXNet types).
  *
- * Layout (N, C, S) with S = prod(spatial) (S = 1 for 2-D data), G groups of D = C/G channels.
+ * Layout (N, C, S) with S = prod(spatial) (S = 1 for 2-D data), G groups of D = C/G channels: every
+ * Args struct embeds the one shape type GroupDims (common/group_shape.h), checked by check_group_dims().
  *   mean[n,g] = 1/(D*S) sum_{c in g, s} x[n,c,s]
  *   var[n,g]  = 1/(D*S) sum (x - mean)^2                      (population variance)
  *   rstd[n,g] = 1 / sqrt(var + eps)
@@ -38,6 +39,7 @@
 #include <cstdint>
 
 #include "../common/acc_type.h"
+#include "../common/group_shape.h"
 
 namespace gn_mx {
 
@@ -61,7 +63,7 @@ struct MomentsArgs {
   void* mean = nullptr;             // (N, G) AccT
   void* var = nullptr;              // (N, G) AccT, population variance
   void* workspace = nullptr;        // CUDA: moments_workspace_cuda() bytes or nullptr; CPU: unused
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;                   // (N, C, S) data in G groups of D channels
 };
 
 // Gradient of gn_moments: dx = dmean/(D*S) + dvar * 2 (x - mean)/(D*S).
@@ -72,7 +74,7 @@ struct MomentsBwdArgs {
   const void* x = nullptr;          // (N, C, S)
   const void* mean = nullptr;       // (N, G) AccT, forward output
   void* dx = nullptr;               // (N, C, S)
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;                   // (N, C, S) data in G groups of D channels
 };
 
 struct GroupNormFwdArgs {
@@ -86,7 +88,7 @@ struct GroupNormFwdArgs {
   void* rstd = nullptr;                 // (N, G) AccT
   void* workspace = nullptr;            // CUDA: group_norm_fwd_workspace_cuda() bytes or nullptr;
                                         // CPU: unused
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;                       // (N, C, S) data in G groups of D channels
   double eps = 1e-5;
   Act act = Act::kNone;
 };
@@ -108,7 +110,7 @@ struct GroupNormBwdArgs {
   const void* dmean = nullptr;
   const void* drstd = nullptr;
   void* workspace = nullptr;            // scratch of group_norm_bwd_workspace_*() bytes
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;                       // (N, C, S) data in G groups of D channels
   double eps = 1e-5;                    // the forward's eps (groups the CPU recomputes exactly)
   Act act = Act::kNone;                 // the forward's activation; dy is the activated output's grad
 };

@@ -15,6 +15,9 @@
  * reads x and dy once for the per-(n,c) sums dsc_c = sum dy (x - mu), db_c = sum dy, then again
  * (L2-hot) for dx; dgamma/dbeta come from those per-(n,c) sums, so there is no extra pass over dy.
  *
+ * Code layout: one job per computation (MomentsJob: statistics; FwdJob: statistics + y; BwdJob: the
+ * input gradient + per-(n, c) sums; bwd_params: the parameter gradients), each a reduction and an
+ * elementwise pass over a group; run_groups() alone decides how threads share them:
  * Threads (OpenMP; the team size is omp_get_max_threads(), i.e. OMP_NUM_THREADS or what MXNet sets):
  *   - per-group: the N*G groups are split statically over the team (used when they divide evenly or
  *     are many);
@@ -48,18 +51,33 @@
 #include "dispatch_cpu.h"
 #include "group_norm_math.h"
 #include "simd_cpu.h"
+#include "../common/carver.h"
 #include "../common/threads.h"
 #include "../common/welford.h"
 
 namespace gn_mx {
 namespace {
 
-constexpr int64_t kChunk = 2048;           // elements per exact moments chunk
-constexpr int64_t kSmallS = 16;            // spatial sizes below this take the buffered path
-constexpr int64_t kBuf = 512;              // AccT buffer length of the buffered path
+// Statistics chunk: the moments primitive reads a chunk twice (mean, then centred M2), so a chunk must
+// stay in L1: 2048 elements = 8 KB fp32 / 16 KB fp64 of a 32-48 KB L1d. Larger groups pay one Chan
+// merge per chunk (a few flops per 2048 elements).
+constexpr int64_t kChunk = 2048;
+// Channels shorter than this (e.g. (N, C) data, S = 1) take the buffered path: per-channel
+// primitive calls would each cover under two 8-float AVX2 vectors, all call and remainder overhead.
+constexpr int64_t kSmallS = 16;
+// AccT buffer of the buffered path: 512 elements = 2 KB fp32 (4 KB fp64) per buffer, L1-resident
+// with two buffers, and long enough that each load/store call covers 64 AVX2 vectors.
+constexpr int64_t kBuf = 512;
 constexpr int64_t kMinParallel = 1 << 14;  // fewer elements than this: no OpenMP fork
-constexpr int64_t kMinCoopGroup = 1 << 13; // smallest group that threads share
-constexpr int64_t kSliceAlign = 64;        // slice boundaries (elements) of a shared group
+// Smallest group that threads share: sharing costs one barrier per group (about a microsecond),
+// which 8192 elements (32 KB fp32, a few microseconds of one thread's work) still pay for.
+constexpr int64_t kMinCoopGroup = 1 << 13;
+// Slice boundaries of a shared group fall on multiples of 64 elements (128 B fp16, 256 B fp32):
+// whole cache lines, so two threads never write the same output line and slices start aligned.
+constexpr int64_t kSliceAlign = 64;
+// Groups split statically over threads are "balanced" when every thread gets the same count, or at
+// least this many groups each: the last, partly idle, round then costs at most 1/8 of the time.
+constexpr int64_t kMinGroupsPerThread = 8;
 // Outputs of at least this many bytes are written with streaming stores: they cannot stay in cache
 // anyway, and streaming saves the read-for-ownership of every output line (1/3 of the traffic).
 // Forward keeps y cached up to 8 MB (the next layer reads it; x + y fit a typical L3); backward's
@@ -87,7 +105,8 @@ Plan make_plan(int64_t NG, int64_t M) {
   const int nt = team_size();
   if (nt <= 1 || NG * M < kMinParallel) return p;
   p.nt = nt;
-  const bool balanced = NG >= nt && (NG % nt == 0 || NG >= 8 * static_cast<int64_t>(nt));
+  const bool balanced =
+      NG >= nt && (NG % nt == 0 || NG >= kMinGroupsPerThread * static_cast<int64_t>(nt));
   p.coop = !balanced && M >= kMinCoopGroup;
   // Static schedules only: with schedule(dynamic) inside MXNet (after MXNet's own OpenMP ops ran)
   // a 1.5 MB forward on 2 threads took 12 ms instead of 0.12 ms, the threads spinning in libgomp.
@@ -141,6 +160,132 @@ inline void for_elements(int64_t i0, int64_t len, int64_t S, F&& f) {
   }
 }
 
+// The buffered run of small spatial sizes (S < kSmallS): elements [lo, hi) of a group go through
+// kBuf-long AccT buffers, f(v, g, d) is called per element with v = x (written back to `out` unless
+// it is nullptr), g = dy (read only when kDy; 0 otherwise) and the element's channel d.
+// Always inlined: inside its caller f's captured coefficients stay in registers (a separate copy
+// reloaded them after every buffer store: +10% on (64, 1024) data, measured).
+template <bool kDy, typename T, typename F>
+inline __attribute__((always_inline)) void buffered_run(const simd::Prims<T>& P, const T* x, const T* dy, T* out, int64_t lo, int64_t hi,
+                  int64_t S, F&& f) {
+  using A = AccT<T>;
+  alignas(64) A bx[kBuf];
+  alignas(64) A bg[kDy ? kBuf : 1];
+  for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
+    const int64_t len = std::min(kBuf, hi - i0);
+    P.load(x + i0, bx, len);
+    if (kDy) P.load(dy + i0, bg, len);
+    auto one = [&](int64_t j, int64_t d) { f(bx[j], kDy ? bg[j] : A(0), d); };
+    if (S == 1) {
+#pragma omp simd
+      for (int64_t j = 0; j < len; ++j) one(j, i0 + j);
+    } else {
+      for_elements(i0, len, S, one);
+    }
+    if (out) P.store(bx, out + i0, len);
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
+// The thread schedule (see the header): the one owner of "per group" vs "cooperative".
+//
+// A group job is two passes over each of the NG groups of M elements: a reduction (statistics, or
+// per-channel gradient sums) and an elementwise pass that uses coefficients derived from it. Its
+// methods take the group's view q = group(ng) (offsets computed once per group: one division):
+//   Part                 the partial result of one thread over part of a group (part_len() values)
+//   kApply               whether there is a second pass (false: moments, a reduction only)
+//   skip(q)              the group is recomputed exactly without a reduction (decided from inputs
+//                        every thread sees alike)
+//   reduce(q, lo, hi, part)    partial over the elements [lo, hi)
+//   finish(q, parts, n, owner, &coef)    combines n partials in a fixed order; the owner (one thread
+//                        per group) publishes the group's outputs; false: recompute it exactly
+//   exact(q)             the exactly recomputed group (run by its owner)
+//   apply(q, lo, hi, coef)     the second pass over [lo, hi);  end_thread()  after a thread's last group
+// Per group, each thread owns whole groups. Cooperative, every thread takes the same slice of each
+// group (so its second pass reads its own cache) and the partials meet after one barrier per group,
+// double-buffered by the parity of a count of the shared groups; all threads combine them in the same
+// order, so they derive identical coefficients. A reduction-only job keeps every group's partials and
+// meets once.
+template <class Job>
+void run_groups(const Plan& pl, int64_t NG, int64_t M, const Job& job) {
+  using Part = typename Job::Part;
+  const size_t len = job.part_len(), nt = static_cast<size_t>(pl.nt);
+  if (!pl.coop) {
+    std::vector<Part> part(nt * len);
+#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
+    {
+      Part* mine = part.data() + thread_id() * len;
+#pragma omp for schedule(static)
+      for (int64_t ng = 0; ng < NG; ++ng) {
+        typename Job::Coef cf;
+        const auto q = job.group(ng);
+        if (job.skip(q)) {
+          job.exact(q);
+          continue;
+        }
+        job.reduce(q, 0, M, mine);
+        if (!job.finish(q, mine, 1, true, &cf))
+          job.exact(q);
+        else if (Job::kApply)
+          job.apply(q, 0, M, cf);
+      }
+      job.end_thread();
+    }
+    return;
+  }
+  std::vector<Part> part((Job::kApply ? 2 : static_cast<size_t>(NG)) * nt * len);
+#pragma omp parallel num_threads(pl.nt)
+  {
+    const int t = thread_id(), T_ = num_threads();
+    int64_t lo, hi;
+    slice(M, t, T_, &lo, &hi);
+    if (!Job::kApply) {
+      for (int64_t ng = 0; ng < NG; ++ng)
+        job.reduce(job.group(ng), lo, hi, part.data() + (ng * nt + t) * len);
+      barrier();
+      typename Job::Coef cf;
+#pragma omp for schedule(static)
+      for (int64_t ng = 0; ng < NG; ++ng)
+        job.finish(job.group(ng), part.data() + ng * nt * len, T_, true, &cf);
+    } else {
+      int64_t shared = 0;
+      for (int64_t ng = 0; ng < NG; ++ng) {
+        typename Job::Coef cf;
+        const auto q = job.group(ng);
+        if (job.skip(q)) {
+          if (t == 0) job.exact(q);
+          continue;
+        }
+        Part* base = part.data() + (shared++ & 1) * nt * len;
+        job.reduce(q, lo, hi, base + t * len);
+        barrier();
+        if (!job.finish(q, base, T_, t == 0, &cf)) {  // every thread sees the same partials
+          if (t == 0) job.exact(q);
+          continue;
+        }
+        job.apply(q, lo, hi, cf);
+      }
+    }
+    job.end_thread();
+  }
+}
+
+// The one-pass schedule (no reduction): f(ng, lo, hi) over whole groups or over every thread's slice.
+template <typename F>
+void for_group_slices(const Plan& pl, int64_t NG, int64_t M, F&& f) {
+  if (!pl.coop) {
+#pragma omp parallel for schedule(static) num_threads(pl.nt) if (pl.nt > 1)
+    for (int64_t ng = 0; ng < NG; ++ng) f(ng, 0, M);
+    return;
+  }
+#pragma omp parallel num_threads(pl.nt)
+  {
+    int64_t lo, hi;
+    slice(M, thread_id(), num_threads(), &lo, &hi);
+    for (int64_t ng = 0; ng < NG; ++ng) f(ng, lo, hi);
+  }
+}
+
 // ------------------------------------------------------------------------------------------------
 // Exactly recomputed groups (see the header comment)
 
@@ -170,7 +315,7 @@ void exact_moments(const T* xg, int64_t M, AccT<T>* mean, AccT<T>* var) {
   *var = static_cast<AccT<T>>(v);
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<T>* gam,
                const AccT<T>* bet, AccT<T>* mean, AccT<T>* rstd) {
   using A = AccT<T>;
@@ -189,7 +334,7 @@ void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<
 }
 
 // dx of one group and its per-channel sums dgs[c] = sum g xhat, db[c] = sum g.
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double eps,
                const AccT<T>* gam, const AccT<T>* bet, double dmean_o, double drstd_o, AccT<T>* dgs,
                AccT<T>* db) {
@@ -244,151 +389,53 @@ bool bwd_needs_exact(AccT<T> mu, AccT<T> r, int64_t M) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Forward
+// Statistics (gn_moments forward, and the reduction of gn_group_norm's forward)
 
-// y[lo, hi) of one group, given its statistics; gam/bet point at the group's D channels (AccT).
-template <typename T, int ACT>
-void fwd_range(const simd::Prims<T>& P, const T* xg, T* yg, int64_t lo, int64_t hi, int64_t S,
-               AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet, bool nt) {
+// mean/var (moments) of every group: reduction only.
+template <typename T>
+struct MomentsJob {
   using A = AccT<T>;
-  if (S >= kSmallS) {
-    const auto affine = P.act_affine[ACT][nt ? 1 : 0];
-    for_channel_runs(lo, hi, S, [&](int64_t d, int64_t s0, int64_t s1) {
-      A a, b;
-      gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
-      affine(xg + s0, yg + s0, s1 - s0, a, b);
-    });
-    return;
-  }
-  alignas(64) A buf[kBuf];
-  for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
-    const int64_t len = std::min(kBuf, hi - i0);
-    P.load(xg + i0, buf, len);
-    if (S == 1) {
-#pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        A a, b;
-        gn_fwd_coeffs<A>(mu, r, gam[i0 + j], bet[i0 + j], &a, &b);
-        buf[j] = gn_act<ACT>(buf[j] * a + b);
-      }
-    } else {
-      for_elements(i0, len, S, [&](int64_t j, int64_t d) {
-        A a, b;
-        gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
-        buf[j] = gn_act<ACT>(buf[j] * a + b);
-      });
-    }
-    P.store(buf, yg + i0, len);
-  }
-}
+  using Part = Welford<A>;
+  struct Coef {};
+  static constexpr bool kApply = false;
+  const simd::Prims<T>& P;
+  const T* x;
+  A* mean;
+  A* var;
+  int64_t M;
 
-template <typename T, int ACT>
-void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
-  using A = AccT<T>;
-  const simd::Prims<T>& P = simd::prims<T>();
-  const T* x = static_cast<const T*>(a.x);
-  T* y = static_cast<T*>(a.y);
-  A* mean = static_cast<A*>(a.mean);
-  A* rstd = static_cast<A*>(a.rstd);
-  const int64_t G = a.G, D = a.C / a.G, S = a.S, NG = a.N * G, M = D * S;
-  const A eps = static_cast<A>(a.eps);
-  const Plan pl = make_plan(NG, M);
-  const bool nt = stream_output(NG * M, sizeof(T), kStreamBytesFwd);
-
-  if (!pl.coop) {
-#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
-    {
-#pragma omp for schedule(static)
-      for (int64_t ng = 0; ng < NG; ++ng) {
-        const int64_t g = ng % G;
-        const T* xg = x + ng * M;
-        const Welford<A> w = M <= kGnExactGroup ? Welford<A>() : range_moments(P, xg, M);
-        if (fwd_needs_exact<T>(w, eps, M)) {
-          exact_fwd<T, ACT>(xg, y + ng * M, D, S, a.eps, gam + g * D, bet + g * D, mean + ng,
-                            rstd + ng);
-          continue;
-        }
-        const A r = gn_rstd<A>(w.var(), eps);
-        mean[ng] = w.mean;
-        rstd[ng] = r;
-        fwd_range<T, ACT>(P, xg, y + ng * M, 0, M, S, w.mean, r, gam + g * D, bet + g * D, nt);
-      }
-      if (nt) P.fence();
-    }
-    return;
+  int64_t group(int64_t ng) const { return ng; }
+  size_t part_len() const { return 1; }
+  bool skip(int64_t) const { return false; }
+  void reduce(int64_t ng, int64_t lo, int64_t hi, Part* p) const {
+    *p = range_moments(P, x + ng * M + lo, hi - lo);
   }
-  std::vector<Welford<A>> part(2 * static_cast<size_t>(pl.nt));
-#pragma omp parallel num_threads(pl.nt)
-  {
-    const int t = thread_id(), T_ = num_threads();
-    int64_t lo, hi;
-    slice(M, t, T_, &lo, &hi);
-    for (int64_t ng = 0; ng < NG; ++ng) {
-      const int64_t g = ng % G;
-      const T* xg = x + ng * M;
-      Welford<A>* pp = part.data() + (ng & 1) * pl.nt;
-      pp[t] = range_moments(P, xg + lo, hi - lo);
-      barrier();
-      Welford<A> w;
-      for (int u = 0; u < T_; ++u) w.merge(pp[u]);
-      if (fwd_needs_exact<T>(w, eps, M)) {  // every thread sees the same w: thread 0 does the group
-        if (t == 0)
-          exact_fwd<T, ACT>(xg, y + ng * M, D, S, a.eps, gam + g * D, bet + g * D, mean + ng,
-                            rstd + ng);
-        continue;
-      }
-      const A r = gn_rstd<A>(w.var(), eps);
-      if (t == 0) {
-        mean[ng] = w.mean;
-        rstd[ng] = r;
-      }
-      fwd_range<T, ACT>(P, xg, y + ng * M, lo, hi, S, w.mean, r, gam + g * D, bet + g * D, nt);
+  bool finish(int64_t ng, const Part* parts, int n, bool owner, Coef*) const {
+    Welford<A> w;
+    for (int u = 0; u < n; ++u) w.merge(parts[u]);
+    if (owner) {
+      mean[ng] = w.mean;
+      var[ng] = w.var();
+      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
     }
-    if (nt) P.fence();
+    return true;
   }
-}
-
-// ------------------------------------------------------------------------------------------------
-// Moments
+  void exact(int64_t) const {}
+  void apply(int64_t, int64_t, int64_t, const Coef&) const {}
+  void end_thread() const {}
+};
 
 template <typename T>
 void moments_typed(const MomentsArgs& a) {
   using A = AccT<T>;
-  const simd::Prims<T>& P = simd::prims<T>();
-  const T* x = static_cast<const T*>(a.x);
-  A* mean = static_cast<A*>(a.mean);
-  A* var = static_cast<A*>(a.var);
-  const int64_t NG = a.N * a.G, M = (a.C / a.G) * a.S;
-  const Plan pl = make_plan(NG, M);
-  if (!pl.coop) {
-#pragma omp parallel for schedule(static) num_threads(pl.nt) if (pl.nt > 1)
-    for (int64_t ng = 0; ng < NG; ++ng) {
-      const Welford<A> w = range_moments(P, x + ng * M, M);
-      mean[ng] = w.mean;
-      var[ng] = w.var();
-      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
-    }
-    return;
-  }
-  std::vector<Welford<A>> part(static_cast<size_t>(pl.nt) * static_cast<size_t>(NG));
-#pragma omp parallel num_threads(pl.nt)
-  {
-    const int t = thread_id(), T_ = num_threads();
-    int64_t lo, hi;
-    slice(M, t, T_, &lo, &hi);
-    for (int64_t ng = 0; ng < NG; ++ng) part[ng * pl.nt + t] = range_moments(P, x + ng * M + lo, hi - lo);
-    barrier();
-#pragma omp for schedule(static)
-    for (int64_t ng = 0; ng < NG; ++ng) {
-      Welford<A> w;
-      for (int u = 0; u < T_; ++u) w.merge(part[ng * pl.nt + u]);
-      mean[ng] = w.mean;
-      var[ng] = w.var();
-      if (gn_exact_moments<T>(w.mean, w.var(), M)) exact_moments(x + ng * M, M, mean + ng, var + ng);
-    }
-  }
+  const int64_t NG = a.dims.N * a.dims.G, M = a.dims.D * a.dims.S;
+  const MomentsJob<T> job{simd::prims<T>(), static_cast<const T*>(a.x), static_cast<A*>(a.mean),
+                          static_cast<A*>(a.var), M};
+  run_groups(make_plan(NG, M), NG, M, job);
 }
 
+// gn_moments backward, one pass: dx = c0 + c1 (x - mu), the dx primitive with a zero dy
+// coefficient (it reads x as dy: cached).
 template <typename T>
 void moments_bwd_typed(const MomentsBwdArgs& a) {
   using A = AccT<T>;
@@ -398,240 +445,294 @@ void moments_bwd_typed(const MomentsBwdArgs& a) {
   const A* dvar = static_cast<const A*>(a.dvar);
   const A* mean = static_cast<const A*>(a.mean);
   T* dx = static_cast<T*>(a.dx);
-  const int64_t NG = a.N * a.G, M = (a.C / a.G) * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, M = a.dims.D * a.dims.S;
   const A inv_m = A(1) / static_cast<A>(M);
-  const Plan pl = make_plan(NG, M);
-  // dx = c0 + c1 (x - mu): the dx primitive with a zero dy coefficient (it reads x as dy: cached).
-  auto run = [&](int64_t ng, int64_t lo, int64_t hi) {
+  for_group_slices(make_plan(NG, M), NG, M, [&](int64_t ng, int64_t lo, int64_t hi) {
     A c0, c1;
     gn_moments_bwd_coeffs<A>(dmean[ng], dvar[ng], inv_m, &c0, &c1);
     const T* xp = x + ng * M + lo;
     P.bwd_dx(xp, xp, dx + ng * M + lo, hi - lo, mean[ng], A(0), c1, c0);
-  };
-  if (!pl.coop) {
-#pragma omp parallel for schedule(static) num_threads(pl.nt) if (pl.nt > 1)
-    for (int64_t ng = 0; ng < NG; ++ng) run(ng, 0, M);
+  });
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward
+
+// y[lo, hi) of one group, given its statistics; gam/bet point at the group's D channels (AccT).
+template <typename T, Act ACT>
+void fwd_range(const simd::Prims<T>& P, const T* xg, T* yg, int64_t lo, int64_t hi, int64_t S,
+               AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet, bool nt) {
+  using A = AccT<T>;
+  if (S >= kSmallS) {
+    const auto affine = P.act_affine[static_cast<int>(ACT)][nt ? 1 : 0];
+    for_channel_runs(lo, hi, S, [&](int64_t d, int64_t s0, int64_t s1) {
+      A a, b;
+      gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      affine(xg + s0, yg + s0, s1 - s0, a, b);
+    });
     return;
   }
-#pragma omp parallel num_threads(pl.nt)
-  {
-    int64_t lo, hi;
-    slice(M, thread_id(), num_threads(), &lo, &hi);
-    for (int64_t ng = 0; ng < NG; ++ng) run(ng, lo, hi);
+  buffered_run<false>(P, xg, static_cast<const T*>(nullptr), yg, lo, hi, S, [&](A& v, A, int64_t d) {
+    A a, b;
+    gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+    v = gn_act<ACT>(v * a + b);
+  });
+}
+
+// gn_group_norm forward: the statistics of each group, then y = act(x * a_c + b_c).
+template <typename T, Act ACT>
+struct FwdJob {
+  using A = AccT<T>;
+  using Part = Welford<A>;
+  struct Coef {
+    A mu, r;
+  };
+  static constexpr bool kApply = true;
+  const simd::Prims<T>& P;
+  const T* x;
+  T* y;
+  A* mean;
+  A* rstd;
+  const A* gam;  // (C,) AccT
+  const A* bet;
+  int64_t G, D, S, M;
+  double eps;
+  A eps_acc;     // eps in AccT, as the statistics use it
+  bool nt;       // streaming stores
+
+  struct Group {
+    int64_t ng, c;  // the group and its first channel
+  };
+  Group group(int64_t ng) const { return {ng, (ng % G) * D}; }
+
+  size_t part_len() const { return 1; }
+  bool skip(const Group&) const { return M <= kGnExactGroup; }
+  void reduce(const Group& q, int64_t lo, int64_t hi, Part* p) const {
+    *p = range_moments(P, x + q.ng * M + lo, hi - lo);
   }
+  bool finish(const Group& q, const Part* parts, int n, bool owner, Coef* cf) const {
+    Welford<A> w;
+    for (int u = 0; u < n; ++u) w.merge(parts[u]);
+    if (fwd_needs_exact<T>(w, eps_acc, M)) return false;
+    cf->mu = w.mean;
+    cf->r = gn_rstd<A>(w.var(), eps_acc);
+    if (owner) {
+      mean[q.ng] = cf->mu;
+      rstd[q.ng] = cf->r;
+    }
+    return true;
+  }
+  void exact(const Group& q) const {
+    exact_fwd<T, ACT>(x + q.ng * M, y + q.ng * M, D, S, eps, gam + q.c, bet + q.c, mean + q.ng,
+                      rstd + q.ng);
+  }
+  void apply(const Group& q, int64_t lo, int64_t hi, const Coef& cf) const {
+    fwd_range<T, ACT>(P, x + q.ng * M, y + q.ng * M, lo, hi, S, cf.mu, cf.r, gam + q.c, bet + q.c,
+                      nt);
+  }
+  void end_thread() const {
+    if (nt) P.fence();
+  }
+};
+
+template <typename T, Act ACT>
+void fwd_typed(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
+  using A = AccT<T>;
+  const GroupDims& d = a.dims;
+  const int64_t NG = d.N * d.G, M = d.D * d.S;
+  const FwdJob<T, ACT> job{simd::prims<T>(), static_cast<const T*>(a.x), static_cast<T*>(a.y),
+                           static_cast<A*>(a.mean), static_cast<A*>(a.rstd), gam, bet, d.G, d.D,
+                           d.S, M, a.eps, static_cast<A>(a.eps),
+                           stream_output(NG * M, sizeof(T), kStreamBytesFwd)};
+  run_groups(make_plan(NG, M), NG, M, job);
 }
 
 // ------------------------------------------------------------------------------------------------
 // Backward
 
 // s1[d] += sum g (x - mu), s2[d] += sum g over the elements [lo, hi) of one group, g = dy act'(z).
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_sums_range(const simd::Prims<T>& P, const T* xg, const T* dyg, int64_t lo, int64_t hi,
                     int64_t S, AccT<T> mu, AccT<T> r, const AccT<T>* gam, const AccT<T>* bet,
                     AccT<T>* s1, AccT<T>* s2) {
   using A = AccT<T>;
   if (S >= kSmallS) {
-    const auto sums = P.act_sums[ACT];
+    const auto sums = P.act_sums[static_cast<int>(ACT)];
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t a0, int64_t a1) {
       A a = 1, b = 0;
-      if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
       sums(xg + a0, dyg + a0, a1 - a0, mu, a, b, s1 + d, s2 + d);
     });
     return;
   }
-  alignas(64) A bx[kBuf];
-  alignas(64) A bg[kBuf];
-  for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
-    const int64_t len = std::min(kBuf, hi - i0);
-    P.load(xg + i0, bx, len);
-    P.load(dyg + i0, bg, len);
-    if (S == 1) {
-#pragma omp simd
-      for (int64_t j = 0; j < len; ++j) {
-        A g = bg[j];
-        if (ACT != kActNone) {
-          A a, b;
-          gn_fwd_coeffs<A>(mu, r, gam[i0 + j], bet[i0 + j], &a, &b);
-          g = gn_act_grad<ACT>(bx[j] * a + b, g);
-        }
-        s1[i0 + j] += g * (bx[j] - mu);
-        s2[i0 + j] += g;
-      }
-    } else {
-      for_elements(i0, len, S, [&](int64_t j, int64_t d) {
-        A g = bg[j];
-        if (ACT != kActNone) {
-          A a, b;
-          gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
-          g = gn_act_grad<ACT>(bx[j] * a + b, g);
-        }
-        s1[d] += g * (bx[j] - mu);
-        s2[d] += g;
-      });
+  buffered_run<true>(P, xg, dyg, static_cast<T*>(nullptr), lo, hi, S, [&](A& v, A g, int64_t d) {
+    if (ACT != Act::kNone) {
+      A a, b;
+      gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      g = gn_act_grad<ACT>(v * a + b, g);
     }
-  }
+    s1[d] += g * (v - mu);
+    s2[d] += g;
+  });
 }
 
 // dx over [lo, hi) of one group: c1_d = r gam[d], shared c2, c3.
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_dx_range(const simd::Prims<T>& P, const T* xg, const T* dyg, T* dxg, int64_t lo,
                   int64_t hi, int64_t S, AccT<T> mu, AccT<T> r, const AccT<T>* gam,
                   const AccT<T>* bet, AccT<T> c2, AccT<T> c3, bool nt) {
   using A = AccT<T>;
   if (S >= kSmallS) {
-    const auto bwd_dx = P.act_dx[ACT][nt ? 1 : 0];
+    const auto bwd_dx = P.act_dx[static_cast<int>(ACT)][nt ? 1 : 0];
     for_channel_runs(lo, hi, S, [&](int64_t d, int64_t a0, int64_t a1) {
       A a = 1, b = 0;
-      if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
       bwd_dx(xg + a0, dyg + a0, dxg + a0, a1 - a0, mu, a, b, r * gam[d], c2, c3);
     });
     return;
   }
-  alignas(64) A bx[kBuf];
-  alignas(64) A bg[kBuf];
-  for (int64_t i0 = lo; i0 < hi; i0 += kBuf) {
-    const int64_t len = std::min(kBuf, hi - i0);
-    P.load(xg + i0, bx, len);
-    P.load(dyg + i0, bg, len);
-    auto one = [&](int64_t j, int64_t d) {
-      A g = bg[j];
-      if (ACT != kActNone) {
-        A a, b;
-        gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
-        g = gn_act_grad<ACT>(bx[j] * a + b, g);
-      }
-      bx[j] = gn_bwd_dx<A>(r * gam[d], c2, c3, mu, g, bx[j]);
-    };
-    if (S == 1) {
-#pragma omp simd
-      for (int64_t j = 0; j < len; ++j) one(j, i0 + j);
-    } else {
-      for_elements(i0, len, S, one);
+  buffered_run<true>(P, xg, dyg, dxg, lo, hi, S, [&](A& v, A g, int64_t d) {
+    if (ACT != Act::kNone) {
+      A a, b;
+      gn_fwd_coeffs<A>(mu, r, gam[d], bet[d], &a, &b);
+      g = gn_act_grad<ACT>(v * a + b, g);
     }
-    P.store(bx, dxg + i0, len);
-  }
+    v = gn_bwd_dx<A>(r * gam[d], c2, c3, mu, g, v);
+  });
 }
 
-// Workspace: per-(n, c) sums dgs = sum g xhat (= r sum g (x - mu)) and db = sum g, reduced over n
-// into dgamma / dbeta by bwd_params.
-template <typename T, int ACT>
-void bwd_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
+// The backward workspace, one layout (WorkspaceCarver: with ws == nullptr it only measures):
+// per-(n, c) sums dsc = sum g xhat (= r sum g (x - mu)) and db = sum g, (N, C) AccT each, written
+// per group by the input gradient and reduced over n into dgamma / dbeta by bwd_params.
+template <typename A>
+struct BwdSums {
+  A* dsc;
+  A* db;
+};
+template <typename A>
+BwdSums<A> carve_bwd_sums(void* ws, const GroupDims& d, size_t* bytes = nullptr) {
+  WorkspaceCarver<64> w{static_cast<char*>(ws)};
+  const size_t nc = static_cast<size_t>(d.N) * static_cast<size_t>(d.C);
+  BwdSums<A> s;
+  s.dsc = w.take<A>(nc);
+  s.db = w.take<A>(nc);
+  if (bytes) *bytes = w.off;
+  return s;
+}
+
+// gn_group_norm's input gradient (and the per-(n, c) sums of the parameter gradients). The partial
+// of a thread is 2*D sums: s1[d] = sum g (x - mu), s2[d] = sum g over its elements.
+template <typename T, Act ACT>
+struct BwdJob {
   using A = AccT<T>;
-  const simd::Prims<T>& P = simd::prims<T>();
-  const T* dy = static_cast<const T*>(a.dy);
-  const T* x = static_cast<const T*>(a.x);
-  const A* mean = static_cast<const A*>(a.mean);
-  const A* rstd = static_cast<const A*>(a.rstd);
-  T* dx = static_cast<T*>(a.dx);
-  const int64_t N = a.N, C = a.C, G = a.G, D = C / G, S = a.S, NG = N * G, M = D * S;
-  A* dsc = static_cast<A*>(a.workspace);
-  A* db = dsc + N * C;
-  const A* dmean_o = static_cast<const A*>(a.dmean);
-  const A* drstd_o = static_cast<const A*>(a.drstd);
-  const A inv_m = A(1) / static_cast<A>(M);
-  const Plan pl = make_plan(NG, M);
-  const bool nt = stream_output(NG * M, sizeof(T), kStreamBytesBwd);
-  auto dmean_of = [&](int64_t ng) { return dmean_o ? dmean_o[ng] : A(0); };
-  auto drstd_of = [&](int64_t ng) { return drstd_o ? drstd_o[ng] : A(0); };
-  auto exact = [&](int64_t ng) {
-    const int64_t n = ng / G, g = ng % G;
-    exact_bwd<T, ACT>(x + ng * M, dy + ng * M, dx + ng * M, D, S, a.eps, gam + g * D, bet + g * D,
-                      dmean_of(ng), drstd_of(ng), dsc + n * C + g * D, db + n * C + g * D);
+  using Part = A;
+  struct Coef {
+    A c2, c3;
   };
+  struct Group {
+    int64_t ng, c, row;  // the group, its first channel g*D, its first (N, C) sum n*C + g*D
+    A mu, r;
+  };
+  static constexpr bool kApply = true;
+  const simd::Prims<T>& P;
+  const T* x;
+  const T* dy;
+  T* dx;
+  const A* mean;
+  const A* rstd;
+  const A* dmean_o;  // (N, G) or nullptr (= 0)
+  const A* drstd_o;
+  const A* gam;      // (C,) AccT
+  const A* bet;
+  BwdSums<A> sums;
+  int64_t C, G, D, S, M;
+  double eps;
+  bool nt;           // streaming stores
 
-  if (!pl.coop) {
-#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
-    {
-#pragma omp for schedule(static)
-      for (int64_t ng = 0; ng < NG; ++ng) {
-        const int64_t n = ng / G, g = ng % G;
-        const A mu = mean[ng], r = rstd[ng];
-        if (bwd_needs_exact<T>(mu, r, M)) {
-          exact(ng);
-          continue;
-        }
-        const T* xg = x + ng * M;
-        const T* dyg = dy + ng * M;
-        const A* gg = gam + g * D;
-        const A* bg = bet + g * D;
-        A* s1 = dsc + n * C + g * D;
-        A* s2 = db + n * C + g * D;
-        std::fill(s1, s1 + D, A(0));
-        std::fill(s2, s2 + D, A(0));
-        bwd_sums_range<T, ACT>(P, xg, dyg, 0, M, S, mu, r, gg, bg, s1, s2);
-        A sum_a = 0, sum_b = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          sum_a += gg[d] * s1[d];
-          sum_b += gg[d] * s2[d];
-          s1[d] *= r;
-        }
-        A c2, c3;
-        gn_bwd_coeffs<A>(sum_a, sum_b, r, inv_m, dmean_of(ng), drstd_of(ng), &c2, &c3);
-        bwd_dx_range<T, ACT>(P, xg, dyg, dx + ng * M, 0, M, S, mu, r, gg, bg, c2, c3, nt);
-      }
-      if (nt) P.fence();
-    }
-  } else {
-    // part[(parity, thread)] holds 2*D partial sums; double-buffered by the parity of a count of
-    // the shared groups (exactly recomputed groups have no barrier) so one barrier per group suffices.
-    std::vector<A> part(2 * static_cast<size_t>(pl.nt) * 2 * static_cast<size_t>(D));
-#pragma omp parallel num_threads(pl.nt)
-    {
-      const int t = thread_id(), T_ = num_threads();
-      int64_t lo, hi;
-      slice(M, t, T_, &lo, &hi);
-      int64_t shared = 0;
-      for (int64_t ng = 0; ng < NG; ++ng) {
-        const int64_t n = ng / G, g = ng % G;
-        const A mu = mean[ng], r = rstd[ng];
-        if (bwd_needs_exact<T>(mu, r, M)) {  // decided from saved values: the same on every thread
-          if (t == 0) exact(ng);
-          continue;
-        }
-        const T* xg = x + ng * M;
-        const T* dyg = dy + ng * M;
-        const A* gg = gam + g * D;
-        const A* bg = bet + g * D;
-        A* base = part.data() + (shared++ & 1) * pl.nt * 2 * D;
-        A* mine = base + t * 2 * D;
-        std::fill(mine, mine + 2 * D, A(0));
-        bwd_sums_range<T, ACT>(P, xg, dyg, lo, hi, S, mu, r, gg, bg, mine, mine + D);
-        barrier();
-        A* s1 = dsc + n * C + g * D;
-        A* s2 = db + n * C + g * D;
-        // Every thread sums the partials in the same order; thread 0 publishes them.
-        A sum_a = 0, sum_b = 0;
-        for (int64_t d = 0; d < D; ++d) {
-          A p1 = 0, p2 = 0;
-          for (int u = 0; u < T_; ++u) {
-            p1 += base[u * 2 * D + d];
-            p2 += base[u * 2 * D + D + d];
-          }
-          if (t == 0) {
-            s1[d] = p1 * r;
-            s2[d] = p2;
-          }
-          sum_a += gg[d] * p1;
-          sum_b += gg[d] * p2;
-        }
-        A c2, c3;
-        gn_bwd_coeffs<A>(sum_a, sum_b, r, inv_m, dmean_of(ng), drstd_of(ng), &c2, &c3);
-        bwd_dx_range<T, ACT>(P, xg, dyg, dx + ng * M, lo, hi, S, mu, r, gg, bg, c2, c3, nt);
-      }
-      if (nt) P.fence();
-    }
+  Group group(int64_t ng) const {
+    const int64_t n = ng / G, c = (ng - n * G) * D;
+    return {ng, c, n * C + c, mean[ng], rstd[ng]};
   }
+  A dmean(const Group& q) const { return dmean_o ? dmean_o[q.ng] : A(0); }
+  A drstd(const Group& q) const { return drstd_o ? drstd_o[q.ng] : A(0); }
+
+  size_t part_len() const { return 2 * static_cast<size_t>(D); }
+  bool skip(const Group& q) const { return bwd_needs_exact<T>(q.mu, q.r, M); }
+  void reduce(const Group& q, int64_t lo, int64_t hi, A* p) const {
+    std::fill(p, p + 2 * D, A(0));
+    bwd_sums_range<T, ACT>(P, x + q.ng * M, dy + q.ng * M, lo, hi, S, q.mu, q.r, gam + q.c,
+                           bet + q.c, p, p + D);
+  }
+  // Sums the n partials per channel in thread order; the owner publishes dsc/db.
+  bool finish(const Group& q, const A* parts, int n, bool owner, Coef* cf) const {
+    const int64_t len = 2 * D;
+    const A* gg = gam + q.c;
+    A* dsc = sums.dsc + q.row;
+    A* db = sums.db + q.row;
+    A sum_a = 0, sum_b = 0;
+    for (int64_t d = 0; d < D; ++d) {
+      A p1 = parts[d], p2 = parts[D + d];
+      for (int u = 1; u < n; ++u) {
+        p1 += parts[u * len + d];
+        p2 += parts[u * len + D + d];
+      }
+      if (owner) {
+        dsc[d] = p1 * q.r;
+        db[d] = p2;
+      }
+      sum_a += gg[d] * p1;
+      sum_b += gg[d] * p2;
+    }
+    gn_bwd_coeffs<A>(sum_a, sum_b, q.r, A(1) / static_cast<A>(M), dmean(q), drstd(q), &cf->c2,
+                     &cf->c3);
+    return true;
+  }
+  void exact(const Group& q) const {
+    exact_bwd<T, ACT>(x + q.ng * M, dy + q.ng * M, dx + q.ng * M, D, S, eps, gam + q.c, bet + q.c,
+                      dmean(q), drstd(q), sums.dsc + q.row, sums.db + q.row);
+  }
+  void apply(const Group& q, int64_t lo, int64_t hi, const Coef& cf) const {
+    bwd_dx_range<T, ACT>(P, x + q.ng * M, dy + q.ng * M, dx + q.ng * M, lo, hi, S, q.mu, q.r,
+                         gam + q.c, bet + q.c, cf.c2, cf.c3, nt);
+  }
+  void end_thread() const {
+    if (nt) P.fence();
+  }
+};
+
+template <typename T, Act ACT>
+void bwd_input_typed(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
+  using A = AccT<T>;
+  const GroupDims& d = a.dims;
+  const int64_t NG = d.N * d.G, M = d.D * d.S;
+  const BwdJob<T, ACT> job{simd::prims<T>(),
+                           static_cast<const T*>(a.x),
+                           static_cast<const T*>(a.dy),
+                           static_cast<T*>(a.dx),
+                           static_cast<const A*>(a.mean),
+                           static_cast<const A*>(a.rstd),
+                           static_cast<const A*>(a.dmean),
+                           static_cast<const A*>(a.drstd),
+                           gam,
+                           bet,
+                           carve_bwd_sums<A>(a.workspace, d),
+                           d.C, d.G, d.D, d.S, M,
+                           a.eps,
+                           stream_output(NG * M, sizeof(T), kStreamBytesBwd)};
+  run_groups(make_plan(NG, M), NG, M, job);
 }
 
+// dgamma[c] = sum_n dsc[n, c], dbeta[c] = sum_n db[n, c] from the workspace sums.
 template <typename T, typename P>
 void bwd_params(const GroupNormBwdArgs& a) {
   using A = AccT<T>;
   P* dgamma = static_cast<P*>(a.dgamma);
   P* dbeta = static_cast<P*>(a.dbeta);
   if (dgamma == nullptr && dbeta == nullptr) return;
-  const A* dgs = static_cast<const A*>(a.workspace);
-  const int64_t N = a.N, C = a.C;
-  const A* db = dgs + N * C;
+  const BwdSums<A> sums = carve_bwd_sums<A>(a.workspace, a.dims);
+  const A* dsc = sums.dsc;
+  const A* dbs = sums.db;
+  const int64_t N = a.dims.N, C = a.dims.C;
   // Row order (n outer, c inner): contiguous reads of the (N, C) sums; threads own channel ranges.
   const int nt = N * C >= kMinParallel ? team_size() : 1;
   (void)nt;  // read by the pragma only
@@ -643,8 +744,8 @@ void bwd_params(const GroupNormBwdArgs& a) {
     if (c0 < c1) {
       std::vector<A> sg(static_cast<size_t>(c1 - c0), A(0)), sb(static_cast<size_t>(c1 - c0), A(0));
       for (int64_t n = 0; n < N; ++n) {
-        const A* ds = dgs + n * C;
-        const A* dbn = db + n * C;
+        const A* ds = dsc + n * C;
+        const A* dbn = dbs + n * C;
 #pragma omp simd
         for (int64_t k = c0; k < c1; ++k) {
           sg[k - c0] += ds[k];
@@ -668,55 +769,58 @@ std::vector<A> widen(const void* p, int64_t n) {
 }
 
 template <typename T, typename P>
-void fwd_impl(const GroupNormFwdArgs& a) {
-  using A = AccT<T>;
-  const std::vector<A> gam = widen<A, P>(a.gamma, a.C), bet = widen<A, P>(a.beta, a.C);
-  dispatch_act(a.act, [&](auto act) { fwd_typed<T, decltype(act)::value>(a, gam.data(), bet.data()); });
-}
+struct FwdRun {
+  static void run(const GroupNormFwdArgs& a) {
+    using A = AccT<T>;
+    const std::vector<A> gam = widen<A, P>(a.gamma, a.dims.C), bet = widen<A, P>(a.beta, a.dims.C);
+    dispatch_act(a.act, [&](auto act) {
+      fwd_typed<T, decltype(act)::value>(a, gam.data(), bet.data());
+    });
+  }
+};
 
 template <typename T, typename P>
-void bwd_impl(const GroupNormBwdArgs& a) {
-  using A = AccT<T>;
-  const std::vector<A> gam = widen<A, P>(a.gamma, a.C);
-  // beta enters only through the pre-activation z (and the exactly recomputed groups' z).
-  const std::vector<A> bet = a.beta ? widen<A, P>(a.beta, a.C) : std::vector<A>(a.C, A(0));
-  dispatch_act(a.act, [&](auto act) { bwd_typed<T, decltype(act)::value>(a, gam.data(), bet.data()); });
-  bwd_params<T, P>(a);
-}
-
-const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || S <= 0) return "empty tensors are not supported";
-  if (G <= 0 || C % G != 0) return "channels must be divisible by num_groups > 0";
-  return nullptr;
-}
-
-template <typename T, typename P> struct FwdRun { static void run(const GroupNormFwdArgs& a) { fwd_impl<T, P>(a); } };
-template <typename T, typename P> struct BwdRun { static void run(const GroupNormBwdArgs& a) { bwd_impl<T, P>(a); } };
+struct BwdRun {
+  static void run(const GroupNormBwdArgs& a) {
+    using A = AccT<T>;
+    const std::vector<A> gam = widen<A, P>(a.gamma, a.dims.C);
+    // beta enters only through the pre-activation z (and the exactly recomputed groups' z).
+    const std::vector<A> bet =
+        a.beta ? widen<A, P>(a.beta, a.dims.C) : std::vector<A>(a.dims.C, A(0));
+    dispatch_act(a.act, [&](auto act) {
+      bwd_input_typed<T, decltype(act)::value>(a, gam.data(), bet.data());
+    });
+    bwd_params<T, P>(a);
+  }
+};
 
 }  // namespace
 
 size_t group_norm_bwd_workspace_cpu(const GroupNormBwdArgs& a) {
-  const size_t acc = dtype_size(acc_dtype(a.dtype));
-  return 2 * static_cast<size_t>(a.N) * static_cast<size_t>(a.C) * acc;
+  size_t bytes = 0;
+  cpu::dispatch_data(a.dtype, [&](auto tag) {
+    carve_bwd_sums<AccT<decltype(tag)>>(nullptr, a.dims, &bytes);
+  });
+  return bytes;
 }
 
 const char* moments_cpu(const MomentsArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data(a.dtype, [&](auto tag) { moments_typed<decltype(tag)>(a); });
 }
 
 const char* moments_bwd_cpu(const MomentsBwdArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data(a.dtype, [&](auto tag) { moments_bwd_typed<decltype(tag)>(a); });
 }
 
 const char* group_norm_fwd_cpu(const GroupNormFwdArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   return cpu::dispatch_data_param<FwdRun>(a);
 }
 
 const char* group_norm_bwd_cpu(const GroupNormBwdArgs& a) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_group_dims(a.dims)) return e;
   if (a.workspace == nullptr) return kGnNeedsWorkspace;
   if (a.act != Act::kNone && a.beta == nullptr) return kGnActNeedsBeta;
   return cpu::dispatch_data_param<BwdRun>(a);

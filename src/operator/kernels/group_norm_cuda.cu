@@ -1,6 +1,17 @@
 /*
  * group_norm_cuda.cu: CUDA kernels for gn_moments and gn_group_norm (forward and backward).
- * Twins of group_norm_cpu.cc: same entry points (plus a stream), same formulas (group_norm_math.h).
+ * Twins of group_norm_cpu.cc: same entry points (plus a stream), same Args (with GroupDims) and the
+ * per-element formulas of group_norm_math.h. NB, what differs from the CPU twin:
+ *   - no exactly recomputed groups: the CPU recomputes groups of <= 4 elements and fp32/fp16 groups
+ *     whose fp32 statistics overflow (or whose rstd^3 underflows in backward) in float64 around
+ *     the first element (group_norm_cpu.cc exact_fwd / exact_bwd); here every group takes the AccT
+ *     path, except one-element groups, whose output act(beta) and dx = dmean are taken exactly
+ *     (FwdOp::single, BwdOp::single);
+ *   - the reduction order: 16-byte vectors folded per thread, then warp / block / split merges here;
+ *     L1-sized chunks of 2048 elements merged per thread, then per-thread partials, on the CPU. So
+ *     the twins agree to AccT rounding, not bitwise;
+ *   - no streaming-store thresholds (the CPU's kStreamBytesFwd/Bwd): the L2 keeps x between the two
+ *     forward kernels instead.
  *
  * Layout (N, C, S): the group (n, g) is the contiguous run of L = D*S elements at x + (n*G + g)*L, and
  * row (n, c) is the run of S elements at x + (n*C + c)*S. Offsets inside a group are 32-bit (L < 2^31
@@ -53,6 +64,7 @@
 #include "group_norm.h"
 #include "group_norm_math.h"
 #include "cuda_common.cuh"
+#include "../common/carver.h"
 #include "../common/dispatch.h"
 #include "../common/welford.h"
 
@@ -64,7 +76,21 @@ constexpr int kWarp = kWarpSize;
 constexpr int kNumWarps = kBlock / kWarp;
 constexpr int kMaxSplits = 64;      // partial states per group, merged by one warp (2 per lane)
 constexpr int kUnroll = 4;          // 16-byte loads in flight per thread
+// The largest gridDim.y (and z) CUDA allows: the chunks of one group of an elementwise kernel.
+constexpr int64_t kMaxGridY = 65535;
+// Backward row sums: the team per row (n, c) of S elements. A row of at most kRowThreadMaxS
+// elements is one thread's job (a warp would leave at least half its lanes idle on a 16-element
+// row, and the row's reduction would cost more shuffles than loads); below kRowWarpMaxS a warp per
+// row gives each lane < 64 elements (16 fp32 vectors), enough to hide load latency without a block
+// reduction; longer rows take a block (and split across blocks when rows are too few for the GPU).
+// Chosen by these load/lane counts, not measured on a GPU (none was available to this change).
+constexpr int64_t kRowThreadMaxS = 16;
+constexpr int64_t kRowWarpMaxS = 2048;
 constexpr int64_t kMaxGroup = (int64_t(1) << 31) - 1;
+// Workspace records (carve_stats / carve_rows own the layouts): a split group's piece stores its
+// Welford state (count, mean, M2); a split row's piece stores its sums (dsc, db).
+constexpr int kStatsPart = 3;
+constexpr int kRowPart = 2;
 
 // ------------------------------------------------------------------------------------------------
 // Device helpers
@@ -135,7 +161,7 @@ __device__ __forceinline__ Welford<A> warp_merge_partials(const A* __restrict__ 
   Welford<A> w;
   const int lane = threadIdx.x % kWarp;
   for (int k = lane; k < splits; k += kWarp) {
-    const A* p = part + (ng * splits + k) * 3;
+    const A* p = part + (ng * splits + k) * kStatsPart;
     w.merge(make_welford<A>(p[0], p[1], p[2]));
   }
   return warp_welford(w);
@@ -186,16 +212,16 @@ __device__ __forceinline__ ExactStats exact_stats(const T* __restrict__ xg, uint
 
 // gamma_c, beta_c of an exactly recomputed group in float64 (beta is read only with an activation:
 // the backward gets no beta without one).
-template <int ACT, typename P>
+template <Act ACT, typename P>
 __device__ __forceinline__ void exact_params(const P* __restrict__ gamma,
                                              const P* __restrict__ beta, uint32_t c, double* ga,
                                              double* be) {
   *ga = static_cast<double>(to_acc(gamma[c]));
-  *be = ACT != kActNone ? static_cast<double>(to_acc(beta[c])) : 0.0;
+  *be = ACT != Act::kNone ? static_cast<double>(to_acc(beta[c])) : 0.0;
 }
 
 // g = dy * act'(z) of element i (channel i / S) of an exactly recomputed group, and its xc.
-template <int ACT, typename T, typename P>
+template <Act ACT, typename T, typename P>
 __device__ __forceinline__ double exact_grad(const T* __restrict__ xg, const T* __restrict__ dyg,
                                              const P* __restrict__ gamma,
                                              const P* __restrict__ beta, const ExactStats& st,
@@ -207,7 +233,7 @@ __device__ __forceinline__ double exact_grad(const T* __restrict__ xg, const T* 
 }
 
 // Forward of elements [begin, end) of an exactly recomputed group (the whole block).
-template <int ACT, typename T, typename P>
+template <Act ACT, typename T, typename P>
 __device__ __forceinline__ void exact_fwd_range(const T* __restrict__ xg, T* __restrict__ yg,
                                                 const P* __restrict__ gamma,
                                                 const P* __restrict__ beta, const ExactStats& st,
@@ -222,7 +248,7 @@ __device__ __forceinline__ void exact_fwd_range(const T* __restrict__ xg, T* __r
 
 // Backward dx over [begin, end) of an exactly recomputed group of L elements (the whole block):
 // the group sums sum gamma_c g xc and sum gamma_c g over all of it, then dx (= dmean when L = 1).
-template <int ACT, typename T, typename P>
+template <Act ACT, typename T, typename P>
 __device__ __forceinline__ void exact_bwd_range(const T* __restrict__ xg,
                                                 const T* __restrict__ dyg, T* __restrict__ dxg,
                                                 const P* __restrict__ gamma,
@@ -282,7 +308,7 @@ stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, doubl
   }
   if (threadIdx.x != 0) return;
   if (mode == kStatsPartial) {
-    A* p = part + (ng * gridDim.y + blockIdx.y) * 3;
+    A* p = part + (ng * gridDim.y + blockIdx.y) * kStatsPart;
     p[0] = w.count;
     p[1] = w.mean;
     p[2] = w.m2;
@@ -389,7 +415,7 @@ __device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __
   }
 }
 
-template <typename P, typename A, int ACT>
+template <typename P, typename A, Act ACT>
 struct FwdOp {
   struct Coef {
     A a, b;
@@ -411,7 +437,7 @@ struct FwdOp {
 // Grid (N*G, chunks). With splits > 1 the block first merges the group's partial states (and the
 // chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them (exact ones for
 // the groups gn_exact_group selects, which it then selects again here: see group_norm_math.h).
-template <typename T, typename P, int V, int ACT>
+template <typename T, typename P, int V, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* __restrict__ beta,
                  T* __restrict__ y, AccT<T>* __restrict__ mean, AccT<T>* __restrict__ rstd,
@@ -485,7 +511,7 @@ moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
 // Row sums of an exactly recomputed group's row (n, c) over elements [begin, end), for backward
 // kernel 1: (sum g xhat, sum g) on the team's lane 0 (kernel 2 then takes dgamma's share without
 // multiplying by rstd), zeros on the other lanes. Every lane of the team calls it.
-template <int kTeam, int ACT, typename T, typename P>
+template <int kTeam, Act ACT, typename T, typename P>
 __device__ __forceinline__ Pair<AccT<T>> exact_row_sums(const T* __restrict__ dy,
                                                         const T* __restrict__ x,
                                                         const P* __restrict__ gamma,
@@ -515,7 +541,7 @@ __device__ __forceinline__ Pair<AccT<T>> exact_row_sums(const T* __restrict__ dy
 // into gridDim.y pieces of `chunk` elements. Writes part[(row*splits + k)*2 + {0, 1}] = (dsc, db).
 // With an activation, g = dy * act'(x * a_c + b_c) replaces dy (gamma, beta, rstd, C are read only
 // then). Rows of exactly recomputed groups (gn_exact_group; team-uniform) write (sum g xhat, sum g).
-template <typename T, typename P, int V, int kTeam, int ACT>
+template <typename T, typename P, int V, int kTeam, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                     const AccT<T>* __restrict__ mean, const AccT<T>* __restrict__ rstd,
@@ -537,7 +563,7 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   if (row < rows && !exact) {
     const A mu = mean[row / D];  // row = n*C + c, so row / D = n*G + g
     A ca = A(1), cb = A(0);
-    if (ACT != kActNone) {
+    if (ACT != Act::kNone) {
       const int64_t c = row % C;
       gn_fwd_coeffs<A>(mu, rstd[row / D], static_cast<A>(to_acc(gamma[c])),
                        static_cast<A>(to_acc(beta[c])), &ca, &cb);
@@ -573,24 +599,24 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   if (kTeam == kBlock) {
     acc = block_sum<kBlock>(acc);
     if (threadIdx.x == 0) {
-      A* p = part + (row * gridDim.y + blockIdx.y) * 2;
+      A* p = part + (row * gridDim.y + blockIdx.y) * kRowPart;
       p[0] = acc.a;
       p[1] = acc.b;
     }
   } else {
     acc = warp_sum<(kTeam < kWarp ? kTeam : kWarp)>(acc);
     if (lane == 0 && row < rows) {
-      A* p = part + (row * gridDim.y + blockIdx.y) * 2;
+      A* p = part + (row * gridDim.y + blockIdx.y) * kRowPart;
       p[0] = acc.a;
       p[1] = acc.b;
     }
   }
 }
 
-template <typename P, typename A, int ACT>
+template <typename P, typename A, Act ACT>
 struct BwdOp {
   struct Coef {
-    A c1, a, b;  // a, b: the forward's z = x * a + b (ACT != kActNone only)
+    A c1, a, b;  // a, b: the forward's z = x * a + b (ACT != Act::kNone only)
   };
   const P* gamma;  // this group's D channels
   const P* beta;
@@ -601,7 +627,7 @@ struct BwdOp {
     cf.c1 = r * gm;
     cf.a = A(1);
     cf.b = A(0);
-    if (ACT != kActNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
+    if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
     return cf;
   }
   __device__ __forceinline__ A operator()(const Coef& cf, A dy, A x) const {
@@ -612,7 +638,7 @@ struct BwdOp {
 // Backward kernel 2. Grid (param_blocks + N*G, chunks): blocks x < param_blocks (y == 0 only) reduce
 // dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group (exactly
 // recomputed groups: exact_bwd_range, from x and dy alone).
-template <typename T, typename P, int V, int ACT>
+template <typename T, typename P, int V, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
               const AccT<T>* __restrict__ rstd, const AccT<T>* __restrict__ dmean_o,
@@ -632,11 +658,11 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
     const int64_t g = c / D;
     A sg = 0, sb = 0;
     for (int64_t n = 0; n < N; ++n) {
-      const A* p = part + (n * C + c) * rsplits * 2;
+      const A* p = part + (n * C + c) * rsplits * kRowPart;
       A ds = 0, db = 0;
       for (int k = 0; k < rsplits; ++k) {
-        ds += p[2 * k];
-        db += p[2 * k + 1];
+        ds += p[kRowPart * k];
+        db += p[kRowPart * k + 1];
       }
       // exactly recomputed groups' rows already hold sum g xhat (see bwd_row_sums_kernel)
       const A r = rstd[n * G + g];
@@ -662,11 +688,11 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   }
   Pair<A> ab{A(0), A(0)};
   for (uint32_t d = threadIdx.x; d < D; d += kBlock) {
-    const A* p = part + (row0 + d) * rsplits * 2;
+    const A* p = part + (row0 + d) * rsplits * kRowPart;
     A ds = 0, db = 0;
     for (int k = 0; k < rsplits; ++k) {
-      ds += p[2 * k];
-      db += p[2 * k + 1];
+      ds += p[kRowPart * k];
+      db += p[kRowPart * k + 1];
     }
     const A gm = static_cast<A>(to_acc(gg[d]));
     ab.a += gm * ds;
@@ -729,26 +755,39 @@ const char* plan_map(K* k, int64_t NG, int64_t L, int V, int64_t* chunk, int64_t
   if (const char* e = wave_blocks(k, kBlock, 0, &wave)) return e;
   const int64_t units = L / V;
   const int64_t want = ceil_div(2 * wave, NG);
-  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * kUnroll, 65535, chunks);
+  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * kUnroll, kMaxGridY, chunks);
   *chunk = cu * V;
   return nullptr;
 }
 
-const char* check_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (N <= 0 || C <= 0 || S <= 0) return "empty tensors are not supported";
-  if (G <= 0 || C % G != 0) return "channels must be divisible by num_groups > 0";
-  if ((C / G) * S > kMaxGroup) return kGnCudaGroupLimit;
-  if (N * G > kMaxGroup) return kGnCudaGroupsLimit;
+// group_shape.h's rules, then the CUDA kernels' 32-bit limits.
+const char* check_dims(const GroupDims& d) {
+  if (const char* e = check_group_dims(d)) return e;
+  if (d.D * d.S > kMaxGroup) return kGnCudaGroupLimit;
+  if (d.N * d.G > kMaxGroup) return kGnCudaGroupsLimit;
   return nullptr;
 }
 
+// The one layout of the split statistics' workspace: kStatsPart values (count, mean, M2) for each
+// of the p.splits pieces of every group, none when groups are not split. With ws == nullptr it only
+// measures: stats_workspace() sizes the buffer with the same code that finds `part` in it.
 template <typename T>
-size_t stats_workspace(const void* x, const void* y, int64_t N, int64_t C, int64_t G, int64_t S) {
-  if (check_dims(N, C, G, S)) return 0;
+AccT<T>* carve_stats(void* ws, int64_t NG, const StatsPlan& p, size_t* bytes = nullptr) {
+  WorkspaceCarver<16> w{static_cast<char*>(ws)};
+  AccT<T>* part = nullptr;
+  if (p.splits > 1) part = w.take<AccT<T>>(static_cast<size_t>(NG * p.splits * kStatsPart));
+  if (bytes) *bytes = w.off;
+  return part;
+}
+
+template <typename T>
+size_t stats_workspace(const void* x, const void* y, const GroupDims& d) {
+  if (check_dims(d)) return 0;
   StatsPlan p;
-  if (plan_stats<T>(x, y, N * G, (C / G) * S, true, &p)) return 0;
-  if (p.splits <= 1) return 0;
-  return static_cast<size_t>(N * G * p.splits * 3) * sizeof(AccT<T>);
+  if (plan_stats<T>(x, y, d.N * d.G, d.D * d.S, true, &p)) return 0;
+  size_t bytes = 0;
+  carve_stats<T>(nullptr, d.N * d.G, p, &bytes);
+  return bytes;
 }
 
 template <typename T>
@@ -769,7 +808,7 @@ const char* launch_stats(const T* x, int64_t NG, int64_t L, const StatsPlan& p, 
 template <typename T>
 const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
-  const int64_t NG = a.N * a.G, L = (a.C / a.G) * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, L = (a.dims.C / a.dims.G) * a.dims.S;
   StatsPlan p;
   if (const char* e = plan_stats<T>(a.x, nullptr, NG, L, ws != nullptr, &p)) return e;
   A* mean = static_cast<A*>(a.mean);
@@ -777,7 +816,7 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   if (p.splits <= 1)
     return launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsMeanVar, 0.0, mean, var,
                            nullptr, st);
-  A* part = static_cast<A*>(ws);
+  A* part = carve_stats<T>(ws, NG, p);
   if (const char* e = launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsPartial, 0.0,
                                       nullptr, nullptr, part, st))
     return e;
@@ -790,14 +829,14 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
 template <typename T, typename P>
 const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
-  const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G, L = D * a.dims.S;
   StatsPlan p;
   if (const char* e = plan_stats<T>(a.x, a.y, NG, L, ws != nullptr, &p)) return e;
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   A* mean = static_cast<A*>(a.mean);
   A* rstd = static_cast<A*>(a.rstd);
-  A* part = p.splits > 1 ? static_cast<A*>(ws) : nullptr;
+  A* part = carve_stats<T>(ws, NG, p);
   const double eps = a.eps;
   if (const char* e = launch_stats<T>(x, NG, L, p, p.splits > 1 ? kStatsPartial : kStatsMeanRstd,
                                       eps, mean, rstd, part, st))
@@ -807,13 +846,13 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   const int splits = static_cast<int>(p.splits);
   const char* err = nullptr;
   dispatch_act(a.act, [&](auto act) {
-    constexpr int ACT = decltype(act)::value;
+    constexpr Act ACT = decltype(act)::value;
     auto* k = p.V > 1 ? fwd_apply_kernel<T, P, vec_width<T>(), ACT> : fwd_apply_kernel<T, P, 1, ACT>;
     int64_t chunk = 0, chunks = 1;
     if ((err = plan_map(k, NG, L, p.V, &chunk, &chunks))) return;
     const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
     k<<<grid, kBlock, 0, st>>>(x, gamma, beta, y, mean, rstd, part, splits, eps, L,
-                               static_cast<uint32_t>(a.S), a.G, static_cast<uint32_t>(D),
+                               static_cast<uint32_t>(a.dims.S), a.dims.G, static_cast<uint32_t>(D),
                                static_cast<uint32_t>(chunk));
   });
   if (err) return err;
@@ -824,7 +863,7 @@ const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
 template <typename T>
 const char* moments_bwd_impl(const MomentsBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
-  const int64_t NG = a.N * a.G, L = (a.C / a.G) * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, L = (a.dims.C / a.dims.G) * a.dims.S;
   const int Vw = vec_width<T>();
   const int V = (L % Vw == 0 && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
   auto* k = V > 1 ? moments_bwd_kernel<T, vec_width<T>()> : moments_bwd_kernel<T, 1>;
@@ -836,7 +875,7 @@ const char* moments_bwd_impl(const MomentsBwdArgs& a, cudaStream_t st) {
   const A* dmean = static_cast<const A*>(a.dmean);
   const A* dvar = static_cast<const A*>(a.dvar);
   T* dx = static_cast<T*>(a.dx);
-  k<<<grid, kBlock, 0, st>>>(x, mean, dmean, dvar, dx, L, static_cast<uint32_t>(a.S),
+  k<<<grid, kBlock, 0, st>>>(x, mean, dmean, dvar, dx, L, static_cast<uint32_t>(a.dims.S),
                              static_cast<uint32_t>(chunk));
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
@@ -850,16 +889,16 @@ struct RowPlan {
 };
 
 // Row plan of the backward sums; split rows are sized by one wave of the block-per-row kernel.
-template <typename T, typename P, int ACT>
+template <typename T, typename P, Act ACT>
 const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
   RowPlan& p = *out;
   const int Vw = vec_width<T>();
-  const int64_t S = a.S, rows = a.N * a.C;
+  const int64_t S = a.dims.S, rows = a.dims.N * a.dims.C;
   p.V = (S % Vw == 0 && aligned16(a.dy) && aligned16(a.x)) ? Vw : 1;
-  if (S <= 16) {
+  if (S <= kRowThreadMaxS) {
     p.team = 1;
     p.V = 1;
-  } else if (S < 2048) {
+  } else if (S < kRowWarpMaxS) {
     p.team = kWarp;
   } else {
     p.team = kBlock;
@@ -879,26 +918,38 @@ const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
   return nullptr;
 }
 
-template <typename T, typename P, int ACT>
-size_t bwd_workspace(const GroupNormBwdArgs& a) {
-  if (check_dims(a.N, a.C, a.G, a.S)) return 0;
-  RowPlan p;
-  if (plan_rows<T, P, ACT>(a, &p)) return 0;
-  return static_cast<size_t>(a.N * a.C * p.splits * 2) * sizeof(AccT<T>);
+// The one layout of the backward workspace: kRowPart values (dsc, db) for each of the p.splits pieces
+// of every row (n, c). With ws == nullptr it only measures (bwd_workspace()).
+template <typename T>
+AccT<T>* carve_rows(void* ws, int64_t rows, const RowPlan& p, size_t* bytes = nullptr) {
+  WorkspaceCarver<16> w{static_cast<char*>(ws)};
+  AccT<T>* part = w.take<AccT<T>>(static_cast<size_t>(rows * p.splits * kRowPart));
+  if (bytes) *bytes = w.off;
+  return part;
 }
 
-template <typename T, typename P, int V, int ACT>
+template <typename T, typename P, Act ACT>
+size_t bwd_workspace(const GroupNormBwdArgs& a) {
+  if (check_dims(a.dims)) return 0;
+  RowPlan p;
+  if (plan_rows<T, P, ACT>(a, &p)) return 0;
+  size_t bytes = 0;
+  carve_rows<T>(nullptr, a.dims.N * a.dims.C, p, &bytes);
+  return bytes;
+}
+
+template <typename T, typename P, int V, Act ACT>
 const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>* part,
                             cudaStream_t st) {
   using A = AccT<T>;
-  const int64_t rows = a.N * a.C, C = a.C;
+  const int64_t rows = a.dims.N * a.dims.C, C = a.dims.C;
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
   const A* mean = static_cast<const A*>(a.mean);
   const A* rstd = static_cast<const A*>(a.rstd);
   const P* gamma = static_cast<const P*>(a.gamma);
   const P* beta = static_cast<const P*>(a.beta);
-  const uint32_t S = static_cast<uint32_t>(a.S), D = static_cast<uint32_t>(a.C / a.G);
+  const uint32_t S = static_cast<uint32_t>(a.dims.S), D = static_cast<uint32_t>(a.dims.C / a.dims.G);
   const uint32_t chunk = static_cast<uint32_t>(p.chunk);
   const int rpb = kBlock / p.team;
   const dim3 grid(static_cast<unsigned>(ceil_div(rows, rpb)), static_cast<unsigned>(p.splits));
@@ -915,25 +966,25 @@ const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>
   return nullptr;
 }
 
-template <typename T, typename P, int ACT>
+template <typename T, typename P, Act ACT>
 const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
   if (a.workspace == nullptr) return kGnNeedsWorkspace;
   if (!aligned16(a.workspace)) return kGnWorkspaceAlign;
   RowPlan rp;
   if (const char* e = plan_rows<T, P, ACT>(a, &rp)) return e;
-  A* part = static_cast<A*>(a.workspace);
+  A* part = carve_rows<T>(a.workspace, a.dims.N * a.dims.C, rp);
   const char* e = rp.V > 1 ? launch_row_sums<T, P, vec_width<T>(), ACT>(a, rp, part, st)
                            : launch_row_sums<T, P, 1, ACT>(a, rp, part, st);
   if (e) return e;
 
-  const int64_t NG = a.N * a.G, D = a.C / a.G, L = D * a.S;
+  const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G, L = D * a.dims.S;
   const int Vw = vec_width<T>();
   const int V = (L % Vw == 0 && aligned16(a.dy) && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
   auto* k = V > 1 ? bwd_dx_kernel<T, P, vec_width<T>(), ACT> : bwd_dx_kernel<T, P, 1, ACT>;
   int64_t chunk = 0, chunks = 1;
   if (const char* e = plan_map(k, NG, L, V, &chunk, &chunks)) return e;
-  const int64_t pblocks = (a.dgamma || a.dbeta) ? ceil_div(a.C, kBlock) : 0;
+  const int64_t pblocks = (a.dgamma || a.dbeta) ? ceil_div(a.dims.C, kBlock) : 0;
   const dim3 grid(static_cast<unsigned>(NG + pblocks), static_cast<unsigned>(chunks));
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
@@ -947,10 +998,10 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   P* dgamma = static_cast<P*>(a.dgamma);
   P* dbeta = static_cast<P*>(a.dbeta);
   const int rs = static_cast<int>(rp.splits);
-  const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.S),
+  const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.dims.S),
                  ch32 = static_cast<uint32_t>(chunk);
   k<<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx,
-                             dgamma, dbeta, a.N, a.C, a.G, D32, S32, ch32, a.eps);
+                             dgamma, dbeta, a.dims.N, a.dims.C, a.dims.G, D32, S32, ch32, a.eps);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -970,7 +1021,7 @@ cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 size_t moments_workspace_cuda(const MomentsArgs& a) {
   size_t n = 0;
   dispatch_data(a.dtype, [&](auto tag) -> const char* {
-    n = stats_workspace<decltype(tag)>(a.x, nullptr, a.N, a.C, a.G, a.S);
+    n = stats_workspace<decltype(tag)>(a.x, nullptr, a.dims);
     return nullptr;
   });
   return n;
@@ -979,7 +1030,7 @@ size_t moments_workspace_cuda(const MomentsArgs& a) {
 size_t group_norm_fwd_workspace_cuda(const GroupNormFwdArgs& a) {
   size_t n = 0;
   dispatch_data(a.dtype, [&](auto tag) -> const char* {
-    n = stats_workspace<decltype(tag)>(a.x, a.y, a.N, a.C, a.G, a.S);
+    n = stats_workspace<decltype(tag)>(a.x, a.y, a.dims);
     return nullptr;
   });
   return n;
@@ -992,14 +1043,14 @@ size_t group_norm_bwd_workspace_cuda(const GroupNormBwdArgs& a) {
   dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     using T = decltype(t);
     using P = decltype(p);
-    n = std::max({bwd_workspace<T, P, kActNone>(a), bwd_workspace<T, P, kActRelu>(a),
-                  bwd_workspace<T, P, kActSilu>(a)});
+    n = std::max({bwd_workspace<T, P, Act::kNone>(a), bwd_workspace<T, P, Act::kRelu>(a),
+                  bwd_workspace<T, P, Act::kSilu>(a)});
   });
   return n;
 }
 
 const char* moments_cuda(const MomentsArgs& a, void* stream) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_dims(a.dims)) return e;
   if (a.workspace && !aligned16(a.workspace)) return kGnWorkspaceAlign;
   return dispatch_data(a.dtype, [&](auto tag) {
     return moments_impl<decltype(tag)>(a, a.workspace, as_stream(stream));
@@ -1007,14 +1058,14 @@ const char* moments_cuda(const MomentsArgs& a, void* stream) {
 }
 
 const char* moments_bwd_cuda(const MomentsBwdArgs& a, void* stream) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_dims(a.dims)) return e;
   return dispatch_data(a.dtype, [&](auto tag) {
     return moments_bwd_impl<decltype(tag)>(a, as_stream(stream));
   });
 }
 
 const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_dims(a.dims)) return e;
   if (a.workspace && !aligned16(a.workspace)) return kGnWorkspaceAlign;
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return fwd_impl<decltype(t), decltype(p)>(a, a.workspace, as_stream(stream));
@@ -1022,7 +1073,7 @@ const char* group_norm_fwd_cuda(const GroupNormFwdArgs& a, void* stream) {
 }
 
 const char* group_norm_bwd_cuda(const GroupNormBwdArgs& a, void* stream) {
-  if (const char* e = check_dims(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_dims(a.dims)) return e;
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return bwd_impl<decltype(t), decltype(p)>(a, as_stream(stream));
   });

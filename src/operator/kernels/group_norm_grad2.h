@@ -28,7 +28,7 @@
  * act''(z): relu 0 (almost everywhere), silu s (1 - s) (2 + z (1 - 2 s)), s = sigmoid(z).
  *
  * Limit: groups of at most 4 elements (and fp32 groups whose statistics overflow) are recomputed
- * from x by the first-order CPU backward (group_norm_cpu.cc's exact path), so there the first-order
+ * from x by the first-order backward on either device (gn_exact_group, group_norm_math.h), so there the first-order
  * op reads mu/r from x, not from its inputs; the composed second derivative is still the same
  * (the values agree), only the split between the x and mu/r partials differs.
  *
@@ -71,7 +71,7 @@ struct GroupNormGrad2Args {
   void* dmean = nullptr;          // (N, G) AccT
   void* drstd = nullptr;          // (N, G) AccT
   void* workspace = nullptr;
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;  // group_shape.h
   Act act = Act::kNone;
 };
 
@@ -90,7 +90,7 @@ struct MomentsGrad2Args {
   void* ddvar_o = nullptr;        // (N, G) AccT
   void* dx = nullptr;             // (N, C, S)
   void* dmean = nullptr;          // (N, G) AccT
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;  // group_shape.h
 };
 
 size_t group_norm_grad2_workspace_cpu(const GroupNormGrad2Args& a);

@@ -26,10 +26,10 @@ struct Grad2Impl {
     return p ? static_cast<A>(to_acc(static_cast<const V*>(p)[i])) : A(0);
   }
 
-  template <int ACT>
+  template <Act ACT>
   static void group(const GroupNormGrad2Args& a, int64_t n, int64_t g, A* pg, A* pb) {
-    const int64_t D = a.C / a.G, S = a.S, M = D * S;
-    const int64_t ng = n * a.G + g;
+    const int64_t D = a.dims.C / a.dims.G, S = a.dims.S, M = D * S;
+    const int64_t ng = n * a.dims.G + g;
     const A mu = load<A>(a.mean, ng), r = load<A>(a.rstd, ng);
     const A dmo = load<A>(a.dmean_o, ng), dro = load<A>(a.drstd_o, ng);
     const A inv_m = A(1) / static_cast<A>(M);
@@ -37,7 +37,7 @@ struct Grad2Impl {
     const T* dy = static_cast<const T*>(a.dy);
     Grad2Sums<A> s;
     for (int64_t d = 0; d < D; ++d) {
-      const int64_t c = g * D + d, off = (n * a.C + c) * S;
+      const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
       const A gam = load<P>(a.gamma, c), bet = load<P>(a.beta, c), ggam = load<P>(a.gdgamma, c);
       A gxg = 0, dsc = 0, db = 0;
       for (int64_t i = off; i < off + S; ++i) {
@@ -56,14 +56,14 @@ struct Grad2Impl {
       // d gamma's first-order part needs e2/e3 (known after this pass): keep the channel's sums
       pg[c] = gxg;
       pb[c] = dsc;
-      pb[a.C + c] = db;
+      pb[a.dims.C + c] = db;
     }
     const Grad2Coeffs<A> k = gn_grad2_coeffs(s, r, inv_m, dmo, dro);
     T* ddy = static_cast<T*>(a.ddy);
     T* dx = static_cast<T*>(a.dx);
     A sdx = 0, shug = 0;
     for (int64_t d = 0; d < D; ++d) {
-      const int64_t c = g * D + d, off = (n * a.C + c) * S;
+      const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
       const A gam = load<P>(a.gamma, c), bet = load<P>(a.beta, c);
       const A ggam = load<P>(a.gdgamma, c), gbet = load<P>(a.gdbeta, c);
       A hu = 0, hs = 0;
@@ -80,7 +80,7 @@ struct Grad2Impl {
         hu += h * u;
         hs += h;
       }
-      pg[c] = r * pg[c] + k.e2 * pb[c] + k.e3 * pb[a.C + c] + r * hu;
+      pg[c] = r * pg[c] + k.e2 * pb[c] + k.e3 * pb[a.dims.C + c] + r * hu;
       pb[c] = hs;
     }
     static_cast<A*>(a.dmean)[ng] = -sdx;
@@ -91,22 +91,22 @@ struct Grad2Impl {
 
   static void run(const GroupNormGrad2Args& a) {
     A* ws = static_cast<A*>(a.workspace);  // pg (N, C), pb (N, 2C): per-sample partials
-    const int64_t NG = a.N * a.G;
+    const int64_t NG = a.dims.N * a.dims.G;
     dispatch_act(a.act, [&](auto act) {
-      constexpr int ACT = decltype(act)::value;
+      constexpr Act ACT = decltype(act)::value;
 #pragma omp parallel for schedule(static) if (threads::team_size() > 1 && NG > 1)
       for (int64_t ng = 0; ng < NG; ++ng) {
-        const int64_t n = ng / a.G, g = ng % a.G;
-        group<ACT>(a, n, g, ws + n * a.C, ws + a.N * a.C + n * 2 * a.C);
+        const int64_t n = ng / a.dims.G, g = ng % a.dims.G;
+        group<ACT>(a, n, g, ws + n * a.dims.C, ws + a.dims.N * a.dims.C + n * 2 * a.dims.C);
       }
     });
     P* dgamma = static_cast<P*>(a.dgamma);
     P* dbeta = static_cast<P*>(a.dbeta);
-    for (int64_t c = 0; c < a.C; ++c) {
+    for (int64_t c = 0; c < a.dims.C; ++c) {
       A sg = 0, sb = 0;
-      for (int64_t n = 0; n < a.N; ++n) {
-        sg += ws[n * a.C + c];
-        sb += ws[a.N * a.C + n * 2 * a.C + c];
+      for (int64_t n = 0; n < a.dims.N; ++n) {
+        sg += ws[n * a.dims.C + c];
+        sb += ws[a.dims.N * a.dims.C + n * 2 * a.dims.C + c];
       }
       dgamma[c] = from_acc<P>(sg);
       dbeta[c] = from_acc<P>(sb);
@@ -117,7 +117,7 @@ struct Grad2Impl {
 template <typename T>
 void moments_grad2_typed(const MomentsGrad2Args& a) {
   using A = AccT<T>;
-  const int64_t D = a.C / a.G, M = D * a.S, NG = a.N * a.G;
+  const int64_t D = a.dims.C / a.dims.G, M = D * a.dims.S, NG = a.dims.N * a.dims.G;
   const T* x = static_cast<const T*>(a.x);
   const T* gdx = static_cast<const T*>(a.gdx);
   T* dx = static_cast<T*>(a.dx);
@@ -143,22 +143,22 @@ void moments_grad2_typed(const MomentsGrad2Args& a) {
 }  // namespace
 
 const char* moments_grad2_cpu(const MomentsGrad2Args& a) {
+  if (const char* e = check_group_dims(a.dims)) return e;
   if (!a.x || !a.mean || !a.ddmean_o || !a.ddvar_o || !a.dx || !a.dmean) return "null pointer";
-  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
   return cpu::dispatch_data(a.dtype, [&](auto t) { moments_grad2_typed<decltype(t)>(a); });
 }
 
 size_t group_norm_grad2_workspace_cpu(const GroupNormGrad2Args& a) {
   const size_t acc = dtype_size(acc_dtype(a.dtype));
-  return static_cast<size_t>(a.N) * static_cast<size_t>(a.C) * 3 * acc;
+  return static_cast<size_t>(a.dims.N) * static_cast<size_t>(a.dims.C) * 3 * acc;
 }
 
 const char* group_norm_grad2_cpu(const GroupNormGrad2Args& a) {
+  if (const char* e = check_group_dims(a.dims)) return e;
   if (!a.dy || !a.x || !a.gamma || !a.beta || !a.mean || !a.rstd || !a.ddy || !a.ddmean_o ||
       !a.ddrstd_o || !a.dx || !a.dgamma || !a.dbeta || !a.dmean || !a.drstd)
     return "null pointer";
-  if (a.N * a.C * a.S > 0 && !a.workspace) return "workspace missing";
-  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
+  if (!a.workspace) return kGnNeedsWorkspace;
   return cpu::dispatch_data_param<Grad2Impl>(a);
 }
 

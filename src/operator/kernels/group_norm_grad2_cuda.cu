@@ -24,23 +24,23 @@ __device__ __forceinline__ A ld(const void* p, int64_t i) {
   return p ? static_cast<A>(to_acc(static_cast<const V*>(p)[i])) : A(0);
 }
 
-template <typename T, typename P, int ACT>
+template <typename T, typename P, Act ACT>
 __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
   using A = AccT<T>;
   const int64_t ng = blockIdx.x;
-  const int64_t n = ng / a.G, g = ng % a.G;
-  const int64_t D = a.C / a.G, S = a.S;
+  const int64_t n = ng / a.dims.G, g = ng % a.dims.G;
+  const int64_t D = a.dims.C / a.dims.G, S = a.dims.S;
   const A mu = ld<A, A>(a.mean, ng), r = ld<A, A>(a.rstd, ng);
   const A dmo = ld<A, A>(a.dmean_o, ng), dro = ld<A, A>(a.drstd_o, ng);
   const A inv_m = A(1) / static_cast<A>(D * S);
   const T* x = static_cast<const T*>(a.x);
   const T* dy = static_cast<const T*>(a.dy);
-  A* pg = static_cast<A*>(a.workspace) + n * a.C;
-  A* pb = static_cast<A*>(a.workspace) + a.N * a.C + n * 2 * a.C;
+  A* pg = static_cast<A*>(a.workspace) + n * a.dims.C;
+  A* pb = static_cast<A*>(a.workspace) + a.dims.N * a.dims.C + n * 2 * a.dims.C;
   Grad2Sums<A> s;
   A tP = 0, tQ = 0;
   for (int64_t d = 0; d < D; ++d) {
-    const int64_t c = g * D + d, off = (n * a.C + c) * S;
+    const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
     const A gam = ld<P, A>(a.gamma, c), bet = ld<P, A>(a.beta, c);
     const A ggam = ld<P, A>(a.gdgamma, c);
     A gxg = 0, dsc = 0, db = 0;
@@ -62,7 +62,7 @@ __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
     if (threadIdx.x == 0) {
       pg[c] = p1.a;
       pb[c] = p1.b;
-      pb[a.C + c] = db;
+      pb[a.dims.C + c] = db;
     }
   }
   const Pair<A> pq = block_sum<kThreads>(Pair<A>{tP, tQ});
@@ -73,7 +73,7 @@ __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
   T* dx = static_cast<T*>(a.dx);
   A sdx = 0, shug = 0;
   for (int64_t d = 0; d < D; ++d) {
-    const int64_t c = g * D + d, off = (n * a.C + c) * S;
+    const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
     const A gam = ld<P, A>(a.gamma, c), bet = ld<P, A>(a.beta, c);
     const A ggam = ld<P, A>(a.gdgamma, c), gbet = ld<P, A>(a.gdbeta, c);
     A hu = 0, hs = 0;
@@ -92,7 +92,7 @@ __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
     }
     const Pair<A> p2 = block_sum<kThreads>(Pair<A>{hu, hs});
     if (threadIdx.x == 0) {
-      pg[c] = r * pg[c] + k.e2 * pb[c] + k.e3 * pb[a.C + c] + r * p2.a;
+      pg[c] = r * pg[c] + k.e2 * pb[c] + k.e3 * pb[a.dims.C + c] + r * p2.a;
       pb[c] = p2.b;
     }
   }
@@ -109,12 +109,12 @@ template <typename T, typename P>
 __global__ void grad2_param_kernel(GroupNormGrad2Args a) {
   using A = AccT<T>;
   const A* ws = static_cast<const A*>(a.workspace);
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < a.C;
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < a.dims.C;
        c += int64_t(gridDim.x) * blockDim.x) {
     A sg = 0, sb = 0;
-    for (int64_t n = 0; n < a.N; ++n) {
-      sg += ws[n * a.C + c];
-      sb += ws[a.N * a.C + n * 2 * a.C + c];
+    for (int64_t n = 0; n < a.dims.N; ++n) {
+      sg += ws[n * a.dims.C + c];
+      sb += ws[a.dims.N * a.dims.C + n * 2 * a.dims.C + c];
     }
     static_cast<P*>(a.dgamma)[c] = from_acc<P>(sg);
     static_cast<P*>(a.dbeta)[c] = from_acc<P>(sb);
@@ -123,14 +123,14 @@ __global__ void grad2_param_kernel(GroupNormGrad2Args a) {
 
 template <typename T, typename P>
 const char* grad2_typed(const GroupNormGrad2Args& a, cudaStream_t st) {
-  const int64_t NG = a.N * a.G;
+  const int64_t NG = a.dims.N * a.dims.G;
   if (NG > 2147483647) return "too many groups (N * num_groups >= 2^31)";
   dispatch_act(a.act, [&](auto act) {
-    constexpr int ACT = decltype(act)::value;
+    constexpr Act ACT = decltype(act)::value;
     grad2_group_kernel<T, P, ACT><<<static_cast<unsigned>(NG), kThreads, 0, st>>>(a);
   });
   GN_CUDA_CHECK_LAUNCH();
-  const int64_t blocks = ceil_div(a.C, 256);
+  const int64_t blocks = ceil_div(a.dims.C, 256);
   grad2_param_kernel<T, P><<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, st>>>(a);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
@@ -139,7 +139,7 @@ const char* grad2_typed(const GroupNormGrad2Args& a, cudaStream_t st) {
 template <typename T>
 __global__ void moments_grad2_kernel(MomentsGrad2Args a) {
   using A = AccT<T>;
-  const int64_t ng = blockIdx.x, M = (a.C / a.G) * a.S, off = ng * M;
+  const int64_t ng = blockIdx.x, M = (a.dims.C / a.dims.G) * a.dims.S, off = ng * M;
   const T* x = static_cast<const T*>(a.x);
   T* dx = static_cast<T*>(a.dx);
   const A inv_m = A(1) / static_cast<A>(M);
@@ -163,12 +163,11 @@ __global__ void moments_grad2_kernel(MomentsGrad2Args a) {
 }  // namespace
 
 const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream) {
-  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  if (const char* e = check_group_dims(a.dims)) return e;
   if (!a.x || !a.mean || !a.ddmean_o || !a.ddvar_o || !a.dx || !a.dmean) return "null pointer";
-  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
-  if (a.N * a.G > 2147483647) return "too many groups (N * num_groups >= 2^31)";
+  if (a.dims.N * a.dims.G > 2147483647) return "too many groups (N * num_groups >= 2^31)";
   return dispatch_data(a.dtype, [&](auto t) -> const char* {
-    moments_grad2_kernel<decltype(t)><<<static_cast<unsigned>(a.N * a.G), kThreads, 0,
+    moments_grad2_kernel<decltype(t)><<<static_cast<unsigned>(a.dims.N * a.dims.G), kThreads, 0,
                                         static_cast<cudaStream_t>(stream)>>>(a);
     GN_CUDA_CHECK_LAUNCH();
     return nullptr;
@@ -176,15 +175,14 @@ const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream) {
 }
 
 size_t group_norm_grad2_workspace_cuda(const GroupNormGrad2Args& a) {
-  return static_cast<size_t>(a.N) * static_cast<size_t>(a.C) * 3 * dtype_size(acc_dtype(a.dtype));
+  return static_cast<size_t>(a.dims.N) * static_cast<size_t>(a.dims.C) * 3 * dtype_size(acc_dtype(a.dtype));
 }
 
 const char* group_norm_grad2_cuda(const GroupNormGrad2Args& a, void* stream) {
-  if (a.N <= 0 || a.C <= 0 || a.S <= 0) return "empty tensors are not supported";
+  if (const char* e = check_group_dims(a.dims)) return e;
   if (!a.dy || !a.x || !a.gamma || !a.beta || !a.mean || !a.rstd || !a.ddy || !a.ddmean_o ||
       !a.ddrstd_o || !a.dx || !a.dgamma || !a.dbeta || !a.dmean || !a.drstd || !a.workspace)
     return "null pointer";
-  if (a.G <= 0 || a.C % a.G != 0) return "channels must be divisible by num_groups";
   return dispatch_data_param(a.dtype, a.param_dtype, [&](auto t, auto p) {
     return grad2_typed<decltype(t), decltype(p)>(a, static_cast<cudaStream_t>(stream));
   });

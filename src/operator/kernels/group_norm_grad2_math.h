@@ -8,13 +8,13 @@
 namespace gn_mx {
 
 // act'(z) and act''(z) of the fused activation (relu'' = 0 almost everywhere).
-template <int ACT, typename A>
+template <Act ACT, typename A>
 GN_INLINE A gn_act_d1(A z) {
   return gn_act_grad<ACT>(z, A(1));
 }
-template <int ACT, typename A>
+template <Act ACT, typename A>
 GN_INLINE A gn_act_d2(A z) {
-  if (ACT == kActSilu) {
+  if (ACT == Act::kSilu) {
     const A s = gn_sigmoid(z);
     return s * (A(1) - s) * (A(2) + z * (A(1) - A(2) * s));
   }

@@ -65,16 +65,14 @@ GN_INLINE double gn_exp(double v) {
 #endif
 }
 
-// Activation codes (values of gn_mx::Act).
-constexpr int kActNone = 0, kActRelu = 1, kActSilu = 2;
-
-// Calls f(std::integral_constant<int, ACT>{}) for the activation code (host side of both twins).
+// Calls f(std::integral_constant<Act, ACT>{}) for the activation (host side of both twins); kernels
+// take the activation as a template parameter `Act ACT`.
 template <typename F>
 inline void dispatch_act(Act act, F&& f) {
   switch (act) {
-    case Act::kRelu: f(std::integral_constant<int, kActRelu>{}); return;
-    case Act::kSilu: f(std::integral_constant<int, kActSilu>{}); return;
-    default: f(std::integral_constant<int, kActNone>{}); return;
+    case Act::kRelu: f(std::integral_constant<Act, Act::kRelu>{}); return;
+    case Act::kSilu: f(std::integral_constant<Act, Act::kSilu>{}); return;
+    default: f(std::integral_constant<Act, Act::kNone>{}); return;
   }
 }
 
@@ -83,18 +81,18 @@ GN_INLINE A gn_sigmoid(A z) {
   return A(1) / (A(1) + gn_exp(-z));
 }
 
-template <int ACT, typename A>
+template <Act ACT, typename A>
 GN_INLINE A gn_act(A z) {
-  if (ACT == kActRelu) return z > A(0) ? z : A(0);
-  if (ACT == kActSilu) return z * gn_sigmoid(z);
+  if (ACT == Act::kRelu) return z > A(0) ? z : A(0);
+  if (ACT == Act::kSilu) return z * gn_sigmoid(z);
   return z;
 }
 
 // g = dy * act'(z).
-template <int ACT, typename A>
+template <Act ACT, typename A>
 GN_INLINE A gn_act_grad(A z, A dy) {
-  if (ACT == kActRelu) return z > A(0) ? dy : A(0);
-  if (ACT == kActSilu) {
+  if (ACT == Act::kRelu) return z > A(0) ? dy : A(0);
+  if (ACT == Act::kSilu) {
     const A s = gn_sigmoid(z);
     return dy * (s * (A(1) + z * (A(1) - s)));
   }

@@ -37,12 +37,9 @@ struct Prims {
   void (*bwd_sums)(const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2);
   // dx = c1 dy + c2 (x - mu) + c3.
   void (*bwd_dx)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
-  // The same two with non-temporal (streaming) stores, for outputs too large to stay in cache; a
-  // thread that used them calls fence() before its results are read by others.
-  void (*affine_nt)(const T* x, T* y, int64_t n, A a, A b);
-  void (*bwd_dx_nt)(const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3);
-  // With a fused activation (act = kActNone/kActRelu/kActSilu of group_norm_math.h), indexed
-  // [act][streaming]:
+  // With a fused activation (act = Act::kNone/kRelu/kSilu, group_norm.h), indexed
+  // [act][streaming] (streaming = non-temporal stores, for outputs too large to stay in cache; a
+  // thread that used them calls fence() before its results are read by others):
   //   act_affine: y = act(x * a + b)
   //   act_sums:   g = act'(x * a + b) dy;  *s1 += sum g (x - mu), *s2 += sum g
   //   act_dx:     dx = c1 g + c2 (x - mu) + c3
@@ -56,30 +53,27 @@ struct Prims {
 };
 
 // Fills the tables of a Prims from templates Affine<ACT, NT>::f, Sums<ACT>::f, Dx<ACT, NT>::f; the
-// plain (no activation) entries are the ACT = kActNone instances behind the older signatures.
-template <typename T, template <int, bool> class Affine, template <int> class Sums,
-          template <int, bool> class Dx>
+// plain entries above (affine, bwd_sums, bwd_dx: gn_channel_affine and gn_moments' backward) are the
+// ACT = Act::kNone, cached-store instances.
+template <typename T, template <Act, bool> class Affine, template <Act> class Sums,
+          template <Act, bool> class Dx>
 void fill_act_tables(Prims<T>* p) {
   using A = AccT<T>;
-  p->act_affine[0][0] = Affine<kActNone, false>::f;  p->act_affine[0][1] = Affine<kActNone, true>::f;
-  p->act_affine[1][0] = Affine<kActRelu, false>::f;  p->act_affine[1][1] = Affine<kActRelu, true>::f;
-  p->act_affine[2][0] = Affine<kActSilu, false>::f;  p->act_affine[2][1] = Affine<kActSilu, true>::f;
-  p->act_sums[0] = Sums<kActNone>::f;
-  p->act_sums[1] = Sums<kActRelu>::f;
-  p->act_sums[2] = Sums<kActSilu>::f;
-  p->act_dx[0][0] = Dx<kActNone, false>::f;  p->act_dx[0][1] = Dx<kActNone, true>::f;
-  p->act_dx[1][0] = Dx<kActRelu, false>::f;  p->act_dx[1][1] = Dx<kActRelu, true>::f;
-  p->act_dx[2][0] = Dx<kActSilu, false>::f;  p->act_dx[2][1] = Dx<kActSilu, true>::f;
-  p->affine = Affine<kActNone, false>::f;
-  p->affine_nt = Affine<kActNone, true>::f;
+  p->act_affine[0][0] = Affine<Act::kNone, false>::f;  p->act_affine[0][1] = Affine<Act::kNone, true>::f;
+  p->act_affine[1][0] = Affine<Act::kRelu, false>::f;  p->act_affine[1][1] = Affine<Act::kRelu, true>::f;
+  p->act_affine[2][0] = Affine<Act::kSilu, false>::f;  p->act_affine[2][1] = Affine<Act::kSilu, true>::f;
+  p->act_sums[0] = Sums<Act::kNone>::f;
+  p->act_sums[1] = Sums<Act::kRelu>::f;
+  p->act_sums[2] = Sums<Act::kSilu>::f;
+  p->act_dx[0][0] = Dx<Act::kNone, false>::f;  p->act_dx[0][1] = Dx<Act::kNone, true>::f;
+  p->act_dx[1][0] = Dx<Act::kRelu, false>::f;  p->act_dx[1][1] = Dx<Act::kRelu, true>::f;
+  p->act_dx[2][0] = Dx<Act::kSilu, false>::f;  p->act_dx[2][1] = Dx<Act::kSilu, true>::f;
+  p->affine = Affine<Act::kNone, false>::f;
   p->bwd_sums = [](const T* x, const T* dy, int64_t n, A mu, A* s1, A* s2) {
-    Sums<kActNone>::f(x, dy, n, mu, A(1), A(0), s1, s2);
+    Sums<Act::kNone>::f(x, dy, n, mu, A(1), A(0), s1, s2);
   };
   p->bwd_dx = [](const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3) {
-    Dx<kActNone, false>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
-  };
-  p->bwd_dx_nt = [](const T* x, const T* dy, T* dx, int64_t n, A mu, A c1, A c2, A c3) {
-    Dx<kActNone, true>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
+    Dx<Act::kNone, false>::f(x, dy, dx, n, mu, A(1), A(0), c1, c2, c3);
   };
 }
 
@@ -103,13 +97,13 @@ void moments_generic(const T* x, int64_t n, AccT<T>* mean, AccT<T>* m2) {
   *m2 = q;
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void affine_generic(const T* x, T* y, int64_t n, AccT<T> a, AccT<T> b) {
 #pragma omp simd
   for (int64_t i = 0; i < n; ++i) y[i] = from_acc<T>(gn_act<ACT>(to_acc(x[i]) * a + b));
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_sums_generic(const T* x, const T* dy, int64_t n, AccT<T> mu, AccT<T> a, AccT<T> b,
                       AccT<T>* s1, AccT<T>* s2) {
   using A = AccT<T>;
@@ -125,7 +119,7 @@ void bwd_sums_generic(const T* x, const T* dy, int64_t n, AccT<T> mu, AccT<T> a,
   *s2 += a2;
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 void bwd_dx_generic(const T* x, const T* dy, T* dx, int64_t n, AccT<T> mu, AccT<T> a, AccT<T> b,
                     AccT<T> c1, AccT<T> c2, AccT<T> c3) {
   using A = AccT<T>;
@@ -152,9 +146,9 @@ void store_generic(const AccT<T>* in, T* out, int64_t n) {
 inline void fence_none() {}
 
 template <typename T> struct GenericOps {
-  template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_generic<T, ACT>; };
-  template <int ACT> struct Sums { static constexpr auto f = bwd_sums_generic<T, ACT>; };
-  template <int ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_generic<T, ACT>; };
+  template <Act ACT, bool NT> struct Affine { static constexpr auto f = affine_generic<T, ACT>; };
+  template <Act ACT> struct Sums { static constexpr auto f = bwd_sums_generic<T, ACT>; };
+  template <Act ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_generic<T, ACT>; };
 };
 
 template <typename T>
@@ -266,24 +260,24 @@ GNMX_AVX2_INLINE __m256 sigmoid8(__m256 z) {
   const __m256 one = _mm256_set1_ps(1.0f);
   return _mm256_div_ps(one, _mm256_add_ps(one, exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
 }
-template <int ACT>
+template <Act ACT>
 GNMX_AVX2_INLINE __m256 act8(__m256 z) {
-  if (ACT == kActRelu) return _mm256_max_ps(z, _mm256_setzero_ps());
-  if (ACT == kActSilu) return _mm256_mul_ps(z, sigmoid8(z));
+  if (ACT == Act::kRelu) return _mm256_max_ps(z, _mm256_setzero_ps());
+  if (ACT == Act::kSilu) return _mm256_mul_ps(z, sigmoid8(z));
   return z;
 }
 // dy * act'(z).
-template <int ACT>
+template <Act ACT>
 GNMX_AVX2_INLINE __m256 act_grad8(__m256 z, __m256 dy) {
-  if (ACT == kActRelu) return _mm256_and_ps(dy, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GT_OQ));
-  if (ACT == kActSilu) {
+  if (ACT == Act::kRelu) return _mm256_and_ps(dy, _mm256_cmp_ps(z, _mm256_setzero_ps(), _CMP_GT_OQ));
+  if (ACT == Act::kSilu) {
     const __m256 one = _mm256_set1_ps(1.0f), s = sigmoid8(z);
     return _mm256_mul_ps(dy, _mm256_mul_ps(s, _mm256_fmadd_ps(z, _mm256_sub_ps(one, s), one)));
   }
   return dy;
 }
 
-template <typename T, int ACT, bool NT>
+template <typename T, Act ACT, bool NT>
 GNMX_AVX2 void affine_avx2(const T* x, T* y, int64_t n, float a, float b) {
   const __m256 va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
   int64_t i = 0;
@@ -298,7 +292,7 @@ GNMX_AVX2 void affine_avx2(const T* x, T* y, int64_t n, float a, float b) {
   for (; i < n; ++i) st1(y + i, gn_act<ACT>(ld1(x + i) * a + b));
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 GNMX_AVX2 void bwd_sums_avx2(const T* x, const T* dy, int64_t n, float mu, float a, float b,
                              float* s1, float* s2) {
   const __m256 vmu = _mm256_set1_ps(mu), va = _mm256_set1_ps(a), vb = _mm256_set1_ps(b);
@@ -330,14 +324,14 @@ GNMX_AVX2 void bwd_sums_avx2(const T* x, const T* dy, int64_t n, float mu, float
   *s2 += a2;
 }
 
-template <typename T, int ACT>
+template <typename T, Act ACT>
 GNMX_AVX2_INLINE void bwd_dx1(const T* x, const T* dy, T* dx, float mu, float a, float b, float c1,
                               float c2, float c3) {
   const float xv = ld1(x);
   st1(dx, c1 * gn_act_grad<ACT>(xv * a + b, ld1(dy)) + c2 * (xv - mu) + c3);
 }
 
-template <typename T, int ACT, bool NT>
+template <typename T, Act ACT, bool NT>
 GNMX_AVX2 void bwd_dx_avx2(const T* x, const T* dy, T* dx, int64_t n, float mu, float a, float b,
                            float c1, float c2, float c3) {
   const __m256 vmu = _mm256_set1_ps(mu), v1 = _mm256_set1_ps(c1), v2 = _mm256_set1_ps(c2),
@@ -385,30 +379,30 @@ GNMX_AVX2 void store_avx2(const float* in, T* out, int64_t n) {
 GNMX_AVX2 inline void moments_avx2_d(const double* x, int64_t n, double* mean, double* m2) {
   moments_generic<double>(x, n, mean, m2);
 }
-template <int ACT>
+template <Act ACT>
 GNMX_AVX2 void affine_avx2_d(const double* x, double* y, int64_t n, double a, double b) {
   affine_generic<double, ACT>(x, y, n, a, b);
 }
-template <int ACT>
+template <Act ACT>
 GNMX_AVX2 void bwd_sums_avx2_d(const double* x, const double* dy, int64_t n, double mu, double a,
                                double b, double* s1, double* s2) {
   bwd_sums_generic<double, ACT>(x, dy, n, mu, a, b, s1, s2);
 }
-template <int ACT>
+template <Act ACT>
 GNMX_AVX2 void bwd_dx_avx2_d(const double* x, const double* dy, double* dx, int64_t n, double mu,
                              double a, double b, double c1, double c2, double c3) {
   bwd_dx_generic<double, ACT>(x, dy, dx, n, mu, a, b, c1, c2, c3);
 }
 
 template <typename T> struct Avx2Ops {
-  template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2<T, ACT, NT>; };
-  template <int ACT> struct Sums { static constexpr auto f = bwd_sums_avx2<T, ACT>; };
-  template <int ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx2<T, ACT, NT>; };
+  template <Act ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2<T, ACT, NT>; };
+  template <Act ACT> struct Sums { static constexpr auto f = bwd_sums_avx2<T, ACT>; };
+  template <Act ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx2<T, ACT, NT>; };
 };
 template <> struct Avx2Ops<double> {
-  template <int ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2_d<ACT>; };
-  template <int ACT> struct Sums { static constexpr auto f = bwd_sums_avx2_d<ACT>; };
-  template <int ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx2_d<ACT>; };
+  template <Act ACT, bool NT> struct Affine { static constexpr auto f = affine_avx2_d<ACT>; };
+  template <Act ACT> struct Sums { static constexpr auto f = bwd_sums_avx2_d<ACT>; };
+  template <Act ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx2_d<ACT>; };
 };
 
 template <typename T>

@@ -28,7 +28,7 @@ enum AffOut { kAffOut = 0, kAffNumOut };
 enum AffBwdIn { kAffBdOut = 0, kAffBData, kAffBGamma, kAffBBeta, kAffBOut };
 
 // The (N, C, *spatial) rules with one group: at least 2 dims, none empty.
-GroupShape affine_groups(const std::vector<int64_t>& shape) {
+GroupDims affine_groups(const std::vector<int64_t>& shape) {
   return data_groups(kAffine, shape, 1);
 }
 
@@ -65,7 +65,7 @@ MXReturnValue aff_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   return guarded(kAffine, [&] {
     const MXTensor& x = (*in)[kAffData];
     const Device dev = device_of(kAffine, x, res);
-    const GroupShape gs = affine_groups(x.shape);
+    const GroupDims gs = affine_groups(x.shape);
     check_param_tensor(kAffine, (*in)[kAffGamma], gs, kAffGamma);
     check_param_tensor(kAffine, (*in)[kAffBeta], gs, kAffBeta);
     AffineArgs a;
@@ -75,7 +75,7 @@ MXReturnValue aff_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.gamma = (*in)[kAffGamma].data_ptr;
     a.beta = (*in)[kAffBeta].data_ptr;
     a.y = (*out)[kAffOut].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.S = gs.S;
+    a.dims = gs;
     run(kAffine, dev, kAffFwdKernel, a);
     return MX_SUCCESS;
   });
@@ -86,7 +86,7 @@ MXReturnValue aff_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
   return guarded(kAffine, [&] {
     const MXTensor& x = (*in)[kAffBData];
     const Device dev = device_of(kAffine, x, res);
-    const GroupShape gs = affine_groups(x.shape);
+    const GroupDims gs = affine_groups(x.shape);
     check_grad_dtype(kAffine, (*in)[kAffBdOut], x.dtype, "out");
     AffineBwdArgs a;
     a.dtype = to_dtype(x.dtype);
@@ -97,7 +97,7 @@ MXReturnValue aff_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.dx = (*out)[kAffData].data_ptr;
     a.dgamma = (*out)[kAffGamma].data_ptr;
     a.dbeta = (*out)[kAffBeta].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.S = gs.S;
+    a.dims = gs;
     run(kAffine, dev, kAffBwdKernel, a);
     return MX_SUCCESS;
   });

@@ -3,10 +3,10 @@
  *
  * MXNet 1.9 fetches a library's messages with _msgSize/_msgGet right after every call into it, on
  * the thread that made the call. lib_api's own versions read one process-wide list that nothing
- * ever clears, and _msgGet allocates a std::string per fetch that nobody frees. This file exports
- * replacements (lib_api.cc's are compiled under other names, see CMakeLists.txt) backed by ONE
- * message per thread: set when a callback on this thread fails, dropped when the next callback on
- * this thread starts. So
+ * ever clears, and _msgGet allocates a std::string per fetch that nobody frees. src/link/messages.cc
+ * exports replacements (lib_api.cc's are compiled under other names, see CMakeLists.txt) backed by
+ * the ONE message per thread kept here: set when a callback on this thread fails, dropped when the
+ * next callback on this thread starts. So
  *  - each MXNetError carries exactly its own message (no stale text from earlier errors);
  *  - a successful call leaves nothing to fetch, and a fetch allocates nothing;
  *  - threads never see each other's messages, and nothing is shared, so nothing races.
@@ -44,15 +44,10 @@ void ErrorList::set(const std::string& msg) {
   m.set = true;
 }
 
+const char* ErrorList::current() {
+  const ThreadMessage& m = this_thread_message();
+  return m.set ? m.text.c_str() : nullptr;
+}
+
 }  // namespace mxa
 }  // namespace gn_mx
-
-// The lib_api entry points MXNet's loader looks up by name (exported through src/link/gn_mx.map).
-extern "C" __attribute__((visibility("default"))) int _msgSize() {
-  return gn_mx::mxa::this_thread_message().set ? 1 : 0;
-}
-
-extern "C" __attribute__((visibility("default"))) void _msgGet(int idx, const char** msg) {
-  const auto& m = gn_mx::mxa::this_thread_message();
-  *msg = (m.set && idx == 0) ? m.text.c_str() : "";
-}

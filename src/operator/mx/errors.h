@@ -4,9 +4,10 @@
  * guarded() wraps every lib_api callback: a C++ exception (a bad attribute, a failed check)
  * becomes one message, the op's own text (no "<build path>/file.h[line]: " prefix of lib_api's
  * MX_ERROR_MSG), and MX_FAIL, which MXNet raises as MXNetError at the call site. Messages live in
- * ErrorList, one per thread, which errors.cc serves to MXNet through its own _msgSize/_msgGet
- * (lib_api's versions read a process-wide list that is never cleared: K caught errors made every
- * later call fetch, and leak, K strings, and every later error repeat all K stale messages).
+ * ErrorList, one per thread (errors.cc), which src/link/messages.cc serves to MXNet through its own
+ * _msgSize/_msgGet (lib_api's versions read a process-wide list that is never cleared: K caught
+ * errors made every later call fetch, and leak, K strings, and every later error repeat all K stale
+ * messages).
  */
 #pragma once
 #include <sstream>
@@ -30,17 +31,15 @@ template <typename... Ts>
   throw OpError(os.str());
 }
 
-inline void require(bool ok, const std::string& msg) {
-  if (!ok) throw OpError(msg);
-}
-
-// The calling thread's error message, as MXNet fetches it after each call (errors.cc).
+// The calling thread's error message, as MXNet fetches it after each call.
 class ErrorList {
  public:
   // Drop this thread's message (a callback starts: MXNet has read the previous one).
   static void clear();
   // Store `msg` as the one message MXNet will show for this thread's failing call.
   static void set(const std::string& msg);
+  // This thread's message, or nullptr when there is none (read by src/link/messages.cc).
+  static const char* current();
 };
 
 // Every lib_api callback runs inside guarded(): a C++ exception (a bad attribute, a failed check)

@@ -157,7 +157,7 @@ MXReturnValue grad2(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector
     a.dbeta = (*out)[kBeta].data_ptr;
     a.dmean = (*out)[kMean].data_ptr;
     a.drstd = (*out)[kRstd].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     a.act = p.act;
     run(kOp, dev, kGrad2Kernel, a, {&(*out)[kOut]});
     return MX_SUCCESS;
@@ -245,7 +245,7 @@ MXReturnValue m_grad2(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     a.ddvar_o = (*out)[kMDVar].data_ptr;
     a.dx = (*out)[kMData].data_ptr;
     a.dmean = (*out)[kMMean].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     run(kMOp, dev, kMomentsGrad2Kernel, a, {&(*out)[kMVar]});
     return MX_SUCCESS;
   });

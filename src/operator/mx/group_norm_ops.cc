@@ -53,32 +53,39 @@ Act parse_act(const char* op, const AttrMap& attrs) {
   fail(op, ": attribute act_type must be one of 'none', 'relu', 'silu'; got '", it->second, "'");
 }
 
-// gn_moments has num_groups only; gn_group_norm adds eps and act_type.
+int64_t parse_num_groups(const char* op, const Attrs& a) {
+  const int64_t G = a.get_int("num_groups", 1);
+  if (const char* e = num_groups_error(G)) fail(op, ": ", e);
+  return G;
+}
+
+// gn_moments' attributes: num_groups only.
+GnParams parse_moments(const char* op, const AttrMap& attrs) {
+  GnParams p;
+  p.num_groups = parse_num_groups(op, Attrs(op, attrs, {"num_groups"}));
+  return p;
+}
+
+// gn_group_norm's attributes: num_groups, eps, act_type (`op` names the op in messages).
 GnParams parse_gn(const char* op, const AttrMap& attrs) {
   GnParams p;
-  if (op == kGroupNorm) {
-    Attrs a(op, attrs, {"num_groups", "eps", "act_type"});
-    p.num_groups = a.get_int("num_groups", 1);
-    p.eps = a.get_float("eps", 1e-5);
-    p.act = parse_act(op, attrs);
-  } else {
-    Attrs a(op, attrs, {"num_groups"});
-    p.num_groups = a.get_int("num_groups", 1);
-  }
-  if (p.num_groups <= 0) fail(op, ": num_groups must be positive; got ", p.num_groups);
+  Attrs a(op, attrs, {"num_groups", "eps", "act_type"});
+  p.num_groups = parse_num_groups(op, a);
+  p.eps = a.get_float("eps", 1e-5);
+  p.act = parse_act(op, attrs);
   if (!(p.eps >= 0) || !std::isfinite(p.eps))
     fail(op, ": eps must be a finite number >= 0; got ", p.eps);
   return p;
 }
 
-std::vector<unsigned> stat_shape(const GroupShape& gs) {
+std::vector<unsigned> stat_shape(const GroupDims& gs) {
   return {static_cast<unsigned>(gs.N), static_cast<unsigned>(gs.G)};
 }
 
-template <const char* kOp, int kNumIn, int kNumOut>
+template <const char* kOp, GnParams (*kParse)(const char*, const AttrMap&), int kNumIn, int kNumOut>
 MXReturnValue parse(const AttrMap& attrs, int* num_in, int* num_out) {
   return guarded(kOp, [&] {
-    parse_gn(kOp, attrs);
+    kParse(kOp, attrs);
     *num_in = kNumIn;
     *num_out = kNumOut;
     return MX_SUCCESS;
@@ -105,10 +112,10 @@ MXReturnValue moments_type(const AttrMap& attrs, std::vector<int>* in, std::vect
 MXReturnValue moments_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
                             std::vector<std::vector<unsigned>>* out) {
   return guarded(kMoments, [&] {
-    const GnParams p = parse_gn(kMoments, attrs);
+    const GnParams p = parse_moments(kMoments, attrs);
     const auto& ds = (*in)[kAffData];
     if (shape_unknown(ds)) return MX_SUCCESS;
-    const GroupShape gs = data_groups(kMoments, to_i64(ds), p.num_groups);
+    const GroupDims gs = data_groups(kMoments, to_i64(ds), p.num_groups);
     (*out)[kMMean] = (*out)[kMVar] = stat_shape(gs);
     return MX_SUCCESS;
   });
@@ -117,16 +124,16 @@ MXReturnValue moments_shape(const AttrMap& attrs, std::vector<std::vector<unsign
 MXReturnValue moments_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
                           std::vector<MXTensor>* out, const OpResource& res) {
   return guarded(kMoments, [&] {
-    const GnParams p = parse_gn(kMoments, attrs);
+    const GnParams p = parse_moments(kMoments, attrs);
     const MXTensor& x = (*in)[kAffData];
     const Device dev = device_of(kMoments, x, res);
-    const GroupShape gs = data_groups(kMoments, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kMoments, x.shape, p.num_groups);
     MomentsArgs a;
     a.dtype = to_dtype(x.dtype);
     a.x = x.data_ptr;
     a.mean = (*out)[kMMean].data_ptr;
     a.var = (*out)[kMVar].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     run(kMoments, dev, kMomentsFwdKernel, a);
     return MX_SUCCESS;
   });
@@ -135,10 +142,10 @@ MXReturnValue moments_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
 MXReturnValue moments_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
                           std::vector<MXTensor>* out, const OpResource& res) {
   return guarded(kMoments, [&] {
-    const GnParams p = parse_gn(kMoments, attrs);
+    const GnParams p = parse_moments(kMoments, attrs);
     const MXTensor& x = (*in)[kMBData];
     const Device dev = device_of(kMoments, x, res);
-    const GroupShape gs = data_groups(kMoments, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kMoments, x.shape, p.num_groups);
     const int acc = mx_acc_dtype(x.dtype);
     check_grad_dtype(kMoments, (*in)[kMBdMean], acc, "mean");
     check_grad_dtype(kMoments, (*in)[kMBdVar], acc, "var");
@@ -149,7 +156,7 @@ MXReturnValue moments_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
     a.x = x.data_ptr;
     a.mean = (*in)[kMBMean].data_ptr;
     a.dx = (*out)[kAffData].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     run(kMoments, dev, kMomentsBwdKernel, a);
     return MX_SUCCESS;
   });
@@ -180,7 +187,7 @@ MXReturnValue gn_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>*
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const auto& ds = (*in)[kAffData];
     if (shape_unknown(ds)) return MX_SUCCESS;
-    const GroupShape gs = data_groups(kGroupNorm, to_i64(ds), p.num_groups);
+    const GroupDims gs = data_groups(kGroupNorm, to_i64(ds), p.num_groups);
     infer_affine_param_shapes(kGroupNorm, in, gs);
     (*out)[kOut] = ds;
     (*out)[kMean] = (*out)[kRstd] = stat_shape(gs);
@@ -194,7 +201,7 @@ MXReturnValue gn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const MXTensor& x = (*in)[kAffData];
     const Device dev = device_of(kGroupNorm, x, res);
-    const GroupShape gs = data_groups(kGroupNorm, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups);
     check_param_tensor(kGroupNorm, (*in)[kAffGamma], gs, kAffGamma);
     check_param_tensor(kGroupNorm, (*in)[kAffBeta], gs, kAffBeta);
     GroupNormFwdArgs a;
@@ -206,7 +213,7 @@ MXReturnValue gn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     a.y = (*out)[kOut].data_ptr;
     a.mean = (*out)[kMean].data_ptr;
     a.rstd = (*out)[kRstd].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     a.eps = p.eps;
     a.act = p.act;
     run(kGroupNorm, dev, kGnFwdKernel, a);
@@ -220,7 +227,7 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const MXTensor& x = (*in)[kBData];
     const Device dev = device_of(kGroupNorm, x, res);
-    const GroupShape gs = data_groups(kGroupNorm, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups);
     const int acc = mx_acc_dtype(x.dtype);
     check_grad_dtype(kGroupNorm, (*in)[kBdOut], x.dtype, "out");
     check_grad_dtype(kGroupNorm, (*in)[kBdMean], acc, "mean");
@@ -239,7 +246,7 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     a.dx = (*out)[kAffData].data_ptr;
     a.dgamma = (*out)[kAffGamma].data_ptr;
     a.dbeta = (*out)[kAffBeta].data_ptr;
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     a.eps = p.eps;
     a.act = p.act;
     run(kGroupNorm, dev, kGnBwdKernel, a);
@@ -268,7 +275,8 @@ MXReturnValue moments_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
 }  // namespace gn_mx
 
 REGISTER_OP(gn_moments)
-    .setParseAttrs(gn_mx::mxa::parse<gn_mx::mxa::kMoments, 1, gn_mx::mxa::kMNumOut>)
+    .setParseAttrs(gn_mx::mxa::parse<gn_mx::mxa::kMoments, gn_mx::mxa::parse_moments, 1,
+                                     gn_mx::mxa::kMNumOut>)
     .setInferType(gn_mx::mxa::moments_type)
     .setInferShape(gn_mx::mxa::moments_shape)
     .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kMoments>)
@@ -281,8 +289,8 @@ REGISTER_OP(gn_moments)
     ;
 
 REGISTER_OP(gn_group_norm)
-    .setParseAttrs(gn_mx::mxa::parse<gn_mx::mxa::kGroupNorm, gn_mx::mxa::kAffNumIn,
-                                     gn_mx::mxa::kGnNumOut>)
+    .setParseAttrs(gn_mx::mxa::parse<gn_mx::mxa::kGroupNorm, gn_mx::mxa::parse_gn,
+                                     gn_mx::mxa::kAffNumIn, gn_mx::mxa::kGnNumOut>)
     .setInferType(gn_mx::mxa::gn_type)
     .setInferShape(gn_mx::mxa::gn_shape)
     .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kGroupNorm>)

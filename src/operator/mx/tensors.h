@@ -66,6 +66,16 @@ inline std::vector<int64_t> to_i64(const std::vector<unsigned int>& s) {
   return std::vector<int64_t>(s.begin(), s.end());
 }
 
+// "(2, 30, 8)", "(6,)": a shape as messages print it.
+inline std::string shape_str(const std::vector<int64_t>& s) {
+  std::ostringstream os;
+  os << "(";
+  for (size_t i = 0; i < s.size(); ++i) os << (i ? ", " : "") << s[i];
+  if (s.size() == 1) os << ",";
+  os << ")";
+  return os.str();
+}
+
 // A shape MXNet has not inferred yet: no dims (ndim unknown), or an unknown dim, which arrives as 0
 // under legacy shape semantics and as -1 (UINT_MAX after lib_api's unsigned cast) under Gluon's
 // numpy-style semantics.

@@ -18,12 +18,20 @@
 namespace gn_mx {
 namespace mxa {
 
-inline GroupShape data_groups(const char* op, const std::vector<int64_t>& shape, int64_t G) {
-  GroupShape gs;
-  const std::string msg = check_group_shape(op, shape, G, &gs);
-  if (!msg.empty()) throw OpError(msg);
-  return gs;
+// The (N, C, *spatial) data shape in `G` groups; throws the op's message (group_shape.h's wording,
+// then the data shape) when the rank is below 2 or check_group_dims() rejects it.
+inline GroupDims data_groups(const char* op, const std::vector<int64_t>& shape, int64_t G) {
+  if (shape.size() < 2)
+    fail(op, ": data must have at least 2 dims (N, C, *spatial); got shape ", shape_str(shape));
+  int64_t S = 1;
+  for (size_t i = 2; i < shape.size(); ++i) S *= shape[i];
+  const GroupDims d = group_dims(shape[0], shape[1], G, S);
+  if (const char* e = check_group_dims(d)) fail(op, ": ", e, "; data shape ", shape_str(shape));
+  return d;
 }
+
+// dbn_ops.cc still spells the type GroupShape (its kernel header moves to GroupDims separately).
+using GroupShape = GroupDims;
 
 inline void check_float_data(const char* op, int t) {
   if (t != kDtypeUnknown && !is_float_dtype(t))
@@ -62,7 +70,7 @@ inline int infer_affine_param_types(const char* op, std::vector<int>* in) {
 
 // Fills unknown gamma/beta shapes with (C,) from data (deferred init) and checks known ones.
 inline void infer_affine_param_shapes(const char* op, std::vector<std::vector<unsigned>>* in,
-                                      const GroupShape& gs) {
+                                      const GroupDims& gs) {
   const std::vector<unsigned> cshape = {static_cast<unsigned>(gs.C)};
   for (int i : {kAffGamma, kAffBeta}) {
     auto& s = (*in)[i];
@@ -76,7 +84,7 @@ inline void infer_affine_param_shapes(const char* op, std::vector<std::vector<un
 }
 
 // Run-time check of a gamma/beta tensor against the data's channels.
-inline void check_param_tensor(const char* op, const MXTensor& t, const GroupShape& gs, int i) {
+inline void check_param_tensor(const char* op, const MXTensor& t, const GroupDims& gs, int i) {
   if (t.shape.size() != 1 || t.shape[0] != gs.C)
     fail(op, ": ", affine_input_name(i), " must have shape (", gs.C, ",); got ", shape_str(t.shape));
 }

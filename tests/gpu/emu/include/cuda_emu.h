@@ -5,7 +5,7 @@
  * fiber on the calling OS thread, switched round-robin at __syncthreads (a barrier over the block) and
  * at warp shuffles (per-warp slots and a 32-lane barrier); __shared__ variables are function
  * statics (one block at a time makes that exact). Kernel launches `k<<<g, b, smem, s>>>(args)` are rewritten by build_emu.py into
- * `emu::launch(k, g, b, smem, s)(args)`. Used by tests/gpu/emu/build_emu.sh only.
+ * `emu::launch(k, g, b, smem, s)(args)`. Used by tests/gpu/emu/build_emu.py only.
  */
 #pragma once
 #include <immintrin.h>
