@@ -38,11 +38,11 @@ int main(int argc, char** argv) {
     for (auto& v : x) v = nd(rng);
     for (auto& v : dy) v = nd(rng);
     DbnFwdArgs f; f.x = x.data(); f.y = y.data(); f.mean = mean.data(); f.eigvec = U.data(); f.eigval = l.data();
-    f.running_mean = rm.data(); f.running_proj = rp.data(); f.N = sh.N; f.C = sh.C; f.G = sh.G; f.S = sh.S; f.num_threads = nt;
+    f.running_mean = rm.data(); f.running_proj = rp.data(); f.dims = group_dims(sh.N, sh.C, sh.G, sh.S); f.num_threads = nt;
     DbnBwdArgs b; b.dy = dy.data(); b.x = x.data(); b.mean = mean.data(); b.eigvec = U.data(); b.eigval = l.data(); b.dx = dx.data();
-    b.N = sh.N; b.C = sh.C; b.G = sh.G; b.S = sh.S; b.num_threads = nt;
+    b.dims = group_dims(sh.N, sh.C, sh.G, sh.S); b.num_threads = nt;
     DbnInferenceArgs ia; ia.x = x.data(); ia.y = y.data(); ia.running_mean = rm.data(); ia.running_proj = rp.data();
-    ia.N = sh.N; ia.C = sh.C; ia.G = sh.G; ia.S = sh.S; ia.num_threads = nt;
+    ia.dims = group_dims(sh.N, sh.C, sh.G, sh.S); ia.num_threads = nt;
     size_t ws = std::max({dbn_fwd_workspace_cpu(f), dbn_bwd_workspace_cpu(b), dbn_inference_workspace_cpu(ia)});
     void* w = aligned_alloc(64, (ws + 63) / 64 * 64);
     f.workspace = b.workspace = ia.workspace = w;

@@ -168,7 +168,7 @@ GNH_API size_t gnh_dbn_fwd_workspace(int dtype, int stat_dtype, int64_t N, int64
   DbnFwdArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.stat_dtype = static_cast<DType>(stat_dtype);
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return dbn_fwd_workspace_cuda(a);
 }
 
@@ -181,7 +181,7 @@ GNH_API const char* gnh_dbn_fwd(int dtype, int stat_dtype, const void* x, void* 
   a.stat_dtype = static_cast<DType>(stat_dtype);
   a.x = x; a.y = y; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval;
   a.running_mean = running_mean; a.running_proj = running_proj; a.workspace = workspace;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   a.eps = eps;
   a.momentum = momentum;
   return dbn_fwd_cuda(a, stream);
@@ -190,7 +190,7 @@ GNH_API const char* gnh_dbn_fwd(int dtype, int stat_dtype, const void* x, void* 
 GNH_API size_t gnh_dbn_bwd_workspace(int dtype, int64_t N, int64_t C, int64_t G, int64_t S) {
   DbnBwdArgs a;
   a.dtype = static_cast<DType>(dtype);
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return dbn_bwd_workspace_cuda(a);
 }
 
@@ -201,7 +201,7 @@ GNH_API const char* gnh_dbn_bwd(int dtype, const void* dy, const void* x, const 
   a.dtype = static_cast<DType>(dtype);
   a.dy = dy; a.x = x; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval; a.dx = dx;
   a.workspace = workspace;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return dbn_bwd_cuda(a, stream);
 }
 
@@ -210,7 +210,7 @@ GNH_API size_t gnh_dbn_inference_workspace(int dtype, int stat_dtype, int64_t N,
   DbnInferenceArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.stat_dtype = static_cast<DType>(stat_dtype);
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return dbn_inference_workspace_cuda(a);
 }
 
@@ -224,7 +224,7 @@ GNH_API const char* gnh_dbn_inference(int dtype, int stat_dtype, int backward, c
   a.stat_dtype = static_cast<DType>(stat_dtype);
   a.x = x; a.running_mean = running_mean; a.running_proj = running_proj; a.y = y;
   a.workspace = workspace;
-  a.N = N; a.C = C; a.G = G; a.S = S;
+  a.dims = group_dims(N, C, G, S);
   return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
 }
 

@@ -76,6 +76,7 @@
 #include <cstdio>
 
 #include "../common/acc_type.h"
+#include "../common/group_shape.h"
 
 namespace gn_mx {
 
@@ -102,7 +103,7 @@ struct DbnFwdArgs {
   const void* gamma = nullptr;         // (C,) param_dtype
   const void* beta = nullptr;          // (C,) param_dtype
   void* workspace = nullptr;           // dbn_fwd_workspace_*() bytes
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;  // common/group_shape.h (the adapter fills it from the data shape)
   double eps = 1e-5;
   double momentum = 0.9;
   DbnWhitening whitening = DbnWhitening::kZca;
@@ -125,7 +126,7 @@ struct DbnBwdArgs {
   void* dgamma = nullptr;              // (C,) param_dtype
   void* dbeta = nullptr;               // (C,) param_dtype
   void* workspace = nullptr;           // dbn_bwd_workspace_*() bytes
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;  // common/group_shape.h (the adapter fills it from the data shape)
   DbnWhitening whitening = DbnWhitening::kZca;  // as the forward's
   int iterations = 5;
   int num_threads = 0;
@@ -149,7 +150,7 @@ struct DbnInferenceArgs {
   void* dgamma = nullptr;              // (C,) param_dtype (backward)
   void* dbeta = nullptr;               // (C,) param_dtype (backward)
   void* workspace = nullptr;           // dbn_inference_workspace_*() bytes
-  int64_t N = 0, C = 0, G = 1, S = 1;
+  GroupDims dims;  // common/group_shape.h (the adapter fills it from the data shape)
   int num_threads = 0;
 };
 
@@ -183,20 +184,22 @@ inline const char* dbn_group_size_error(int64_t D, int64_t limit, const char* de
 
 // The shape of a call: G groups of D = C/G channels, each group a D x m matrix (m = N*S columns).
 // The CPU's panel geometry (PanelGeo) and the CUDA launch plan (DbnCudaPlan) extend it.
-struct DbnShape {
-  int64_t N = 0, C = 0, G = 1, D = 0, S = 1, m = 0;
+// GroupDims plus the number of samples per channel m = N * S (the covariance's divisor).
+struct DbnShape : GroupDims {
+  int64_t m = 0;
 };
 inline DbnShape dbn_shape(int64_t N, int64_t C, int64_t G, int64_t S) {
   DbnShape q;
-  q.N = N; q.C = C; q.G = G; q.D = C / G; q.S = S; q.m = N * S;
+  static_cast<GroupDims&>(q) = group_dims(N, C, G, S);
+  q.m = N * S;
   return q;
 }
 
-// nullptr for a valid shape whose group size fits the device's `limit`; else the error.
+// nullptr for a valid shape (group_shape.h's one check and wording) whose group size fits the
+// device's `limit`; else the error.
 inline const char* dbn_check_shape(int64_t N, int64_t C, int64_t G, int64_t S, int64_t limit,
                                    const char* device) {
-  if (N <= 0 || C <= 0 || G <= 0 || S <= 0) return "N, C, G and S must be positive";
-  if (C % G != 0) return "C must be divisible by G";
+  if (const char* e = check_group_dims(group_dims(N, C, G, S))) return e;
   return dbn_group_size_error(C / G, limit, device);
 }
 

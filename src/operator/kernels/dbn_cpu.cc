@@ -241,7 +241,7 @@ struct FwdPass {
   };
 
   FwdPass(const DbnFwdArgs& args, Carver* cv)
-      : a(args), q(make_geo(a.N, a.C, a.G, a.S)), nt(resolve_threads(a.num_threads)),
+      : a(args), q(make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)), nt(resolve_threads(a.num_threads)),
         L(fwd_layout<A>(cv, q, nt, a.whitening)), x(static_cast<const T*>(a.x)),
         y(static_cast<T*>(a.y)),
         mean(static_cast<A*>(a.mean)), eigvec(static_cast<A*>(a.eigvec)),
@@ -519,7 +519,7 @@ struct BwdPass {
   };
 
   BwdPass(const DbnBwdArgs& args, Carver* cv)
-      : a(args), q(make_geo(a.N, a.C, a.G, a.S)), nt(resolve_threads(a.num_threads)),
+      : a(args), q(make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)), nt(resolve_threads(a.num_threads)),
         L(bwd_layout<A>(cv, q, nt, a)), x(static_cast<const T*>(a.x)),
         dy(static_cast<const T*>(a.dy)), dx(static_cast<T*>(a.dx)),
         mean(static_cast<const A*>(a.mean)), eigvec(static_cast<const A*>(a.eigvec)),
@@ -674,7 +674,7 @@ struct InfPass {
   bool affine;
 
   InfPass(const DbnInferenceArgs& args, bool bwd, Carver* cv)
-      : a(args), backward(bwd), q(make_geo(a.N, a.C, a.G, a.S)),
+      : a(args), backward(bwd), q(make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)),
         nt(resolve_threads(a.num_threads)), L(inf_layout<A>(cv, q, nt, a.dgamma != nullptr)), D(q.D), DD(q.D * q.D),
         Di(static_cast<int>(q.D)), affine(a.gamma != nullptr) {
     Dw = Di + (affine && !backward ? 1 : 0);
@@ -798,9 +798,9 @@ const char* run_typed(DType t, F&& f) {
 // for the data dtype; 0 for an invalid shape.
 template <typename Args, typename L>
 size_t ws_size(const Args& a, L&& layout) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  if (check_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)) return 0;
   Carver c;
-  const PanelGeo q = make_geo(a.N, a.C, a.G, a.S);
+  const PanelGeo q = make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S);
   const int nt = resolve_threads(a.num_threads);
   cpu::dispatch_data(a.dtype, [&](auto tag) { layout(tag, &c, q, nt); });
   return c.off + kAlign;
@@ -827,7 +827,7 @@ size_t dbn_inference_workspace_cpu(const DbnInferenceArgs& a) {
 }
 
 const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)) return e;
   if (!a.x || !a.y || !a.mean || !a.eigvec || !a.eigval || !a.workspace)
     return "forward: null pointer";
   if ((a.running_mean || a.running_proj) && !dbn_stat_dtype_ok(a.dtype, a.stat_dtype))
@@ -839,7 +839,7 @@ const char* dbn_fwd_cpu(const DbnFwdArgs& a) {
 }
 
 const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)) return e;
   if (!a.dy || !a.x || !a.mean || !a.eigvec || !a.eigval || !a.dx || !a.workspace)
     return "backward: null pointer";
   if (const char* e = dbn_affine_bwd_error(a)) return e;
@@ -848,7 +848,7 @@ const char* dbn_bwd_cpu(const DbnBwdArgs& a) {
 }
 
 static const char* inference_dispatch(const DbnInferenceArgs& a, bool backward) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)) return e;
   if (!a.x || !a.y || !a.running_proj || (!backward && !a.running_mean) || !a.workspace)
     return "inference: null pointer";
   if (!dbn_stat_dtype_ok(a.dtype, a.stat_dtype))

@@ -665,14 +665,14 @@ const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, int
 }
 template <typename T>
 const char* plan_for(const DbnFwdArgs& a, DbnCudaPlan* q) {
-  const int64_t D = a.C / a.G;
-  return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, D * D, gram_kernel<T, false>,
+  const int64_t D = a.dims.C / a.dims.G;
+  return plan_geo<AccT<T>>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, 1, D * D, gram_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 template <typename T>
 const char* plan_for(const DbnBwdArgs& a, DbnCudaPlan* q) {
-  const int64_t D = a.C / a.G;
-  return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 2, D * D + D, gram_kernel<T, true>,
+  const int64_t D = a.dims.C / a.dims.G;
+  return plan_geo<AccT<T>>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, 2, D * D + D, gram_kernel<T, true>,
                            apply_kernel<T, true>, q);
 }
 template <typename T>
@@ -680,11 +680,11 @@ const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {
   if (a.dgamma) {  // the affine backward runs the training backward's gram kernel: its plan
     DbnBwdArgs b;
     b.dtype = a.dtype;
-    b.N = a.N; b.C = a.C; b.G = a.G; b.S = a.S;
+    b.dims = a.dims;
     return plan_for<T>(b, q);
   }
   // no gram kernel: its plan is unused
-  return plan_geo<AccT<T>>(a.N, a.C, a.G, a.S, 1, 0, apply_kernel<T, false>,
+  return plan_geo<AccT<T>>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, 1, 0, apply_kernel<T, false>,
                            apply_kernel<T, false>, q);
 }
 
@@ -794,7 +794,7 @@ const char* check_ws(const void* ws) {
 // what the kernels take; 0 for an invalid call.
 template <typename Args, typename F>
 size_t ws_size(const Args& a, F&& layout) {
-  if (check_geo(a.N, a.C, a.G, a.S)) return 0;
+  if (check_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)) return 0;
   Carver c;
   const char* err = dispatch(a.dtype, [&](auto tag) -> const char* {
     DbnCudaPlan q;
@@ -809,7 +809,7 @@ size_t ws_size(const Args& a, F&& layout) {
 // impl(tag) for the data dtype.
 template <typename Args, typename F>
 const char* checked_run(const Args& a, std::initializer_list<const char*> errors, F&& impl) {
-  if (const char* e = check_geo(a.N, a.C, a.G, a.S)) return e;
+  if (const char* e = check_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)) return e;
   for (const char* e : errors)
     if (e) return e;
   return dispatch(a.dtype, [&](auto tag) { return impl(tag); });

@@ -140,8 +140,8 @@ void check_dbn_eps(const char* op, double eps, int data_dtype, int stat_dtype) {
          limits::kMinEpsFloat16Stats, " or float32 running statistics");
 }
 
-std::vector<unsigned> mean_shape(const GroupShape& gs) { return {static_cast<unsigned>(gs.C)}; }
-std::vector<unsigned> proj_shape(const GroupShape& gs) {
+std::vector<unsigned> mean_shape(const GroupDims& gs) { return {static_cast<unsigned>(gs.C)}; }
+std::vector<unsigned> proj_shape(const GroupDims& gs) {
   return {static_cast<unsigned>(gs.G), static_cast<unsigned>(gs.D), static_cast<unsigned>(gs.D)};
 }
 
@@ -154,7 +154,7 @@ MXReturnValue dbn_shape_common(const char* op, bool training, const AttrMap& att
   const DbnParams p = parse_dbn(op, attrs, training);
   const auto& ds = (*in)[p.in.data];
   if (shape_unknown(ds)) return MX_SUCCESS;
-  const GroupShape gs = data_groups(op, to_i64(ds), p.num_groups);
+  const GroupDims gs = data_groups(op, to_i64(ds), p.num_groups);
   // lib_api shape inference does not know the device: the CPU limit here, the CUDA one (smaller)
   // first thing in the callbacks (tensor_groups); one message format (dbn_group_size_error).
   if (const char* e = dbn_group_size_error(gs.D, kDbnMaxGroupSizeCpu, "cpu")) fail(op, ": ", e);
@@ -221,10 +221,10 @@ MXReturnValue dbn_mutate(const AttrMap& attrs, std::vector<int>* idx) {
 // Forward/backward re-check what they index with: the data shape, the statistics' sizes, gamma /
 // beta with the affine, and the device's group-size limit (checked before any workspace or launch).
 // `ins` points at the forward inputs (data first) inside the callback's tensor list.
-GroupShape tensor_groups(const char* op, const Device& dev, const DbnParams& p,
+GroupDims tensor_groups(const char* op, const Device& dev, const DbnParams& p,
                          const MXTensor* ins) {
   const MXTensor& x = ins[p.in.data];
-  const GroupShape gs = data_groups(op, x.shape, p.num_groups);
+  const GroupDims gs = data_groups(op, x.shape, p.num_groups);
   if (ins[p.in.rmean].size() != gs.C || ins[p.in.rproj].size() != gs.G * gs.D * gs.D)
     fail(op, ": running statistics do not match data shape ", shape_str(x.shape));
   if (p.affine) {
@@ -276,7 +276,7 @@ MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     const MXTensor* ins = in->data();
     const MXTensor& x = ins[p.in.data];
     const Device dev = device_of(kDbn, x, res);
-    const GroupShape gs = tensor_groups(kDbn, dev, p, ins);
+    const GroupDims gs = tensor_groups(kDbn, dev, p, ins);
     DbnFwdArgs a;
     a.dtype = to_dtype(x.dtype);
     a.stat_dtype = to_dtype(ins[p.in.rmean].dtype);
@@ -292,7 +292,7 @@ MXReturnValue dbn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
       a.gamma = ins[p.in.gamma].data_ptr;
       a.beta = ins[p.in.beta].data_ptr;
     }
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     a.eps = p.eps;
     a.momentum = p.momentum;
     a.whitening = p.whitening;
@@ -311,7 +311,7 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     const MXTensor* outs = ins + p.in.num;                // the forward outputs
     const MXTensor& x = ins[p.in.data];
     const Device dev = device_of(kDbn, x, res);
-    const GroupShape gs = tensor_groups(kDbn, dev, p, ins);
+    const GroupDims gs = tensor_groups(kDbn, dev, p, ins);
     check_grad_dtype(kDbn, (*in)[kOut], x.dtype, "out");
     DbnBwdArgs a;
     a.dtype = to_dtype(x.dtype);
@@ -327,7 +327,7 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
       a.dgamma = (*out)[p.in.gamma].data_ptr;
       a.dbeta = (*out)[p.in.beta].data_ptr;
     }
-    a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+    a.dims = gs;
     a.whitening = p.whitening;
     a.iterations = p.iterations;
     run(kDbn, dev, kBwdKernel, a, {&(*out)[p.in.rmean], &(*out)[p.in.rproj]});
@@ -336,7 +336,7 @@ MXReturnValue dbn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
 }
 
 // ---- gn_dbn_inference -----------------------------------------------------------------------------
-DbnInferenceArgs inference_args(const DbnParams& p, const MXTensor* ins, const GroupShape& gs) {
+DbnInferenceArgs inference_args(const DbnParams& p, const MXTensor* ins, const GroupDims& gs) {
   DbnInferenceArgs a;
   a.dtype = to_dtype(ins[p.in.data].dtype);
   a.stat_dtype = to_dtype(ins[p.in.rproj].dtype);
@@ -346,7 +346,7 @@ DbnInferenceArgs inference_args(const DbnParams& p, const MXTensor* ins, const G
     a.param_dtype = to_dtype(ins[p.in.gamma].dtype);
     a.gamma = ins[p.in.gamma].data_ptr;
   }
-  a.N = gs.N; a.C = gs.C; a.G = gs.G; a.S = gs.S;
+  a.dims = gs;
   return a;
 }
 
@@ -357,7 +357,7 @@ MXReturnValue inf_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     const MXTensor* ins = in->data();
     const MXTensor& x = ins[p.in.data];
     const Device dev = device_of(kDbnInf, x, res);
-    const GroupShape gs = tensor_groups(kDbnInf, dev, p, ins);
+    const GroupDims gs = tensor_groups(kDbnInf, dev, p, ins);
     DbnInferenceArgs a = inference_args(p, ins, gs);
     a.x = x.data_ptr;
     a.y = (*out)[kOut].data_ptr;
@@ -377,7 +377,7 @@ MXReturnValue inf_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     const MXTensor* ins = in->data() + 1;
     const MXTensor& x = ins[p.in.data];
     const Device dev = device_of(kDbnInf, x, res);
-    const GroupShape gs = tensor_groups(kDbnInf, dev, p, ins);
+    const GroupDims gs = tensor_groups(kDbnInf, dev, p, ins);
     check_grad_dtype(kDbnInf, (*in)[0], x.dtype, "out");
     DbnInferenceArgs a = inference_args(p, ins, gs);
     a.x = (*in)[0].data_ptr;

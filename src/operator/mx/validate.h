@@ -30,9 +30,6 @@ inline GroupDims data_groups(const char* op, const std::vector<int64_t>& shape, 
   return d;
 }
 
-// dbn_ops.cc still spells the type GroupShape (its kernel header moves to GroupDims separately).
-using GroupShape = GroupDims;
-
 inline void check_float_data(const char* op, int t) {
   if (t != kDtypeUnknown && !is_float_dtype(t))
     fail(op, ": data must be float16, float32 or float64; got ", mx_dtype_name(t));

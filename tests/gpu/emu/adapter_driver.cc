@@ -299,14 +299,14 @@ void check_kernel_messages() {
   for (float& v : gam) v = 1.0f;
   GroupNormFwdArgs f;
   f.x = x; f.gamma = gam; f.beta = bet; f.y = y; f.mean = mean; f.rstd = rstd;
-  f.N = N; f.C = C; f.G = G; f.S = S;
+  f.dims = group_dims(N, C, G, S);
   GroupNormBwdArgs b;
   b.dy = x; b.x = x; b.mean = mean; b.rstd = rstd; b.gamma = gam; b.beta = bet; b.dx = dx;
   b.dgamma = dg; b.dbeta = db; b.workspace = ws;
-  b.N = N; b.C = C; b.G = G; b.S = S;
+  b.dims = group_dims(N, C, G, S);
   MomentsArgs m;
   m.x = x; m.mean = mean; m.var = rstd;
-  m.N = N; m.C = C; m.G = G; m.S = S;
+  m.dims = group_dims(N, C, G, S);
 
   GroupNormBwdArgs nows = b;
   nows.workspace = nullptr;
@@ -328,7 +328,7 @@ void check_kernel_messages() {
   same_message("param dtype (backward)", group_norm_bwd_cpu(bp), group_norm_bwd_cuda(bp, nullptr),
                kBadParamDtype);
   GroupNormFwdArgs fd = f;
-  fd.G = 3;
+  fd.dims = group_dims(N, C, 3, S);
   const char* cpu_dims = group_norm_fwd_cpu(fd);
   same_message("channels / num_groups", cpu_dims, group_norm_fwd_cuda(fd, nullptr),
                cpu_dims ? cpu_dims : "channels must be divisible");
@@ -344,9 +344,7 @@ void check_kernel_messages() {
   mw.workspace = odd;
   gpu_message("moments workspace alignment", moments_cuda(mw, nullptr), kGnWorkspaceAlign);
   GroupNormFwdArgs big = f;
-  big.C = int64_t(1) << 20;
-  big.G = 1;
-  big.S = int64_t(1) << 12;
+  big.dims = group_dims(N, int64_t(1) << 20, 1, int64_t(1) << 12);
   gpu_message("group size limit", group_norm_fwd_cuda(big, nullptr), kGnCudaGroupLimit);
   // And the valid calls succeed on both (the checks above are not always-failing).
   report(group_norm_fwd_cpu(f) == nullptr && group_norm_fwd_cuda(f, nullptr) == nullptr &&
