@@ -114,3 +114,91 @@ def test_gpu_harness_sass_for_every_arch_ptx_for_the_highest(tmp_path):
     for cmd in cu.values():
         assert "arch=compute_75,code=[sm_75]" in cmd and "code=[compute_90,sm_90]" in cmd, cmd
         assert "code=[compute_75" not in cmd, cmd  # no PTX for the lower arch
+
+
+# ------------------------------------------------------------------------------------------------
+# "This build cannot run here": the first GPU call on a too-old driver or on a GPU without a kernel
+# in the build explains what was found and what is needed (cuda_common.cuh cuda_error ->
+# cuda_util.cu cuda_setup_error_message). Run without a GPU through the CPU emulator
+# (tests/gpu/emu), which injects the CUDA error (GNMX_EMU_CUDA_ERROR) and reports a driver version
+# (GNMX_EMU_DRIVER) and a compute capability (GNMX_EMU_CC).
+
+SETUP_MAIN = r'''
+#include <cstdio>
+#include "cuda_util.h"
+int main() {
+  static unsigned char buf[64];
+  const char* e = gn_mx::zero_cuda(buf, sizeof buf, nullptr);  // every CUDA error goes via cuda_error
+  std::printf("%s\n", e ? e : "OK");
+  return 0;
+}
+'''
+
+ARCHS_118 = "50-real,60-real,61-real,70-real,75-real,80-real,86-real,89-real,90"
+
+
+@pytest.fixture(scope="module")
+def setup_error_exe(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu", "emu"))
+    import build_emu
+    out = tmp_path_factory.mktemp("setup_err")
+    kdir = os.path.join(ROOT, "src", "operator", "kernels")
+    src = out / "cuda_util_emu.cc"
+    cu = os.path.join(kdir, "cuda_util.cu")
+    src.write_text(f'#line 1 "{cu}"\n' + build_emu.rewrite(cu))
+    (out / "main.cc").write_text(SETUP_MAIN)
+    exe = str(out / "setup_err")
+    r = subprocess.run(["g++", "-std=c++20", "-O0", "-mf16c", "-pthread", "-D__CUDACC__",
+                        "-DGNMX_WITH_CUDA", "-DCUDART_VERSION=11080",
+                        f'-DGNMX_CUDA_ARCHS="{ARCHS_118}"', "-include", "cuda_emu.h",
+                        "-I", os.path.join(ROOT, "tests", "gpu", "emu", "include"), "-I", kdir,
+                        "-I", os.path.join(ROOT, "src", "operator"), str(src), str(out / "main.cc"),
+                        "-o", exe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+def _setup_error(exe, **env):
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **{k: str(v) for k, v in env.items()}))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_cuda_setup_error_driver_too_old(setup_error_exe):
+    # A CUDA 11.8 build on a driver of CUDA 11.0 (r450.51, below minor-version compatibility).
+    msg = _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=35, GNMX_EMU_DRIVER=11000)
+    assert "cudaErrorInsufficientDriver" in msg, msg
+    assert "driver reports CUDA 11.0" in msg and "CUDA 11.8 runtime" in msg, msg
+    assert "NVIDIA driver >= 450.80.02" in msg and "docs/install.md" in msg, msg
+    # No driver at all (cudaDriverGetVersion reports 0).
+    msg = _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=35, GNMX_EMU_DRIVER=0)
+    assert "(no driver found)" in msg, msg
+
+
+def test_cuda_setup_error_no_kernel_for_the_gpu(setup_error_exe):
+    # A Kepler GPU (sm_37): below every SASS arch of the build, and the PTX is compute_90.
+    msg = _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=209, GNMX_EMU_CC=37,
+                       GNMX_EMU_DRIVER=11040)
+    assert "cudaErrorNoKernelImageForDevice" in msg, msg
+    assert "compute capability 3.7" in msg, msg
+    assert "SASS for sm_50, sm_60, sm_61, sm_70, sm_75, sm_80, sm_86, sm_89, sm_90" in msg, msg
+    assert "PTX for compute_90" in msg and "GNMX_CUDA_ARCH=37" in msg, msg
+    assert "driver reports 11.4" in msg, msg
+
+
+def test_cuda_errors_without_setup_problem_pass_through(setup_error_exe):
+    assert _setup_error(setup_error_exe) == "OK"
+    assert _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=2) == "cuda_emu error"
+
+
+def test_every_cuda_error_goes_through_cuda_error():
+    # One place decides how a CUDA error reads: no .cu file formats cudaError_t itself.
+    kdir = os.path.join(ROOT, "src", "operator", "kernels")
+    for name in os.listdir(kdir):
+        if name.endswith((".cu", ".cuh")) and name not in ("cuda_common.cuh", "cuda_util.cu"):
+            with open(os.path.join(kdir, name)) as f:
+                text = re.sub(r"//.*|/\*.*?\*/", "", f.read(), flags=re.S)
+            assert "cudaGetErrorString" not in text, name

@@ -6,7 +6,7 @@
 before ``gluon.SymbolBlock.imports`` / ``mx.sym.load``. With onnx installed it also registers the
 ONNX converters (``gn_mx.onnx``) with ``mx.onnx.export_model``.
 """
-from ._library import library_path, load as _load
+from ._library import build_info, library_path, load as _load
 from . import amp
 
 amp.install(_load)  # loads the library keeping amp.init()'s wrappers; registers our ops with AMP
@@ -24,5 +24,5 @@ from ._library import register_onnx_converters as _onnx  # noqa: E402
 _onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is installed
 
 __version__ = "0.1.0"
-__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "library_path", "norm_layer", "ops", "parallel",
-           "sym", "sync_running_stats", "__version__"]
+__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "build_info", "library_path", "norm_layer", "ops",
+           "parallel", "sym", "sync_running_stats", "__version__"]
