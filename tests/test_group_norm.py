@@ -122,6 +122,32 @@ def test_constant_group_is_finite(ctx):
     assert np.isnan(out0.asnumpy()).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_one_element_groups_with_eps_zero(ctx, dtype):
+    """One-element groups are constant in x (x - mean = 0 for every x), so even with eps = 0
+    (rstd = inf) the output is exactly beta and dx = 0 - unlike larger constant groups above."""
+    x = np.random.RandomState(5).randn(4, 3).astype(dtype)
+    g, b = np.array([1.5, -2.0, 0.5], dtype), np.array([0.25, -1.0, 3.0], dtype)
+    out, mean, rstd, *_ = _run_gn(x, g, b, 3, 0.0, ctx)
+    np.testing.assert_array_equal(out.asnumpy(), np.broadcast_to(b, x.shape))
+    assert np.isinf(rstd.asnumpy()).all()
+    ref, _, _ = group_norm_ref(x, g, b, 3, 0.0)
+    np.testing.assert_array_equal(ref, np.broadcast_to(b.astype(np.float64), x.shape))
+    xs, gs, bs = (mx.nd.array(a, ctx=ctx, dtype=dtype) for a in (x, g, b))
+    for a in (xs, gs, bs):
+        a.attach_grad()
+    dy = np.random.RandomState(6).randn(*x.shape).astype(dtype)
+    with autograd.record():
+        y = mx.nd.gn_group_norm(xs, gs, bs, num_groups=3, eps=0.0)[0]
+    y.backward(mx.nd.array(dy, ctx=ctx, dtype=dtype))
+    dx, dg, db = group_norm_bwd_ref(x, g, dy, 3, 0.0)
+    np.testing.assert_array_equal(xs.grad.asnumpy(), 0)
+    np.testing.assert_array_equal(dx, 0)
+    np.testing.assert_array_equal(gs.grad.asnumpy(), 0)
+    np.testing.assert_allclose(bs.grad.asnumpy(), dy.astype(np.float64).sum(0), rtol=tol(dtype)[0])
+    np.testing.assert_allclose(db, dy.astype(np.float64).sum(0))
+
+
 def test_backward_reference_matches_finite_differences():
     """The numpy backward reference itself, including gradients into mean and rstd."""
     rng = np.random.RandomState(0)

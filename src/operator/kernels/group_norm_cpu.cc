@@ -170,11 +170,12 @@ void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<
   exact_stats(xg, D * S, eps, &x0, &d, &r);
   *mean = static_cast<A>(x0 + d);
   *rstd = static_cast<A>(r);
+  const bool single = D * S == 1;  // xhat = 0 exactly, also for eps = 0 (r = inf, 0 * inf = nan)
   for (int64_t c = 0; c < D; ++c) {
     const double ga = gam[c], be = bet[c];
     for (int64_t s = c * S; s < (c + 1) * S; ++s) {
       const double xc = (static_cast<double>(to_acc(xg[s])) - x0) - d;  // exactly 0 when M == 1
-      yg[s] = from_acc<T>(static_cast<A>(gn_act<ACT>((xc * r) * ga + be)));
+      yg[s] = from_acc<T>(static_cast<A>(gn_act<ACT>((single ? 0.0 : xc * r) * ga + be)));
     }
   }
 }
