@@ -62,6 +62,53 @@ def test_cuda_sources_compile():
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, out[-6000:]
     assert "cuda_compile_check: OK" in r.stdout
+    # A toolkit newer than the CUDA of MXNet's wheels (11.2) is pointed out at configure time.
+    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([_nvcc(), "--version"], capture_output=True,
+                                                          text=True).stdout)
+    log = open(os.path.join(ROOT, "build", "cuda-check.cmake.log")).read()
+    newer = m and int(m.group(1)) > 11
+    assert ("is newer than the CUDA 11.2" in log) == bool(newer), log[-3000:]
+    if newer and int(m.group(1)) >= 13:
+        assert "r580" in log and "sm_50..sm_72" in log, log[-3000:]
+
+
+def _cuda118():
+    """CMake arguments for the CUDA 11.8 toolkit of tools/cuda11_toolchain.sh, or skip."""
+    tool = os.path.join(ROOT, "tools", "cuda11_toolchain.sh")
+    r = subprocess.run(["bash", tool, "--cmake-args"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("the CUDA 11.8 toolkit is not fetched (bash tools/cuda11_toolchain.sh)")
+    return r.stdout.split()
+
+
+def test_cuda_sources_compile_with_cuda_11_8():
+    """The CUDA the wheel is built with (mxnet-cu112 users' drivers): default architectures cover
+    every GPU mxnet-cu112 supports, and the library builds for sm_60, which CUDA 13 cannot target."""
+    args = _cuda118()
+    if subprocess.run(["cmake", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("cmake is not usable")
+    import mxnet
+    build = os.path.join(ROOT, "build", "cuda-check-11.8")
+    base = ["cmake", "-S", ROOT, "-B", build, "-DMXNET_ROOT=" + os.path.dirname(mxnet.__file__),
+            "-DGNMX_CUDA=ON"] + args
+    r = subprocess.run(base + ["-UCMAKE_CUDA_ARCHITECTURES"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert ("CUDA kernels ON (nvcc 11.8.89, architectures 50-real;60-real;61-real;70-real;"
+            "75-real;80-real;86-real;89-real;90)") in r.stdout, r.stdout[-3000:]
+    assert "is newer than the CUDA" not in r.stdout + r.stderr
+    r = subprocess.run(base + ["-DCMAKE_CUDA_ARCHITECTURES=60"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    r = subprocess.run(["cmake", "--build", build, "--target", "gn_mx", "-j",
+                        os.environ.get("GNMX_JOBS", "2")], capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    lib = os.path.join(build, "libgn_mx.so")
+    nm = subprocess.run(["nm", "-C", lib], capture_output=True, text=True).stdout
+    assert "gn_mx::group_norm_fwd_cuda" in nm
+    needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
+    assert "libcudart" not in needed and "libmxnet" not in needed, needed
 
 
 def test_gpu_harness_cmake_target_without_mxnet(tmp_path):
