@@ -46,6 +46,12 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "${BUILD_REQS[*]}" ]; then
 fi
 
 CMAKE_ARGS="-DGNMX_STATIC_CXX_RUNTIME=ON"
+# The C++ compiler: g++-11 when installed (tools/cuda11_toolchain.sh installs it): its static
+# libstdc++/libgcc reference older glibc symbols than gcc 12's (no arc4random@GLIBC_2.36,
+# _dl_find_object@GLIBC_2.35), so the wheel reaches an older manylinux policy. GNMX_WHEEL_CXX=...
+# overrides (changing it in an existing build folder rebuilds it).
+WHEEL_CXX="${GNMX_WHEEL_CXX:-$(command -v g++-11 || true)}"
+if [ -n "$WHEEL_CXX" ]; then CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CXX_COMPILER=$WHEEL_CXX"; fi
 if [ "$MODE" = cuda ]; then
   bash "$REPO/tools/cuda11_toolchain.sh" >/dev/null
   CMAKE_ARGS="$CMAKE_ARGS $(bash "$REPO/tools/cuda11_toolchain.sh" --cmake-args)"
@@ -67,11 +73,11 @@ whl=$(ls "$RAW"/gn_mx-*.whl)
 log "raw wheel: $(basename "$whl")"
 
 # The oldest policy the library's symbol versions allow; libgomp stays external.
-show=$("$VENV/bin/auditwheel" show "$whl" 2>&1 || true)
+show=$(PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" show "$whl" 2>&1 || true)
 plat=$(echo "$show" | grep -o '"manylinux_[0-9]*_[0-9]*_x86_64"' | head -1 | tr -d '"')
 [ -n "$plat" ] || { echo "$show" >&2; log "auditwheel found no manylinux policy"; exit 1; }
 log "policy reached: $plat"
-"$VENV/bin/auditwheel" repair -q --plat "$plat" --exclude libgomp.so.1 -w "$OUT" "$whl" >&2
+PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" repair --plat "$plat" --exclude libgomp.so.1 -w "$OUT" "$whl" >&2
 final=$(ls "$OUT"/gn_mx-*.whl)
 (cd "$OUT" && sha256sum "$(basename "$final")" > SHA256SUMS)
 
@@ -86,6 +92,7 @@ lib=$(find "$tmp" -name libgn_mx.so | head -1)
   echo "policy: $plat"
   echo "NEEDED: $(readelf -d "$lib" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')"
   echo "newest GLIBC symbol version: $(objdump -T "$lib" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)"
+  echo "symbols newer than GLIBC_2.17: $(objdump -T "$lib" | awk '/GLIBC_2\.(1[89]|[2-9][0-9])/ {print $NF "@" $(NF-1)}' | tr -d '()' | sort -t@ -k2 -V | tr '\n' ' ')"
   echo "GLIBCXX/CXXABI references: $(objdump -T "$lib" | grep -c -E 'GLIBCXX|CXXABI' || true)"
   echo "vendored libraries: $(find "$tmp" -path '*.libs/*' -printf '%f ' 2>/dev/null)"
   if [ "$MODE" = cuda ]; then
