@@ -3,6 +3,7 @@
  */
 #include <cuda_runtime.h>
 
+#include <cstdio>
 #include <string>
 
 #include "cuda_common.cuh"
@@ -27,9 +28,15 @@ const char* cuda_built_archs() { return GNMX_CUDA_ARCHS; }
 
 namespace {
 
-std::string cuda_version_str(int v) {
+// The helpers below format with snprintf and std::string::append only: no std::to_string /
+// operator+ template instantiations, which the GPU harness (hidden visibility, no version
+// script) would otherwise export as weak symbols.
+
+// "11.8" for 11080, "unknown" for <= 0.
+const char* cuda_version_str(int v, char* buf, size_t n) {
   if (v <= 0) return "unknown";
-  return std::to_string(v / 1000) + "." + std::to_string((v % 1000) / 10);
+  std::snprintf(buf, n, "%d.%d", v / 1000, (v % 1000) / 10);
+  return buf;
 }
 
 // The oldest driver that runs a given CUDA runtime major version (CUDA 11+: minor-version
@@ -41,6 +48,11 @@ const char* min_driver_for(int runtime) {
     case 13: return "580.65.06";
     default: return nullptr;
   }
+}
+
+void append_arch(std::string* list, const char* prefix, const std::string& num) {
+  if (!list->empty()) list->append(", ");
+  list->append(prefix).append(num);
 }
 
 // "50-real,60-real,90" -> SASS "sm_50, sm_60, sm_90", PTX "compute_90".
@@ -55,8 +67,8 @@ void describe_archs(const std::string& archs, std::string* sass, std::string* pt
     const bool real_only = a.find("-real") != std::string::npos;
     const bool virtual_only = a.find("-virtual") != std::string::npos;
     const std::string num = a.substr(0, a.find('-'));
-    if (!virtual_only) *sass += (sass->empty() ? "sm_" : ", sm_") + num;
-    if (!real_only) *ptx += (ptx->empty() ? "compute_" : ", compute_") + num;
+    if (!virtual_only) append_arch(sass, "sm_", num);
+    if (!real_only) append_arch(ptx, "compute_", num);
   }
 }
 
@@ -64,33 +76,43 @@ void describe_archs(const std::string& archs, std::string* sass, std::string* pt
 
 std::string cuda_setup_message(const char* error_name, const char* error_text, bool driver_problem,
                                int driver, int runtime, int cc, const char* archs) {
-  const std::string rt = cuda_version_str(runtime);
+  char rt[16], drv[16], buf[1024];
+  cuda_version_str(runtime, rt, sizeof rt);
   std::string m = "this build of gn_mx cannot run its CUDA kernels here (";
-  m += error_name;
-  m += ": ";
-  m += error_text;
-  m += "): ";
+  m.append(error_name).append(": ").append(error_text).append("): ");
   if (driver_problem) {
     const char* need = min_driver_for(runtime);
-    m += "the NVIDIA driver reports CUDA " +
-         (driver > 0 ? cuda_version_str(driver) : std::string("(no driver found)")) +
-         ", but the library links the CUDA " + rt + " runtime statically, which needs ";
-    m += need ? std::string("an NVIDIA driver >= ") + need : std::string("a newer NVIDIA driver");
-    m += " (its PTX needs a driver of CUDA " + rt + " or newer to be JIT-compiled). Update the "
-         "driver, or install a gn_mx built with the CUDA your driver supports (the release wheel "
-         "uses CUDA 11.8: drivers >= 450.80.02; see docs/install.md)";
+    std::snprintf(buf, sizeof buf,
+                  "the NVIDIA driver reports CUDA %s, but the library links the CUDA %s runtime "
+                  "statically, which needs %s%s (its PTX needs a driver of CUDA %s or newer to be "
+                  "JIT-compiled). Update the driver, or install a gn_mx built with the CUDA your "
+                  "driver supports (the release wheel uses CUDA 11.8: drivers >= 450.80.02; see "
+                  "docs/install.md)",
+                  driver > 0 ? cuda_version_str(driver, drv, sizeof drv) : "(no driver found)",
+                  cuda_version_str(runtime, rt, sizeof rt),
+                  need ? "an NVIDIA driver >= " : "a newer NVIDIA driver", need ? need : "", rt);
   } else {
     std::string sass, ptx;
     describe_archs(archs ? archs : "", &sass, &ptx);
-    m += "no kernel for this GPU (compute capability " +
-         (cc > 0 ? std::to_string(cc / 10) + "." + std::to_string(cc % 10) : std::string("unknown")) +
-         "); the library has SASS for " + (sass.empty() ? std::string("no architecture") : sass) +
-         " and PTX for " + (ptx.empty() ? std::string("none") : ptx) +
-         " (PTX runs only on GPUs of that or a newer architecture, with a driver of CUDA " + rt +
-         " or newer: the driver reports " + cuda_version_str(driver) + "). Build gn_mx for this GPU: "
-         "GNMX_CUDA=1 GNMX_CUDA_ARCH=" + (cc > 0 ? std::to_string(cc) : std::string("<arch>")) +
-         " pip install --no-build-isolation . (see docs/install.md)";
+    char ccs[16], arch[16];
+    if (cc > 0) {
+      std::snprintf(ccs, sizeof ccs, "%d.%d", cc / 10, cc % 10);
+      std::snprintf(arch, sizeof arch, "%d", cc);
+    } else {
+      std::snprintf(ccs, sizeof ccs, "unknown");
+      std::snprintf(arch, sizeof arch, "<arch>");
+    }
+    std::snprintf(buf, sizeof buf,
+                  "no kernel for this GPU (compute capability %s); the library has SASS for %s and "
+                  "PTX for %s (PTX runs only on GPUs of that or a newer architecture, with a driver "
+                  "of CUDA %s or newer: the driver reports %s). Build gn_mx for this GPU: "
+                  "GNMX_CUDA=1 GNMX_CUDA_ARCH=%s pip install --no-build-isolation . (see "
+                  "docs/install.md)",
+                  ccs, sass.empty() ? "no architecture" : sass.c_str(),
+                  ptx.empty() ? "none" : ptx.c_str(), rt, cuda_version_str(driver, drv, sizeof drv),
+                  arch);
   }
+  m.append(buf);
   return m;
 }
 
