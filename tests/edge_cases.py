@@ -88,6 +88,30 @@ def single_element_tiny_eps(run, dtype):
     np.testing.assert_array_equal(r["y"], np.zeros((2, 4), dtype))
 
 
+def single_element_eps_zero(run, dtype, act):
+    """eps = 0 (rstd = inf): a one-element group is constant in x (x - mean = 0 for every x), so the
+    output is still exactly act(beta) and dx = dgamma = 0, unlike larger constant groups, where
+    0 * inf is NaN (constant_group). The float64 reference says the same."""
+    rng = np.random.RandomState(5)
+    x = rng.randn(4, 3).astype(dtype)
+    g, b = np.array([1.5, -2.0, 0.5], dtype), np.array([0.25, -1.0, 3.0], dtype)
+    dy = rng.randn(4, 3).astype(dtype)
+    r = run.group_norm(x, g, b, 3, 0.0, act=act, dy=dy)
+    expect = np.broadcast_to(act_ref(b.astype(np.float64), act).astype(dtype), x.shape)
+    if act == "silu":
+        np.testing.assert_allclose(r["y"], expect, rtol=4 * np.finfo(dtype).eps, atol=0)
+    else:
+        np.testing.assert_array_equal(r["y"], expect)
+    assert np.isposinf(r["rstd"]).all()
+    ref, _, _ = group_norm_ref(x, g, b, 3, 0.0, act=act)
+    np.testing.assert_allclose(ref, expect.astype(np.float64), rtol=4 * np.finfo(dtype).eps)
+    np.testing.assert_array_equal(r["dx"], np.zeros(x.shape, dtype))
+    np.testing.assert_array_equal(r["dgamma"], np.zeros(3, dtype))
+    _, _, rdb = group_norm_bwd_ref(x, g, dy, 3, 0.0, act=act, beta=b)
+    rtol, atol = tol(dtype, GRAD_TOL)
+    np.testing.assert_allclose(r["dbeta"], rdb, rtol=rtol, atol=atol)
+
+
 # -------------------------------------------------------------------------------------------------
 # Groups of 2-4 elements, |mean| >> spread
 
@@ -302,6 +326,7 @@ CASES = (
     [Case(single_element_groups, dtype=d, offset=o, act=a)
      for a in (None, "relu", "silu") for d in ALL for o in (0.0, -300.0, 3e4)]
     + [Case(single_element_tiny_eps, dtype=d) for d in ALL]
+    + [Case(single_element_eps_zero, dtype=d, act=a) for a in (None, "relu", "silu") for d in ALL]
     + [Case(tiny_groups_with_large_offsets, dtype=d, M=m, offset=o, act=a)
        for a in (None, "relu", "silu") for d in ALL for m in (2, 3, 4) for o in (300.0, -3e4)]
     + [Case(large_offset_is_stable, dtype=d) for d in (np.float32, np.float16)]

@@ -176,6 +176,10 @@ def _run(c, inputs, rng):
 
 
 _U = {"float16": 1e-3, "float32": 1e-6, "float64": 1e-13}
+# Unit of the accumulation dtype (statistics and the normalization run in float32 for float16 data):
+# the conditioning terms (cancellation in x - mean, amplified by rstd) scale with it, the output's
+# own rounding with _U.
+_U_ACC = {"float16": 1e-6, "float32": 1e-6, "float64": 1e-13}
 
 
 def _close(name, got, ref, tol):
@@ -215,11 +219,13 @@ def check(c, inputs, outs, heads, grads):
     elif op == "gn_group_norm":
         g, b = inputs[1].astype(np.float64), inputs[2].astype(np.float64)
         ref, _, rstd = group_norm_ref(x, g, b, G, eps)
-        cond = max(1.0, float(rstd.max()) * float(np.abs(x).max()))
-        errs = [_close("out", outs[0], ref, 20 * u * cond)]
+        fin = rstd[np.isfinite(rstd)]
+        cond = max(1.0, float(fin.max() if fin.size else 1.0) * float(np.abs(x).max()))
+        ua = _U_ACC[dt]
+        errs = [_close("out", outs[0], ref, 20 * u + 20 * ua * cond)]
         if grads:
             dx, dg, db = group_norm_bwd_ref(x, g, heads[0], G, eps)
-            errs += [_close("dx", grads[0], dx, 200 * u * cond ** 2),
+            errs += [_close("dx", grads[0], dx, 200 * u + 200 * ua * cond ** 2),
                      _close("dgamma", grads[1], dg, 100 * u * cond * x.size),
                      _close("dbeta", grads[2], db, 20 * u * x.size)]
     elif op == "gn_channel_affine":

@@ -42,15 +42,29 @@ def act_grad_ref(z, act):
     raise ValueError(act)
 
 
+def _xhat(xg, mean, rstd):
+    """(x - mean) * rstd per group; exactly 0 for one-element groups. There x - mean is 0 for every
+    x, so xhat, the output (= act(beta)) and its gradients are constant in x: xhat = 0 and
+    d xhat / dx = 0 even with eps = 0, where rstd = inf and the product would read 0 * inf = nan.
+    (Larger constant groups with eps = 0 stay nan: near them xhat jumps between -1 and 1.)"""
+    with np.errstate(invalid="ignore"):
+        xhat = (xg - mean) * rstd
+    if xg.shape[2] == 1:
+        xhat = np.zeros_like(xhat)
+    return xhat
+
+
 def group_norm_ref(x, gamma, beta, G, eps, act=None):
-    """Returns out (float64, x's shape), mean (N, G), rstd (N, G); out = act(affine(xhat))."""
+    """Returns out (float64, x's shape), mean (N, G), rstd (N, G); out = act(affine(xhat)).
+    One-element groups: out = act(beta) exactly, whatever eps (see _xhat)."""
     x = np.asarray(x, dtype=np.float64)
     N, C = x.shape[:2]
     xg = _groups(x, G)
     mean = xg.mean(axis=2)
     var = xg.var(axis=2)
-    rstd = 1.0 / np.sqrt(var + eps)
-    xhat = ((xg - mean[..., None]) * rstd[..., None]).reshape(x.shape)
+    with np.errstate(divide="ignore"):
+        rstd = 1.0 / np.sqrt(var + eps)
+    xhat = _xhat(xg, mean[..., None], rstd[..., None]).reshape(x.shape)
     bshape = (1, C) + (1,) * (x.ndim - 2)
     out = xhat * np.asarray(gamma, np.float64).reshape(bshape) + np.asarray(beta, np.float64).reshape(bshape)
     return act_ref(out, act), mean, rstd
@@ -73,19 +87,25 @@ def group_norm_bwd_ref(x, gamma, dy, G, eps, dmean=None, drstd=None, act=None, b
     m = xg.shape[2]
     mean = xg.mean(axis=2, keepdims=True)
     var = xg.var(axis=2, keepdims=True)
-    rstd = 1.0 / np.sqrt(var + eps)
-    xhat = (xg - mean) * rstd
+    with np.errstate(divide="ignore"):
+        rstd = 1.0 / np.sqrt(var + eps)
+    xhat = _xhat(xg, mean, rstd)
     red = (0,) + tuple(range(2, x.ndim))
     dbeta = dy.sum(axis=red)
     dgamma = (dy * xhat.reshape(x.shape)).sum(axis=red)
     dxhat = (dy * g).reshape(N, G, -1)
-    dx = rstd / m * (m * dxhat - dxhat.sum(axis=2, keepdims=True)
-                     - xhat * (dxhat * xhat).sum(axis=2, keepdims=True))
+    if m == 1:  # out and rstd are constant in x (see _xhat): only mean (= x) passes dmean on
+        dx = np.zeros_like(xg)
+    else:
+        with np.errstate(invalid="ignore"):
+            dx = rstd / m * (m * dxhat - dxhat.sum(axis=2, keepdims=True)
+                             - xhat * (dxhat * xhat).sum(axis=2, keepdims=True))
     if dmean is not None:
         dx = dx + np.asarray(dmean, np.float64)[..., None] / m
-    if drstd is not None:
-        # d rstd / d x = -rstd^3 (x - mean) / m
-        dx = dx - np.asarray(drstd, np.float64)[..., None] * rstd ** 3 * (xg - mean) / m
+    if drstd is not None and m > 1:
+        # d rstd / d x = -rstd^3 (x - mean) / m (0 for one-element groups: var is always 0)
+        with np.errstate(invalid="ignore"):
+            dx = dx - np.asarray(drstd, np.float64)[..., None] * rstd ** 3 * (xg - mean) / m
     return dx.reshape(x.shape), dgamma, dbeta
 
 

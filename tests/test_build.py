@@ -102,3 +102,54 @@ def test_configure_without_mxnet(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     targets = {line.split()[-1] for line in r.stdout.splitlines() if line.startswith("...")}
     assert "gn_mx_kernels" in targets and "gn_mx" not in targets, targets
+
+
+# ---- build_info() and the MXNet version check (issue 20 item 2, issue 22 item 3) --------------
+
+def test_build_info_describes_the_loaded_library():
+    import mxnet as mx
+    import gn_mx
+    from gn_mx import _library
+    info = gn_mx.build_info()
+    assert info["version"] == gn_mx.__version__
+    assert info["mxnet"] == f"mxnet {mx.__version__}", info  # the CPU mxnet of this venv
+    assert info["lib_api"] == _library.mxnet_lib_api_version(mx) == 11, info
+    assert info["build_type"] and info["compiler"].split()[0] in ("gcc", "clang"), info
+    assert "generic" in info["cpu_isa"] and info["cpu_isa_active"] in info["cpu_isa"], info
+    nm = shutil.which("nm")
+    if nm:  # CUDA kernels in the library <=> build_info reports a CUDA runtime
+        syms = subprocess.run([nm, "-C", gn_mx.library_path()], capture_output=True, text=True).stdout
+        has_cuda = "gn_mx::group_norm_fwd_cuda" in syms
+        assert (info["cuda"] is not None) == has_cuda, info
+    if info["cuda"] is None:
+        assert "CPU only" in info["summary"], info
+    else:
+        assert info["cuda"]["sass"] and info["cuda"]["ptx"], info
+
+
+def test_unsupported_mxnet_versions_are_named():
+    import gn_mx
+    from gn_mx._library import check_mxnet
+    info = gn_mx.build_info()
+    assert check_mxnet("1.9.1", 11, info) is None
+    assert check_mxnet("1.9.0", None, info) is None  # header not found: the release decides
+    msg = check_mxnet("1.8.0", 10, info)
+    assert "needs MXNet 1.9" in msg and "mxnet 1.8.0 is installed (lib_api version 10)" in msg, msg
+    assert f"lib_api version {info['lib_api']}" in msg and "mxnet==1.9.1" in msg, msg
+    msg = check_mxnet("1.9.1", 12, info)
+    assert "mxnet 1.9.1 has lib_api version 12" in msg and "lib_api version 11)" in msg, msg
+    msg = check_mxnet("2.0.0", None, info)
+    assert "mxnet 2.0.0 is installed (lib_api version unknown)" in msg, msg
+
+
+def test_import_with_another_mxnet_release_raises_import_error():
+    p = run_python("""
+        import mxnet
+        mxnet.__version__ = "1.8.0"
+        try:
+            import gn_mx
+        except ImportError as e:
+            print("IMPORT-ERROR", e)
+    """)
+    assert "IMPORT-ERROR" in p.stdout, p.stdout + p.stderr[-2000:]
+    assert "needs MXNet 1.9" in p.stdout and "mxnet 1.8.0 is installed" in p.stdout, p.stdout

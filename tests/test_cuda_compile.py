@@ -62,6 +62,53 @@ def test_cuda_sources_compile():
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, out[-6000:]
     assert "cuda_compile_check: OK" in r.stdout
+    # A toolkit newer than the CUDA of MXNet's wheels (11.2) is pointed out at configure time.
+    m = re.search(r"release (\d+)\.(\d+)", subprocess.run([_nvcc(), "--version"], capture_output=True,
+                                                          text=True).stdout)
+    log = open(os.path.join(ROOT, "build", "cuda-check.cmake.log")).read()
+    newer = m and int(m.group(1)) > 11
+    assert ("is newer than the CUDA 11.2" in log) == bool(newer), log[-3000:]
+    if newer and int(m.group(1)) >= 13:
+        assert "r580" in log and "sm_50..sm_72" in log, log[-3000:]
+
+
+def _cuda118():
+    """CMake arguments for the CUDA 11.8 toolkit of tools/cuda11_toolchain.sh, or skip."""
+    tool = os.path.join(ROOT, "tools", "cuda11_toolchain.sh")
+    r = subprocess.run(["bash", tool, "--cmake-args"], capture_output=True, text=True)
+    if r.returncode != 0:
+        pytest.skip("the CUDA 11.8 toolkit is not fetched (bash tools/cuda11_toolchain.sh)")
+    return r.stdout.split()
+
+
+def test_cuda_sources_compile_with_cuda_11_8():
+    """The CUDA the wheel is built with (mxnet-cu112 users' drivers): default architectures cover
+    every GPU mxnet-cu112 supports, and the library builds for sm_60, which CUDA 13 cannot target."""
+    args = _cuda118()
+    if subprocess.run(["cmake", "--version"], capture_output=True).returncode != 0:
+        pytest.skip("cmake is not usable")
+    import mxnet
+    build = os.path.join(ROOT, "build", "cuda-check-11.8")
+    base = ["cmake", "-S", ROOT, "-B", build, "-DMXNET_ROOT=" + os.path.dirname(mxnet.__file__),
+            "-DGNMX_CUDA=ON"] + args
+    r = subprocess.run(base + ["-UCMAKE_CUDA_ARCHITECTURES"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    assert ("CUDA kernels ON (nvcc 11.8.89, architectures 50-real;60-real;61-real;70-real;"
+            "75-real;80-real;86-real;89-real;90)") in r.stdout, r.stdout[-3000:]
+    assert "is newer than the CUDA" not in r.stdout + r.stderr
+    r = subprocess.run(base + ["-DCMAKE_CUDA_ARCHITECTURES=60"], capture_output=True, text=True,
+                       timeout=900)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    r = subprocess.run(["cmake", "--build", build, "--target", "gn_mx", "-j",
+                        os.environ.get("GNMX_JOBS", "2")], capture_output=True, text=True,
+                       timeout=1800)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]
+    lib = os.path.join(build, "libgn_mx.so")
+    nm = subprocess.run(["nm", "-C", lib], capture_output=True, text=True).stdout
+    assert "gn_mx::group_norm_fwd_cuda" in nm
+    needed = subprocess.run(["readelf", "-d", lib], capture_output=True, text=True).stdout
+    assert "libcudart" not in needed and "libmxnet" not in needed, needed
 
 
 def test_gpu_harness_cmake_target_without_mxnet(tmp_path):
@@ -114,3 +161,91 @@ def test_gpu_harness_sass_for_every_arch_ptx_for_the_highest(tmp_path):
     for cmd in cu.values():
         assert "arch=compute_75,code=[sm_75]" in cmd and "code=[compute_90,sm_90]" in cmd, cmd
         assert "code=[compute_75" not in cmd, cmd  # no PTX for the lower arch
+
+
+# ------------------------------------------------------------------------------------------------
+# "This build cannot run here": the first GPU call on a too-old driver or on a GPU without a kernel
+# in the build explains what was found and what is needed (cuda_common.cuh cuda_error ->
+# cuda_util.cu cuda_setup_error_message). Run without a GPU through the CPU emulator
+# (tests/gpu/emu), which injects the CUDA error (GNMX_EMU_CUDA_ERROR) and reports a driver version
+# (GNMX_EMU_DRIVER) and a compute capability (GNMX_EMU_CC).
+
+SETUP_MAIN = r'''
+#include <cstdio>
+#include "cuda_util.h"
+int main() {
+  static unsigned char buf[64];
+  const char* e = gn_mx::zero_cuda(buf, sizeof buf, nullptr);  // every CUDA error goes via cuda_error
+  std::printf("%s\n", e ? e : "OK");
+  return 0;
+}
+'''
+
+ARCHS_118 = "50-real,60-real,61-real,70-real,75-real,80-real,86-real,89-real,90"
+
+
+@pytest.fixture(scope="module")
+def setup_error_exe(tmp_path_factory):
+    if shutil.which("g++") is None:
+        pytest.skip("needs g++")
+    sys.path.insert(0, os.path.join(ROOT, "tests", "gpu", "emu"))
+    import build_emu
+    out = tmp_path_factory.mktemp("setup_err")
+    kdir = os.path.join(ROOT, "src", "operator", "kernels")
+    src = out / "cuda_util_emu.cc"
+    cu = os.path.join(kdir, "cuda_util.cu")
+    src.write_text(f'#line 1 "{cu}"\n' + build_emu.rewrite(cu))
+    (out / "main.cc").write_text(SETUP_MAIN)
+    exe = str(out / "setup_err")
+    r = subprocess.run(["g++", "-std=c++20", "-O0", "-mf16c", "-pthread", "-D__CUDACC__",
+                        "-DGNMX_WITH_CUDA", "-DCUDART_VERSION=11080",
+                        f'-DGNMX_CUDA_ARCHS="{ARCHS_118}"', "-include", "cuda_emu.h",
+                        "-I", os.path.join(ROOT, "tests", "gpu", "emu", "include"), "-I", kdir,
+                        "-I", os.path.join(ROOT, "src", "operator"), str(src), str(out / "main.cc"),
+                        "-o", exe], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-4000:]
+    return exe
+
+
+def _setup_error(exe, **env):
+    r = subprocess.run([exe], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, **{k: str(v) for k, v in env.items()}))
+    assert r.returncode == 0, r.stderr
+    return r.stdout.strip()
+
+
+def test_cuda_setup_error_driver_too_old(setup_error_exe):
+    # A CUDA 11.8 build on a driver of CUDA 11.0 (r450.51, below minor-version compatibility).
+    msg = _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=35, GNMX_EMU_DRIVER=11000)
+    assert "cudaErrorInsufficientDriver" in msg, msg
+    assert "driver reports CUDA 11.0" in msg and "CUDA 11.8 runtime" in msg, msg
+    assert "NVIDIA driver >= 450.80.02" in msg and "docs/install.md" in msg, msg
+    # No driver at all (cudaDriverGetVersion reports 0).
+    msg = _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=35, GNMX_EMU_DRIVER=0)
+    assert "(no driver found)" in msg, msg
+
+
+def test_cuda_setup_error_no_kernel_for_the_gpu(setup_error_exe):
+    # A Kepler GPU (sm_37): below every SASS arch of the build, and the PTX is compute_90.
+    msg = _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=209, GNMX_EMU_CC=37,
+                       GNMX_EMU_DRIVER=11040)
+    assert "cudaErrorNoKernelImageForDevice" in msg, msg
+    assert "compute capability 3.7" in msg, msg
+    assert "SASS for sm_50, sm_60, sm_61, sm_70, sm_75, sm_80, sm_86, sm_89, sm_90" in msg, msg
+    assert "PTX for compute_90" in msg and "GNMX_CUDA_ARCH=37" in msg, msg
+    assert "driver reports 11.4" in msg, msg
+
+
+def test_cuda_errors_without_setup_problem_pass_through(setup_error_exe):
+    assert _setup_error(setup_error_exe) == "OK"
+    assert _setup_error(setup_error_exe, GNMX_EMU_CUDA_ERROR=2) == "cuda_emu error"
+
+
+def test_every_cuda_error_goes_through_cuda_error():
+    # One place decides how a CUDA error reads: no .cu file formats cudaError_t itself.
+    kdir = os.path.join(ROOT, "src", "operator", "kernels")
+    for name in os.listdir(kdir):
+        if name.endswith((".cu", ".cuh")) and name not in ("cuda_common.cuh", "cuda_util.cu"):
+            with open(os.path.join(kdir, name)) as f:
+                text = re.sub(r"//.*|/\*.*?\*/", "", f.read(), flags=re.S)
+            assert "cudaGetErrorString" not in text, name

@@ -24,7 +24,7 @@ from conftest import run_python
 
 MX_ROOT = os.path.dirname(os.path.abspath(mx.__file__))
 LIBMXNET = os.path.join(MX_ROOT, "libmxnet.so")
-ENTRY_POINT = re.compile(r"^(initialize|_op\w+|_part\w+|_pass\w+|_msg\w+)$")
+ENTRY_POINT = re.compile(r"^(initialize|_op\w+|_part\w+|_pass\w+|_msg\w+|gnmx_build_info)$")
 
 # Every op forward + backward against numpy, then export -> reload of a hybridized net with both
 # blocks (after a training step, so DBN's running statistics are not the initial ones).

@@ -22,6 +22,8 @@ import gn_mx.onnx as gn_onnx  # noqa: E402
 
 TOL = 1e-5
 OPSET = onnx.defs.onnx_opset_version()
+# The newest opset the installed onnxruntime runs (1.19, the last for Python 3.8/3.9: 21).
+RUNTIME_OPSET = 21 if tuple(int(v) for v in ort.__version__.split(".")[:2]) < (1, 20) else OPSET
 # the composition of basic ops (default), and GroupNormalization-21 where the opset has it
 MODES = ["compose"] + (["native"] if OPSET >= 21 else [])
 
@@ -29,6 +31,8 @@ MODES = ["compose"] + (["native"] if OPSET >= 21 else [])
 @pytest.fixture(params=MODES)
 def gn_mode(request, monkeypatch):
     monkeypatch.setattr(gn_onnx, "USE_GROUP_NORMALIZATION", request.param == "native")
+    if request.param == "native":  # GroupNormalization-21 needs an opset >= 21 export
+        monkeypatch.setattr(gn_onnx, "DEFAULT_OPSET", 21)
     return request.param
 
 
@@ -41,7 +45,7 @@ def session(path):
 def export(net, tmp_path, sample_shape, dynamic_shape):
     prefix = str(tmp_path / "net")
     net.export(prefix)
-    path = mx.onnx.export_model(prefix + "-symbol.json", prefix + "-0000.params",
+    path = gn_onnx.export_model(prefix + "-symbol.json", prefix + "-0000.params",
                                 in_shapes=[sample_shape], in_types=[np.float32],
                                 onnx_file_path=str(tmp_path / "net.onnx"), dynamic=True,
                                 dynamic_input_shapes=[dynamic_shape])
@@ -151,7 +155,7 @@ def test_statistics_outputs(gn_mode, tmp_path):
     sym = mx.sym.Group([gn[0], gn[1], gn[2], mo[0], mo[1]])
     rng = np.random.RandomState(1)
     params = {"gamma": mx.nd.array(rng.rand(6) + 0.5), "beta": mx.nd.array(rng.randn(6))}
-    path = mx.onnx.export_model(sym, params, in_shapes=[(2, 6, 5)], in_types=[np.float32],
+    path = gn_onnx.export_model(sym, params, in_shapes=[(2, 6, 5)], in_types=[np.float32],
                                 onnx_file_path=str(tmp_path / "stats.onnx"), dynamic=True,
                                 dynamic_input_shapes=[(None, 6, None)])
     onnx.checker.check_model(onnx.load(path), full_check=True)
@@ -183,7 +187,8 @@ def test_act_type_attribute(act, tmp_path, monkeypatch):
     graph = [{"op": "null", "name": n, "inputs": []} for n in "xgb"] + [node]
     rng = np.random.RandomState(2)
     g, b = rng.rand(4).astype(np.float32) + 0.5, rng.randn(4).astype(np.float32)
-    combos = [(17, False), (OPSET, False)] + ([(OPSET, True)] if OPSET >= 21 else [])
+    top = min(OPSET, RUNTIME_OPSET)
+    combos = [(13, False), (17, False), (top, False)] + ([(top, True)] if top >= 21 else [])
     for opset, native in combos:
         monkeypatch.setattr(gn_onnx, "USE_GROUP_NORMALIZATION", native)
         init = [onnx.numpy_helper.from_array(g, "g"), onnx.numpy_helper.from_array(b, "b")]
@@ -209,7 +214,7 @@ def test_act_type_attribute(act, tmp_path, monkeypatch):
     sym = mx.sym.gn_group_norm(data, mx.sym.var("gamma"), mx.sym.var("beta"), num_groups=2,
                                act_type=act, name="gn")[0]
     params = {"gamma": mx.nd.array(g), "beta": mx.nd.array(b)}
-    path = mx.onnx.export_model(sym, params, in_shapes=[(3, 4, 5)], in_types=[np.float32],
+    path = gn_onnx.export_model(sym, params, in_shapes=[(3, 4, 5)], in_types=[np.float32],
                                 onnx_file_path=str(tmp_path / "act.onnx"), dynamic=True,
                                 dynamic_input_shapes=[(None, 4, None)])
     x = rng.randn(3, 4, 5).astype(np.float32)
@@ -223,7 +228,7 @@ def test_training_graph_is_refused_clearly(tmp_path):
     sym = mx.sym.gn_dbn(data, mx.sym.var("rm"), mx.sym.var("rp"), num_groups=2, name="dbn")[0]
     params = {"rm": mx.nd.zeros(4), "rp": mx.nd.array(np.tile(np.eye(2), (2, 1, 1)))}
     with pytest.raises(NotImplementedError, match="inference graph"):
-        mx.onnx.export_model(sym, params, in_shapes=[(8, 4)], in_types=[np.float32],
+        gn_onnx.export_model(sym, params, in_shapes=[(8, 4)], in_types=[np.float32],
                              onnx_file_path=str(tmp_path / "train.onnx"))
 
 
@@ -250,3 +255,39 @@ def test_default_mapping_is_exact_for_data_far_from_zero(tmp_path):
     diff = float(np.abs(got - want).max())
     print(f"GroupNorm on 100 + N(0, 1) data: max abs diff onnxruntime vs MXNet {diff}")
     assert diff <= 1e-4, diff
+
+
+@pytest.mark.parametrize("opset", [None, 13, 21, "newest"])
+def test_export_opset_default_and_override(opset, tmp_path):
+    """gn_mx.onnx.export_model writes DEFAULT_OPSET (17) unless told otherwise; every opset from
+    MXNet's 13 up to what onnx and the runtime support gives a valid model with the same result."""
+    if opset == "newest":
+        opset = min(OPSET, RUNTIME_OPSET)
+    data = mx.sym.var("data")
+    gn = mx.sym.gn_group_norm(data, mx.sym.var("gamma"), mx.sym.var("beta"), num_groups=2,
+                              name="gn")[0]
+    sym = mx.sym.Activation(gn, act_type="relu") * 2.0  # (MXNet's own `mean` is invalid at >= 18)
+    rng = np.random.RandomState(3)
+    params = {"gamma": mx.nd.array(rng.rand(4) + 0.5), "beta": mx.nd.array(rng.randn(4))}
+    path = gn_onnx.export_model(sym, params, in_shapes=[(3, 4, 5)], in_types=[np.float32],
+                                onnx_file_path=str(tmp_path / "o.onnx"), opset_version=opset)
+    model = onnx.load(path)
+    stamped = {o.domain: o.version for o in model.opset_import}[""]
+    assert stamped == (gn_onnx.DEFAULT_OPSET if opset is None else opset)
+    assert gn_onnx.DEFAULT_OPSET == 17
+    onnx.checker.check_model(model, full_check=True)
+    x = rng.randn(3, 4, 5).astype(np.float32)
+    want = sym.bind(mx.cpu(), {"data": mx.nd.array(x), **params}).forward()[0].asnumpy()
+    got = session(path).run(None, {"data": x})[0]
+    assert np.abs(got - want).max() <= TOL
+    # onnx is left as it was (its newest opset, and the checker's default context)
+    assert onnx.defs.onnx_opset_version() == OPSET
+    assert onnx.checker.DEFAULT_CONTEXT.opset_imports[""] == OPSET
+
+
+@pytest.mark.parametrize("bad", [11, OPSET + 1, "17", 17.0, True])
+def test_export_opset_out_of_range_is_refused(bad, tmp_path):
+    sym = mx.sym.gn_moments(mx.sym.var("data"), num_groups=1)[0]
+    with pytest.raises(ValueError, match="opset_version must be an int from 12"):
+        gn_onnx.export_model(sym, {}, in_shapes=[(2, 3)], in_types=[np.float32],
+                             onnx_file_path=str(tmp_path / "bad.onnx"), opset_version=bad)

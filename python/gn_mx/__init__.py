@@ -9,7 +9,7 @@ ONNX converters (``gn_mx.onnx``) with ``mx.onnx.export_model``.
 from . import _compat  # first: without MXNet 1.9 it raises the install hint (others import mxnet)
 from . import _symbolic, amp, ops, parallel, sym
 from ._convert import convert, convert_symbol  # docs/convert.md
-from ._library import library_path, load as _load, register_onnx_converters as _onnx
+from ._library import build_info, library_path, load as _load, register_onnx_converters as _onnx
 from .nn import DecorrelatedBatchNorm, GroupNorm
 from .parallel import sync_running_stats
 from .zoo import norm_layer
@@ -21,5 +21,5 @@ _symbolic.install()  # shape placeholders for shapeless parameter variables (see
 _onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is installed
 
 __version__ = "0.1.0"
-__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "convert", "convert_symbol", "library_path",
-           "norm_layer", "ops", "parallel", "sym", "sync_running_stats", "__version__"]
+__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "build_info", "convert", "convert_symbol",
+           "library_path", "norm_layer", "ops", "parallel", "sym", "sync_running_stats", "__version__"]

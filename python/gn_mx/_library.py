@@ -1,7 +1,9 @@
 """Locate libgn_mx.so and load it into MXNet once per process (nothing is stored on `mxnet`)."""
+import ctypes
 import importlib
 import importlib.util
 import os
+import re
 import sys
 import threading
 import warnings
@@ -23,15 +25,89 @@ def library_path():
     return path
 
 
+#: The MXNet release series this gn_mx supports (lib_api's C ABI changes between releases).
+SUPPORTED_MXNET = "1.9"
+
+
+def build_info():
+    """What the loaded op library was built with, read from the library itself.
+
+    Returns a dict: ``version`` (gn_mx), ``mxnet`` (the MXNet it was built against), ``lib_api``
+    (MXNet's op-library ABI version, an int), ``compiler``, ``build_type``, ``cpu_isa`` (the CPU
+    code paths compiled in) and ``cpu_isa_active`` (the one this CPU runs), ``openmp`` (OpenMP
+    version, 0 = none), ``cuda`` (``None`` for a CPU-only build, else ``{"runtime": "11.8",
+    "sass": ["sm_50", ...], "ptx": ["compute_90"]}``: the CUDA runtime linked in statically and the
+    GPU architectures with native code / PTX) and ``summary``, one line of all that. Works without
+    MXNet being imported (ctypes reads ``gnmx_build_info`` from libgn_mx.so); see docs/install.md.
+    """
+    lib = ctypes.CDLL(library_path())
+    fn = lib.gnmx_build_info
+    fn.restype = ctypes.c_char_p
+    fn.argtypes = []
+    kv = dict(line.split("=", 1) for line in fn().decode().splitlines() if "=" in line)
+    info = {k: kv.get(k, "") for k in ("version", "mxnet", "compiler", "build_type",
+                                        "cpu_isa_active")}
+    info["lib_api"] = int(kv.get("lib_api") or 0)
+    info["openmp"] = int(kv.get("openmp") or 0)
+    info["cpu_isa"] = [x for x in kv.get("cpu_isa", "").split(",") if x]
+    cuda = None
+    if kv.get("cuda_runtime"):
+        sass, ptx = [], []
+        for a in filter(None, kv.get("cuda_archs", "").split(",")):
+            num = a.split("-")[0]
+            if not a.endswith("-virtual"):
+                sass.append("sm_" + num)
+            if not a.endswith("-real"):
+                ptx.append("compute_" + num)
+        cuda = {"runtime": kv["cuda_runtime"], "sass": sass, "ptx": ptx}
+    info["cuda"] = cuda
+    dev = (f"CUDA {cuda['runtime']} ({', '.join(cuda['sass'])}; PTX {', '.join(cuda['ptx'])})"
+           if cuda else "CPU only")
+    info["summary"] = (f"gn_mx {info['version']}: {dev}; CPU {'+'.join(info['cpu_isa'])} "
+                       f"(using {info['cpu_isa_active']}), OpenMP {info['openmp'] or 'off'}; "
+                       f"built against {info['mxnet']} (lib_api {info['lib_api']}) with "
+                       f"{info['compiler']}")
+    return info
+
+
+def mxnet_lib_api_version(mxnet):
+    """MX_LIBRARY_VERSION of the installed MXNet (from the lib_api.h its wheel ships), or None."""
+    header = os.path.join(os.path.dirname(os.path.abspath(mxnet.__file__)), "include", "mxnet",
+                          "lib_api.h")
+    try:
+        with open(header) as f:
+            m = re.search(r"^#define MX_LIBRARY_VERSION (\d+)", f.read(), re.M)
+    except OSError:
+        return None
+    return int(m.group(1)) if m else None
+
+
+def check_mxnet(mx_version, mx_lib_api, info):
+    """The ImportError message for an MXNet this library cannot serve, or None when it can.
+
+    ``mx_version``: the installed ``mxnet.__version__``; ``mx_lib_api``: its lib_api version (None:
+    unknown); ``info``: :func:`build_info` of the library.
+    """
+    required = (f"gn_mx {info['version']} needs MXNet {SUPPORTED_MXNET} (it was built against "
+                f"{info['mxnet']}, lib_api version {info['lib_api']})")
+    if not str(mx_version).startswith(SUPPORTED_MXNET + "."):
+        return (f"{required}, but mxnet {mx_version} is installed (lib_api version "
+                f"{mx_lib_api if mx_lib_api is not None else 'unknown'}); " + _INSTALL_HINT)
+    if mx_lib_api is not None and mx_lib_api != info["lib_api"]:
+        return (f"{required}, but the installed mxnet {mx_version} has lib_api version "
+                f"{mx_lib_api}; " + _INSTALL_HINT)
+    return None
+
+
 def _import_mxnet():
     try:
         import mxnet
     except ImportError as e:
-        raise ImportError(f"gn_mx needs MXNet 1.9, but `import mxnet` failed ({e}); "
+        raise ImportError(f"gn_mx needs MXNet {SUPPORTED_MXNET}, but `import mxnet` failed ({e}); "
                           + _INSTALL_HINT) from None
     version = getattr(mxnet, "__version__", "?")
-    if not version.startswith("1.9"):
-        raise ImportError(f"gn_mx needs MXNet 1.9, found mxnet {version}; " + _INSTALL_HINT)
+    if not version.startswith(SUPPORTED_MXNET + "."):
+        raise ImportError(check_mxnet(version, mxnet_lib_api_version(mxnet), build_info()))
     return mxnet
 
 
@@ -62,6 +138,9 @@ def load():
     path = library_path()
     with _lock:
         if not ops_registered(mx):
+            problem = check_mxnet(mx.__version__, mxnet_lib_api_version(mx), build_info())
+            if problem:
+                raise ImportError(problem)
             mx.library.load(path, verbose=False)
     return path
 

@@ -9,7 +9,18 @@ importable (MXNet imports it anyway at ``import mxnet``); nothing else is needed
                          in_types=[np.float32], onnx_file_path='model.onnx', dynamic=True,
                          dynamic_input_shapes=[(None, 3, None, None)])
 
-Mapping (``opset`` = the opset MXNet exports, i.e. the installed onnx's newest):
+Opset: MXNet 1.9's ``mx.onnx.export_model`` always writes the installed onnx's newest opset (22 with
+onnx 1.17), which older runtimes reject (onnxruntime 1.19, the last for Python 3.8/3.9, stops at
+21) and at which MXNet's own converters emit invalid nodes (``ReduceMean`` with the pre-18 ``axes``
+attribute). :func:`export_model` is the same export at a chosen opset, by default
+:data:`DEFAULT_OPSET` = 17: every MXNet converter (written for 12/13) is valid there and
+onnxruntime >= 1.12, TensorRT >= 8.6 and OpenVINO read it. Pass ``opset_version=`` (12 up to the
+installed onnx's newest; >= 21 allows ``GroupNormalization-21``, see below) to override::
+
+    gn_mx.onnx.export_model('model-symbol.json', 'model-0000.params', in_shapes=[(1, 3, 32, 32)],
+                            in_types=[np.float32], onnx_file_path='model.onnx', opset_version=21)
+
+Mapping (``opset`` = the opset of the export):
 
 ==================== ============================================================================
 op                   ONNX
@@ -39,8 +50,12 @@ Every shape is taken at run time (Reshape with 0 / -1, Shape): batch and spatial
 dynamic, and any number of spatial dims (0-3+) works. float16 data with float32 statistics
 (multi-precision) is computed in float32 and cast back, float64 stays float64.
 """
+import contextlib
+import threading
+
 import numpy as np
 import onnx
+import onnx.defs
 from onnx import helper, numpy_helper
 
 from ._library import _import_mxnet
@@ -61,6 +76,46 @@ if not callable(getattr(_MXNetGraph, "register", None)):  # pragma: no cover
 #: 1000 + N(0, 1), against 3e-6 / 2e-5 / 2e-4 for the default two-pass composition and 2e-6 /
 #: 2e-5 / 1e-4 for gn_mx itself).
 USE_GROUP_NORMALIZATION = False
+
+#: The opset :func:`export_model` writes unless told otherwise (see the module docstring).
+DEFAULT_OPSET = 17
+#: The oldest opset MXNet 1.9's converters are registered for.
+MIN_OPSET = 12
+_opset_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def _export_opset(opset):
+    """Make MXNet's exporter see `opset` as onnx's newest: MXNet 1.9's export_model reads
+    ``onnx.defs.onnx_opset_version()`` at each call (as does onnx.helper.make_model, which stamps the
+    model) and has no argument for it, and it checks the graph with onnx.checker's default
+    context, whose opset onnx fixed at import."""
+    from onnx import checker
+    with _opset_lock:
+        newest, ctx_opsets = onnx.defs.onnx_opset_version, checker.DEFAULT_CONTEXT.opset_imports
+        onnx.defs.onnx_opset_version = lambda: opset
+        checker.DEFAULT_CONTEXT.opset_imports = {**ctx_opsets, "": opset}
+        try:
+            yield
+        finally:
+            onnx.defs.onnx_opset_version = newest
+            checker.DEFAULT_CONTEXT.opset_imports = ctx_opsets
+
+
+def export_model(sym, params, *args, opset_version=None, **kwargs):
+    """``mx.onnx.export_model(sym, params, ...)`` writing opset `opset_version` (default
+    :data:`DEFAULT_OPSET`; from :data:`MIN_OPSET` up to the installed onnx's newest). Same
+    arguments and return value (the .onnx file's path) as MXNet's."""
+    newest = onnx.defs.onnx_opset_version()
+    opset = DEFAULT_OPSET if opset_version is None else opset_version
+    if isinstance(opset, bool) or not isinstance(opset, (int, np.integer)) or not (
+            MIN_OPSET <= opset <= newest):
+        raise ValueError(f"gn_mx.onnx.export_model: opset_version must be an int from {MIN_OPSET} "
+                         f"(MXNet's converters) to {newest} (onnx {onnx.__version__}'s newest), "
+                         f"got {opset_version!r}")
+    with _export_opset(min(int(opset), newest)):
+        return mx.onnx.export_model(sym, params, *args, **kwargs)
+
 
 CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn")
 ACT_TYPES = ("none", "relu", "silu")

@@ -1,7 +1,8 @@
 /*
  * cuda_common.cuh: the helpers every .cu file of gn_mx shares (never included by host-compiled
  * files):
- *   cuda_error(e)            nullptr or the error string of a CUDA runtime result;
+ *   cuda_error(e)            nullptr or the error string of a CUDA runtime result (driver too old /
+ *                            no kernel for the GPU: a message saying what is needed);
  *   GN_CUDA_CHECK_LAUNCH()   after a launch: return cudaGetLastError()'s string on failure;
  *   ceil_div, aligned16      launch-plan arithmetic;
  *   sm_count, wave_blocks    the GPU's size: SMs (cached per device) times the resident blocks per
@@ -29,9 +30,21 @@
 
 namespace gn_mx {
 
-// nullptr for cudaSuccess, else the error's string.
+// The errors that mean "this build cannot run here" (driver older than the CUDA runtime linked in,
+// no SASS for the GPU's arch and no PTX it can JIT): cuda_util.cu turns them into one message that
+// names the driver / GPU arch found and what is needed (cuda_setup_message in cuda_util.h).
+inline bool cuda_setup_error(cudaError_t e) {
+  return e == cudaErrorInsufficientDriver || e == cudaErrorCallRequiresNewerDriver ||
+         e == cudaErrorUnsupportedPtxVersion || e == cudaErrorNoKernelImageForDevice ||
+         e == cudaErrorInvalidDeviceFunction || e == cudaErrorSystemDriverMismatch;
+}
+const char* cuda_setup_error_message(cudaError_t e);  // cuda_util.cu; thread-local storage
+
+// nullptr for cudaSuccess, else the error's string (the setup errors above: the explained form).
 inline const char* cuda_error(cudaError_t e) {
-  return e == cudaSuccess ? nullptr : cudaGetErrorString(e);
+  if (e == cudaSuccess) return nullptr;
+  if (cuda_setup_error(e)) return cuda_setup_error_message(e);
+  return cudaGetErrorString(e);
 }
 
 constexpr int kWarpSize = 32;
@@ -45,14 +58,14 @@ inline const char* sm_count(int* out) {
   static int cache[64] = {0};
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (e != cudaSuccess) return cuda_error(e);
   if (dev >= 0 && dev < 64 && cache[dev] > 0) {
     *out = cache[dev];
     return nullptr;
   }
   int n = 0;
   e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (e != cudaSuccess) return cuda_error(e);
   if (n <= 0) n = 1;
   if (dev >= 0 && dev < 64) cache[dev] = n;
   *out = n;
@@ -72,7 +85,7 @@ inline const char* blocks_per_sm(const void* kernel, int threads, size_t smem, i
   static std::vector<Entry> cache;
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (e != cudaSuccess) return cuda_error(e);
   {
     std::lock_guard<std::mutex> lock(mu);
     for (const Entry& c : cache)
@@ -83,7 +96,7 @@ inline const char* blocks_per_sm(const void* kernel, int threads, size_t smem, i
   }
   int n = 0;
   e = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&n, kernel, threads, smem);
-  if (e != cudaSuccess) return cudaGetErrorString(e);
+  if (e != cudaSuccess) return cuda_error(e);
   if (n <= 0) n = 1;
   std::lock_guard<std::mutex> lock(mu);
   cache.push_back(Entry{kernel, dev, threads, smem, n});

@@ -323,12 +323,13 @@ void exact_fwd(const T* xg, T* yg, int64_t D, int64_t S, double eps, const AccT<
   exact_stats(xg, D * S, eps, &x0, &d, &r);
   *mean = static_cast<A>(x0 + d);
   *rstd = static_cast<A>(r);
+  const double sc = gn_exact_xhat_scale(r, D * S);
   for (int64_t c = 0; c < D; ++c) {
     const double ga = gam[c], be = bet[c];
     for (int64_t s = c * S; s < (c + 1) * S; ++s) {
       // exactly 0 when M == 1
       const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[s])), x0, d);
-      yg[s] = from_acc<T>(static_cast<A>(gn_act<ACT>(gn_exact_z(xc, r, ga, be))));
+      yg[s] = from_acc<T>(static_cast<A>(gn_act<ACT>(gn_exact_z(xc, sc, ga, be))));
     }
   }
 }
@@ -342,9 +343,10 @@ void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double e
   const int64_t M = D * S;
   double x0, d, r;
   exact_stats(xg, M, eps, &x0, &d, &r);
+  const double sc = gn_exact_xhat_scale(r, M);
   auto grad = [&](int64_t s, double xc, double ga, double be) {
     const double dy = static_cast<double>(to_acc(dyg[s]));
-    return gn_act_grad<ACT>(gn_exact_z(xc, r, ga, be), dy);
+    return gn_act_grad<ACT>(gn_exact_z(xc, sc, ga, be), dy);
   };
   if (M == 1) {  // x - mean = 0: out = act(beta), d out/dx = 0; only mean (= x) passes dmean on
     dgs[0] = A(0);

@@ -188,6 +188,7 @@ __device__ __forceinline__ V team_sum(V v) {
 
 struct ExactStats {
   double x0, d, r, var;  // mean = x0 + d, rstd = r = 1 / sqrt(var + eps)
+  double s;              // xhat = xc * s (gn_exact_xhat_scale: 0 for a one-element group)
 };
 
 // Statistics of the L elements at xg around xg[0]; every thread of the team gets them.
@@ -207,6 +208,7 @@ __device__ __forceinline__ ExactStats exact_stats(const T* __restrict__ xg, uint
   }
   st.var = team_sum<kTeam>(q) / static_cast<double>(L);
   st.r = 1.0 / gn_sqrt(st.var + eps);
+  st.s = gn_exact_xhat_scale(st.r, L);
   return st;
 }
 
@@ -229,7 +231,7 @@ __device__ __forceinline__ double exact_grad(const T* __restrict__ xg, const T* 
   double be;
   exact_params<ACT>(gamma, beta, i / S, ga, &be);
   *xc = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
-  return gn_act_grad<ACT>(gn_exact_z(*xc, st.r, *ga, be), static_cast<double>(to_acc(dyg[i])));
+  return gn_act_grad<ACT>(gn_exact_z(*xc, st.s, *ga, be), static_cast<double>(to_acc(dyg[i])));
 }
 
 // Forward of elements [begin, end) of an exactly recomputed group (the whole block).
@@ -242,7 +244,7 @@ __device__ __forceinline__ void exact_fwd_range(const T* __restrict__ xg, T* __r
     const double ga = static_cast<double>(to_acc(gamma[i / S]));
     const double be = static_cast<double>(to_acc(beta[i / S]));
     const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
-    yg[i] = from_acc<T>(static_cast<AccT<T>>(gn_act<ACT>(gn_exact_z(xc, st.r, ga, be))));
+    yg[i] = from_acc<T>(static_cast<AccT<T>>(gn_act<ACT>(gn_exact_z(xc, st.s, ga, be))));
   }
 }
 

@@ -178,10 +178,14 @@ GN_INLINE bool gn_exact_moments(A mean, A var, int64_t m) {
   return !(gn_isfinite(mean) && gn_isfinite(var));
 }
 
-// The exact path's per-element forms (float64): centred value and pre-activation.
+// The exact path's per-element forms (float64): centred value and pre-activation. `s` scales xc
+// to xhat: rstd, except 0 for a one-element group (x - mean = 0 for every x, so xhat = 0 exactly,
+// also with eps = 0 where rstd = inf and 0 * inf would be NaN; larger constant groups with eps = 0
+// stay NaN, as the formula says).
 GN_INLINE double gn_exact_xc(double x, double x0, double d) { return (x - x0) - d; }
-GN_INLINE double gn_exact_z(double xc, double r, double gamma_c, double beta_c) {
-  return (xc * r) * gamma_c + beta_c;
+GN_INLINE double gn_exact_xhat_scale(double rstd, int64_t m) { return m == 1 ? 0.0 : rstd; }
+GN_INLINE double gn_exact_z(double xc, double s, double gamma_c, double beta_c) {
+  return (xc * s) * gamma_c + beta_c;
 }
 
 // Moments backward: dx = c0 + c1 (x - mu), c0 = dmean / m, c1 = 2 dvar / m.

@@ -34,8 +34,20 @@ struct dim3 {
   dim3(unsigned x_ = 1, unsigned y_ = 1, unsigned z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 typedef void* cudaStream_t;
-enum cudaError_t { cudaSuccess = 0 };
-enum cudaDeviceAttr { cudaDevAttrMultiProcessorCount = 16 };
+enum cudaError_t {  // the real codes, for those the kernels test for
+  cudaSuccess = 0,
+  cudaErrorInsufficientDriver = 35,
+  cudaErrorCallRequiresNewerDriver = 36,
+  cudaErrorInvalidDeviceFunction = 98,
+  cudaErrorNoKernelImageForDevice = 209,
+  cudaErrorUnsupportedPtxVersion = 222,
+  cudaErrorSystemDriverMismatch = 803,
+};
+enum cudaDeviceAttr {
+  cudaDevAttrMultiProcessorCount = 16,
+  cudaDevAttrComputeCapabilityMajor = 75,
+  cudaDevAttrComputeCapabilityMinor = 76,
+};
 
 namespace emu {
 // Cooperative fibers, one per CUDA thread, on the calling OS thread: entered once through
@@ -83,12 +95,42 @@ inline void barrier(unsigned* count, unsigned* gen, unsigned expected) {
 #define blockDim (emu::g_bdim)
 #define gridDim (emu::g_grid)
 
-inline cudaError_t cudaGetLastError() { return cudaSuccess; }
-inline const char* cudaGetErrorString(cudaError_t) { return "cuda_emu error"; }
+// GNMX_EMU_CUDA_ERROR=<code>: every launch (cudaGetLastError) and memset fails with that error, as
+// on a machine whose driver is too old (35) or whose GPU has no kernel in the build (209);
+// GNMX_EMU_DRIVER (cudaDriverGetVersion, default 13000) and GNMX_EMU_CC (compute capability as
+// 10 * major + minor, default 90) are what such a machine reports.
+inline int emu_env_int(const char* name, int dflt) {
+  const char* e = std::getenv(name);
+  return e ? std::atoi(e) : dflt;
+}
+inline cudaError_t emu_injected_error() {
+  return static_cast<cudaError_t>(emu_env_int("GNMX_EMU_CUDA_ERROR", 0));
+}
+inline cudaError_t cudaGetLastError() { return emu_injected_error(); }
+inline const char* cudaGetErrorString(cudaError_t e) {
+  switch (e) {
+    case cudaErrorInsufficientDriver:
+      return "CUDA driver version is insufficient for CUDA runtime version";
+    case cudaErrorNoKernelImageForDevice: return "no kernel image is available for execution on the device";
+    default: return "cuda_emu error";
+  }
+}
+inline const char* cudaGetErrorName(cudaError_t e) {
+  switch (e) {
+    case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
+    case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
+    default: return "cudaErrorUnknown";
+  }
+}
+inline cudaError_t cudaDriverGetVersion(int* v) {
+  *v = emu_env_int("GNMX_EMU_DRIVER", 13000);
+  return cudaSuccess;
+}
 inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
-inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr, int) {
-  const char* e = std::getenv("GNMX_EMU_SMS");
-  *v = e ? std::atoi(e) : 4;
+inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
+  if (a == cudaDevAttrComputeCapabilityMajor) *v = emu_env_int("GNMX_EMU_CC", 90) / 10;
+  else if (a == cudaDevAttrComputeCapabilityMinor) *v = emu_env_int("GNMX_EMU_CC", 90) % 10;
+  else *v = emu_env_int("GNMX_EMU_SMS", 4);
   return cudaSuccess;
 }
 // Resident blocks per SM: GNMX_EMU_BLOCKS_PER_SM=N, else what 2048 threads per SM allow (the
@@ -107,6 +149,7 @@ inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const v
   return cudaSuccess;
 }
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
+  if (cudaError_t e = emu_injected_error()) return e;
   std::memset(p, v, n);
   return cudaSuccess;
 }

