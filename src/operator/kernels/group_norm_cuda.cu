@@ -536,7 +536,7 @@ __device__ __forceinline__ Pair<AccT<T>> exact_row_sums(const T* __restrict__ dy
   }
   e = team_sum<kTeam>(e);
   if (lane != 0) return Pair<A>{A(0), A(0)};
-  return Pair<A>{static_cast<A>(e.a * st.r), static_cast<A>(e.b)};
+  return Pair<A>{static_cast<A>(e.a * st.s), static_cast<A>(e.b)};
 }
 
 // Backward kernel 1. Rows (n, c) of S elements, kTeam threads per row (1, 32 or kBlock), rows split
