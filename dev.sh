@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One-stop set-up + run, for a fresh machine with Python 3.8-3.11 and a C++ compiler:
 #   bash dev.sh demo            # venv + deps + build, then examples/quickstart.py
-#   bash dev.sh test [ARGS]     # venv + deps + build, then pytest tests [ARGS]
+#   bash dev.sh test [ARGS]     # venv + deps + build, then pytest tests [ARGS] (pytest ARGS alone
+#                               # when ARGS name test files/folders)
 # Environment: PYTHON (interpreter for the venv, default python3), GNMX_VENV (default .venv),
 #   GNMX_HOROVOD=1 (also build Horovod, requirements-horovod.txt; CI sets it).
 set -euo pipefail
@@ -50,6 +51,11 @@ PATH="$VENV/bin:$PATH" "$VPY" -m pip install -q --disable-pip-version-check --no
 
 case "$cmd" in
   demo) exec "$VPY" examples/quickstart.py "$@" ;;
-  test) exec "$VPY" -m pytest tests -q -p no:cacheprovider "$@" ;;
+  test)
+    # Test paths given (bash dev.sh test tests/test_x.py -k y): just those; otherwise all of tests/.
+    given=0
+    for a in "$@"; do [ -e "$a" ] && given=1; done
+    [ "$given" = 1 ] || set -- tests "$@"
+    exec "$VPY" -m pytest -q -p no:cacheprovider "$@" ;;
   *) echo "usage: bash dev.sh demo|test [args]" >&2; exit 2 ;;
 esac
