@@ -1,23 +1,27 @@
 """Why GroupNorm / Decorrelated BN: validation accuracy vs per-device batch size, fp32 and AMP fp16.
 
 Trains the same small CNN on scikit-learn's handwritten digits (1,797 8x8 images that ship inside
-the scikit-learn wheel: nothing is downloaded) with four normalization layers
+the scikit-learn wheel: nothing is downloaded) with five normalization layers
 
     BatchNorm             gluon.nn.BatchNorm (batch statistics; running statistics at test time)
     GroupNorm (MXNet)     gluon.nn.GroupNorm (MXNet 1.x built-in: per-*group* gamma/beta)
     GroupNorm (gn_mx)     gn_mx.GroupNorm (per-channel gamma/beta, as in the paper)
-    DBN (gn_mx)           gn_mx.DecorrelatedBatchNorm (group-wise ZCA whitening of the batch)
+    DBN ZCA (gn_mx)       gn_mx.DecorrelatedBatchNorm (group-wise ZCA whitening of the batch)
+    DBN IterNorm (gn_mx)  gn_mx.DecorrelatedBatchNorm(whitening='iternorm', iterations=5)
+                          (Newton-iteration whitening, Huang et al. CVPR 2019)
 
 at per-device batch sizes 2, 4, 8 and 32, in float32 and with AMP float16, and reports validation
-accuracy: the shape of Figure 1 of the Group Normalization paper (Wu & He, 2018). Every run sees
-the same number of samples (fixed epochs) with the learning rate scaled linearly with batch size.
+accuracy and the mean time of one training step (forward, backward, update; wall clock, including
+the small per-step loss read-back): the shape of Figure 1 of the Group Normalization paper (Wu &
+He, 2018). Every run sees the same number of samples (fixed epochs) with the learning rate scaled
+linearly with batch size.
 
 AMP: on a GPU, plain ``amp.init()``. On CPU MXNet 1.9.1 has no float16 gemm, so
 ``amp.init(**gn_mx.amp.cpu_init_kwargs())`` keeps Convolution/FullyConnected in float32; gn_mx's
 GroupNorm then still runs in float16 (fp32 accumulation) and DBN in float32, as on a GPU. Nets are
 hybridized (MXNet 1.9.1's imperative AMP casts do not handle float16 -> float32 on CPU).
 
-    python examples/train_small_batch.py            # full run (7-18 min on 2 CPU cores)
+    python examples/train_small_batch.py            # full run (10-25 min on 2 CPU cores)
     python examples/train_small_batch.py --quick    # smoke run (< 2 min on 2 CPU cores)
 
 Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/results/).
@@ -39,15 +43,19 @@ from mxnet.contrib import amp  # noqa: E402
 
 import gn_mx  # noqa: E402
 
-NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "dbn_gn_mx")
+NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "dbn_gn_mx", "dbn_iternorm_gn_mx")
 LABELS = {"batchnorm": "BatchNorm", "groupnorm_mxnet": "GroupNorm (MXNet built-in)",
-          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "dbn_gn_mx": "DBN (gn_mx)"}
+          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "dbn_gn_mx": "DBN ZCA (gn_mx)",
+          "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)"}
+COLORS = {"batchnorm": "tab:blue", "groupnorm_mxnet": "tab:gray", "groupnorm_gn_mx": "tab:orange",
+          "dbn_gn_mx": "tab:green", "dbn_iternorm_gn_mx": "tab:red"}
 PRECISIONS = ("fp32", "amp")
 BATCH_SIZES = (2, 4, 8, 32)
 CHANNELS = (16, 32, 64, 64)
 STRIDES = (1, 2, 2, 2)   # 8x8 -> 8x8 -> 4x4 -> 2x2 -> 1x1
 GN_GROUP_SIZE = 4   # channels per group for GroupNorm: 4 and 8 groups
 DBN_GROUP_SIZE = 8  # channels per whitening group for DBN
+ITERNORM_ITERATIONS = 5  # Newton steps of IterNorm (the paper's default)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -117,6 +125,9 @@ def make_norm(kind, channels):
         return gn_mx.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
     if kind == "dbn_gn_mx":
         return gn_mx.DecorrelatedBatchNorm(num_groups=channels // DBN_GROUP_SIZE)
+    if kind == "dbn_iternorm_gn_mx":
+        return gn_mx.DecorrelatedBatchNorm(num_groups=channels // DBN_GROUP_SIZE,
+                                           whitening="iternorm", iterations=ITERNORM_ITERATIONS)
     raise ValueError(f"unknown normalization {kind!r}")
 
 
@@ -197,13 +208,27 @@ def train_one(kind, precision, batch_size, data, args, ctx):
     acc = evaluate(net, x_va, y_va, ctx)
     return {"norm": kind, "precision": precision, "batch_size": batch_size, "val_acc": acc,
             "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 2),
-            "steps": total}
+            "steps": total, "step_ms": round(1000.0 * train_time / max(total, 1), 2)}
 
 
 # ------------------------------------------------------------------------------------------------
 # Reporting
 
-def results_table(results, batch_sizes):
+def step_ms(r):
+    """Mean wall-clock time of one training step in ms (results from older runs lack "step_ms")."""
+    return 1000.0 * r["train_time_s"] / max(r["steps"], 1)
+
+
+def accuracy_cell(r):
+    return f"{100 * r['val_acc']:.1f}%" + (" (diverged)" if r["diverged"] else "")
+
+
+def step_time_cell(r):
+    return f"{step_ms(r):.1f}"
+
+
+def results_table(results, batch_sizes, cell=accuracy_cell):
+    """One row per (normalization, precision), one column per batch size; cell(r) fills a cell."""
     by = {(r["norm"], r["precision"], r["batch_size"]): r for r in results}
     rows = sorted({(r["norm"], r["precision"]) for r in results},
                   key=lambda k: (PRECISIONS.index(k[1]), NORMS.index(k[0])))
@@ -213,8 +238,7 @@ def results_table(results, batch_sizes):
         cells = []
         for b in batch_sizes:
             r = by.get((norm, prec, b))
-            cells.append("-" if r is None else f"{100 * r['val_acc']:.1f}%"
-                         + (" (diverged)" if r["diverged"] else ""))
+            cells.append("-" if r is None else cell(r))
         pname = "fp32" if prec == "fp32" else "AMP fp16"
         lines.append(f"| {LABELS[norm]} | {pname} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
@@ -228,31 +252,46 @@ def plot(results, batch_sizes, path, title):
     except ImportError:
         print("(matplotlib is not installed: no plot; pip install 'matplotlib<3.9')")
         return None
-    fig, ax = plt.subplots(figsize=(6.4, 4.2), dpi=100)
-    colors = {"batchnorm": "tab:blue", "groupnorm_mxnet": "tab:gray",
-              "groupnorm_gn_mx": "tab:orange", "dbn_gn_mx": "tab:green"}
+    fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(11.5, 4.8), dpi=100)
     for norm in NORMS:
         for prec, style in (("fp32", "-o"), ("amp", "--s")):
-            pts = sorted((r["batch_size"], 100 * r["val_acc"]) for r in results
-                         if r["norm"] == norm and r["precision"] == prec)
-            if pts:
-                bs, acc = zip(*pts)
-                ax.plot(bs, acc, style, color=colors[norm], markersize=4, linewidth=1.5,
-                        label=f"{LABELS[norm]}, {'fp32' if prec == 'fp32' else 'AMP fp16'}",
-                        alpha=1.0 if prec == "fp32" else 0.7)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(list(batch_sizes))
-    ax.set_xticklabels([str(b) for b in batch_sizes])
-    ax.invert_xaxis()  # as in the paper's Figure 1: batch size shrinks to the right
-    ax.set_xlabel("batch size (images per device)")
+            runs = sorted((r for r in results if r["norm"] == norm and r["precision"] == prec),
+                          key=lambda r: r["batch_size"])
+            if not runs:
+                continue
+            bs = [r["batch_size"] for r in runs]
+            kw = dict(color=COLORS[norm], markersize=4, linewidth=1.5,
+                      label=f"{LABELS[norm]}, {'fp32' if prec == 'fp32' else 'AMP fp16'}",
+                      alpha=1.0 if prec == "fp32" else 0.7)
+            ax.plot(bs, [100 * r["val_acc"] for r in runs], style, **kw)
+            ax_t.plot(bs, [step_ms(r) for r in runs], style, **kw)
+    for a in (ax, ax_t):
+        a.set_xscale("log", base=2)
+        a.set_xticks(list(batch_sizes))
+        a.set_xticklabels([str(b) for b in batch_sizes])
+        a.invert_xaxis()  # as in the paper's Figure 1: batch size shrinks to the right
+        a.set_xlabel("batch size (images per device)")
+        a.grid(True, alpha=0.3)
     ax.set_ylabel("validation accuracy (%)")
     ax.set_title(title, fontsize=10)
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=7, loc="lower left")
-    fig.tight_layout()
+    ax_t.set_ylabel("time per training step (ms)")
+    ax_t.set_ylim(bottom=0)
+    ax_t.set_title("wall-clock time per training step", fontsize=10)
+    handles, labels = ax.get_legend_handles_labels()  # one legend for both panels, below them
+    fig.legend(handles, labels, loc="lower center", ncol=max(1, (len(labels) + 1) // 2), fontsize=7,
+               frameon=False)
+    fig.tight_layout(rect=(0, 0.12, 1, 1))
     fig.savefig(path)
     plt.close(fig)
     return path
+
+
+def load_average():
+    """The 1/5/15-minute load averages as "a, b, c" (the machine may be shared), or None."""
+    try:
+        return ", ".join(f"{v:.2f}" for v in os.getloadavg())
+    except (AttributeError, OSError):
+        return None
 
 
 def main(argv=None):
@@ -272,9 +311,10 @@ def main(argv=None):
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = 2 if args.quick else 6
-    if "dbn_gn_mx" in args.norms and not hasattr(gn_mx, "DecorrelatedBatchNorm"):
+    dbn_norms = ("dbn_gn_mx", "dbn_iternorm_gn_mx")
+    if not hasattr(gn_mx, "DecorrelatedBatchNorm") and any(n in args.norms for n in dbn_norms):
         print("gn_mx.DecorrelatedBatchNorm is not available in this build: skipping DBN")
-        args.norms = [n for n in args.norms if n != "dbn_gn_mx"]
+        args.norms = [n for n in args.norms if n not in dbn_norms]
 
     ctx = mx.gpu(0) if mx.context.num_gpus() > 0 else mx.cpu()
     data = load_data(args.quick, args.seed)
@@ -304,14 +344,21 @@ def main(argv=None):
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, "small_batch_quick" if args.quick else "small_batch")
     table = results_table(results, args.batch_sizes)
+    times = results_table(results, args.batch_sizes, cell=step_time_cell)
     setup = (f"scikit-learn digits, {len(data[0])} train / {len(data[2])} val images, "
              f"{args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
-             f"context {ctx}, {elapsed:.0f} s total")
-    print("\nValidation accuracy (" + setup + ")\n\n" + table)
+             f"context {ctx}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+             f"{elapsed:.0f} s total")
+    load = load_average()
+    report = (f"Validation accuracy ({setup})\n\n{table}\n\n"
+              f"Time per training step in ms (train_time_s / steps: forward, backward, update; "
+              f"wall clock{', load average at the end ' + load if load else ''})\n\n{times}\n")
+    print("\n" + report)
     with open(stem + ".json", "w") as f:
-        json.dump({"setup": setup, "args": vars(args), "results": results}, f, indent=1)
+        json.dump({"setup": setup, "load_average_at_end": load, "args": vars(args),
+                   "results": results}, f, indent=1)
     with open(stem + ".md", "w") as f:
-        f.write(f"Validation accuracy ({setup})\n\n{table}\n")
+        f.write(report)
     png = plot(results, args.batch_sizes, stem + ".png",
                f"digits: val. accuracy vs batch size ({args.epochs} epoch(s), {ctx.device_type})")
     print("\nwrote " + ", ".join(x for x in (stem + ".json", stem + ".md", png) if x))

@@ -1,5 +1,6 @@
 """The examples run end to end. examples/train_small_batch.py --quick must stay under 2 minutes on
-2 CPU cores (it takes ~45 s); it needs scikit-learn for its data set (matplotlib for the plot)."""
+2 CPU cores (30-45 s with five normalizations); it needs scikit-learn for its data set (matplotlib
+for the plot)."""
 import json
 import math
 import os
@@ -26,13 +27,16 @@ def test_train_small_batch_quick(tmp_path):
     results = report["results"]
     norms = ["batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx"]
     if hasattr(gn_mx, "DecorrelatedBatchNorm"):
-        norms.append("dbn_gn_mx")
+        norms += ["dbn_gn_mx", "dbn_iternorm_gn_mx"]
     got = {(r["norm"], r["precision"], r["batch_size"]) for r in results}
     want = {(n, p, b) for n in norms for p in ("fp32", "amp") for b in (2, 4, 8, 32)}
     assert got == want
     for r in results:
         assert not r["diverged"], r
         assert 0.0 <= r["val_acc"] <= 1.0 and math.isfinite(r["final_loss"]), r
+        assert r["steps"] > 0 and r["step_ms"] > 0, r
+        assert math.isclose(r["step_ms"], 1000 * r["train_time_s"] / r["steps"], rel_tol=0.05,
+                            abs_tol=0.05), r
     # it learns (chance is 10%): the best run of each normalization is well above chance
     for n in norms:
         assert max(r["val_acc"] for r in results if r["norm"] == n) > 0.4, (n, results)
@@ -40,6 +44,19 @@ def test_train_small_batch_quick(tmp_path):
     table = (tmp_path / "small_batch_quick.md").read_text()
     assert "| GroupNorm (gn_mx) | AMP fp16 |" in table and "bs=2" in table
     assert "| GroupNorm (gn_mx) | AMP fp16 |" in proc.stdout
+    # two tables (accuracy, then ms per step), each with one row per (normalization, precision)
+    acc_part, _, time_part = table.partition("Time per training step in ms")
+    assert time_part, table
+    for part in (acc_part, time_part):
+        rows = [ln for ln in part.splitlines() if ln.startswith("| ") and "normalization" not in ln]
+        assert len(rows) == 2 * len(norms), part
+    if "dbn_iternorm_gn_mx" in norms:  # the bs=32 cell of IterNorm's fp32 step-time row
+        head = "| DBN IterNorm (gn_mx) | fp32 |"
+        row = next(ln for ln in time_part.splitlines() if ln.startswith(head))
+        r = next(r for r in results if (r["norm"], r["precision"], r["batch_size"])
+                 == ("dbn_iternorm_gn_mx", "fp32", 32))
+        want_ms = f"{1000 * r['train_time_s'] / r['steps']:.1f}"
+        assert row.split("|")[-2].strip() == want_ms, (row, r)
     try:
         import matplotlib  # noqa: F401
     except ImportError:
