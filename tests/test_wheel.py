@@ -213,3 +213,11 @@ def test_installed_wheel_build_info(installed, tmp_path):
 def test_installed_wheel_forked_loader_after_an_op_call(installed, tmp_path):
     r = _run(installed, FORK_LOADER, tmp_path)
     assert r.returncode == 0 and "FORK-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_installed_wheel_runs_the_quickstart(installed, tmp_path):
+    """The README's quickstart, as a user runs it: the installed wheel, no compiler on PATH."""
+    with open(os.path.join(ROOT, "examples", "quickstart.py")) as f:
+        code = f.read()
+    r = _run(installed, code, tmp_path)
+    assert r.returncode == 0 and "-> OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]

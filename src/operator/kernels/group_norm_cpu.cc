@@ -380,11 +380,8 @@ void exact_bwd(const T* xg, const T* dyg, T* dxg, int64_t D, int64_t S, double e
   }
 }
 
-// Forward statistics that overflowed the fp32 accumulators (or any group of a tiny size).
-template <typename T>
-bool fwd_needs_exact(const Welford<AccT<T>>& w, AccT<T> eps, int64_t M) {
-  return gn_exact_group<T>(w.mean, gn_rstd<AccT<T>>(w.var(), eps), M);
-}
+// Backward: the groups gn_exact_group selects, decided from the saved statistics (every thread sees
+// the same values).
 template <typename T>
 bool bwd_needs_exact(AccT<T> mu, AccT<T> r, int64_t M) {
   return gn_exact_group<T>(mu, r, M);
@@ -515,9 +512,10 @@ struct FwdJob {
   bool finish(const Group& q, const Part* parts, int n, bool owner, Coef* cf) const {
     Welford<A> w;
     for (int u = 0; u < n; ++u) w.merge(parts[u]);
-    if (fwd_needs_exact<T>(w, eps_acc, M)) return false;
+    const A r = gn_rstd<A>(w.var(), eps_acc);  // once: the exact-group rule needs it too
+    if (gn_exact_group<T>(w.mean, r, M)) return false;
     cf->mu = w.mean;
-    cf->r = gn_rstd<A>(w.var(), eps_acc);
+    cf->r = r;
     if (owner) {
       mean[q.ng] = cf->mu;
       rstd[q.ng] = cf->r;
