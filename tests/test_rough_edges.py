@@ -195,6 +195,22 @@ def test_empty_np_batch_in_a_network(np_mode, hybridize):
     assert net(mx.np.ones((1, 8, 4, 4))).shape == (1, 8, 4, 4)
 
 
+def test_empty_np_batch_imported_symbolblock(np_mode, tmp_path):
+    net = gluon.nn.HybridSequential()
+    net.add(gn_mx.GroupNorm(num_groups=2), gn_mx.DecorrelatedBatchNorm(num_groups=2))
+    net.initialize()
+    net.hybridize()
+    x = mx.np.random.normal(size=(2, 4, 3))
+    net(x)
+    net.export(str(tmp_path / "m"))
+    blk = gluon.SymbolBlock.imports(str(tmp_path / "m-symbol.json"), ["data"],
+                                    str(tmp_path / "m-0000.params"))
+    with pytest.raises(ValueError, match=r"input of shape \(0, 4, 3\) is empty"):
+        blk(mx.np.zeros((0, 4, 3)))
+    mx.nd.waitall()
+    assert blk(x).shape == (2, 4, 3)
+
+
 def test_empty_np_batch_functional_ops(np_mode):
     x = mx.np.zeros((0, 4, 3))
     g, b = mx.np.ones(4), mx.np.zeros(4)

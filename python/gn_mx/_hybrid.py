@@ -31,6 +31,7 @@ holding a gn_mx block is covered) by ``(training mode, which parameters accumula
 Blocks whose graphs depend on neither pay one dict lookup per call. MXNet's private names (the
 wrapped methods, the cache attributes) are reached only through ``_compat``.
 """
+import json
 import threading
 
 from mxnet import autograd
@@ -225,8 +226,13 @@ def _get_graph(orig):
 
 
 def _has_gn_layer(block):
-    """Whether `block` or a block below it is a gn_mx layer (class attribute _gnmx_layer)."""
+    """Whether `block` or a block below it is a gn_mx layer (class attribute _gnmx_layer), or its
+    traced graph (an imported SymbolBlock's included) holds a gn_mx op."""
     if getattr(type(block), "_gnmx_layer", False):
+        return True
+    graph = _compat.hybrid_cache(block).graph
+    if graph and any(n["op"].startswith("gn_")
+                     for n in json.loads(graph[1].tojson())["nodes"]):
         return True
     return any(_has_gn_layer(c) for c in _compat.children(block))
 
