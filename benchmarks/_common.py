@@ -22,7 +22,9 @@ def add_timing_args(ap, regimes):
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--min-sample-ms", type=float, default=None)
     ap.add_argument("--max-cell-s", type=float, default=None)
-    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="write the result files into DIR (benchmarks/results holds the tracked ones); "
+                         "default: print only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 

@@ -17,7 +17,7 @@ original before timing (max abs difference reported). Both allocator regimes (gl
 and freed memory kept: MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11), one
 subprocess each, OMP_NUM_THREADS=--threads (2). Medians of interleaved samples.
 
-Outputs: stdout, benchmarks/results/convert_cpu.{md,json}.
+Outputs: stdout; with --out DIR also DIR/convert_cpu.{md,json} (the tracked ones: --out benchmarks/results).
 """
 import argparse
 import json
@@ -173,6 +173,8 @@ def main():
     runs = run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()})
     text = report(runs)
     print(text)
+    if args.out is None:
+        return
     os.makedirs(args.out, exist_ok=True)
     date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     with open(os.path.join(args.out, "convert_cpu.md"), "w") as f:

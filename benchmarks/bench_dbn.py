@@ -4,7 +4,7 @@ implementation, side by side.
 
     python benchmarks/bench_dbn.py                     # 1 and 2 threads x both allocator regimes
     python benchmarks/bench_dbn.py --threads 2 --regimes keep --rounds 15
-    python benchmarks/bench_dbn.py --no-write          # print only
+    python benchmarks/bench_dbn.py --out dbn_cpu       # also write benchmarks/results/dbn_cpu.*
     python benchmarks/bench_dbn.py --affine            # fused affine vs gn_dbn + gn_channel_affine
 
 Contenders (same data, shapes, eps, thread count; one process per (threads, regime), interleaved
@@ -31,13 +31,14 @@ torch.set_num_threads(t). Reported per contender: median and min ms per call ove
 process CPU time per call / wall time ("thr": threads actually busy; < t on a loaded machine).
 Regimes: "default" = glibc as shipped (MXNet page-faults fresh outputs in on every call), "keep" =
 MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000 (freed memory reused).
-Writes benchmarks/results/dbn_cpu.{md,json} (--out NAME: NAME.{md,json}) unless --no-write.
+Prints only, unless --out NAME: then writes NAME.{md,json} (under benchmarks/results unless NAME
+has a directory part; the tracked reference is --out dbn_cpu).
 
 --affine: the DecorrelatedBatchNorm graph before and after the affine was fused into the op, in one
 process, interleaved (no torch needed): "unfused" = gn_dbn / gn_dbn_inference then
 gn_channel_affine (the graph of models exported before), "fused" = the same op with affine=True
 (the block's graph now); forward, forward + backward under autograd (dx, dgamma, dbeta), and
-inference forward. Writes benchmarks/results/dbn_affine_cpu.{md,json}.
+inference forward. --out NAME writes NAME.{md,json} (tracked: --affine --out dbn_affine_cpu).
 """
 import argparse
 import json
@@ -397,9 +398,10 @@ def main():
     p.add_argument("--rounds", type=int, default=21)
     p.add_argument("--min-sample-s", type=float, default=0.03)
     p.add_argument("--max-time-s", type=float, default=40.0, help="per shape")
-    p.add_argument("--no-write", action="store_true")
-    p.add_argument("--out", default="dbn_cpu",
-                   help="results basename under benchmarks/results (default dbn_cpu)")
+    p.add_argument("--no-write", action="store_true", help="print only (the default)")
+    p.add_argument("--out", default=None, metavar="NAME",
+                   help="write NAME.{md,json} (a basename: under benchmarks/results, e.g. dbn_cpu; "
+                        "or a path); default: print only")
     p.add_argument("--affine", action="store_true",
                    help="fused affine vs gn_dbn + gn_channel_affine (dbn_affine_cpu.md)")
     p.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
@@ -433,12 +435,15 @@ def main():
                 print("\n" + iternorm_table(run), flush=True)
     info = machine_info()
     info["date_utc"] = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())
-    if args.no_write:
+    if args.no_write or args.out is None:
         return
+    stem = os.path.join(RESULTS, args.out)  # an absolute or relative path with a directory wins
+    if os.path.dirname(args.out):
+        stem = os.path.abspath(args.out)
+    os.makedirs(os.path.dirname(stem), exist_ok=True)
     if args.affine:
-        return write_affine(info, runs)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, args.out + ".json"), "w") as f:
+        return write_affine(info, runs, stem)
+    with open(stem + ".json", "w") as f:
         json.dump({"machine": info, "runs": runs}, f, indent=1)
     md = [f"# Decorrelated BN CPU benchmark (`benchmarks/bench_dbn.py`)", "",
           f"Machine: {info['cpu']}, {info['cores']} cores, ISA {'/'.join(info['isa_flags'])}; "
@@ -457,7 +462,7 @@ def main():
                "(read + write).", "", table(run), "",
                f"ZCA vs IterNorm (T = {ITERATIONS}) vs torch, ms per call (process CPU ms per "
                "call); fastest fwd+bwd by CPU time:", "", iternorm_table(run), ""]
-    with open(os.path.join(RESULTS, args.out + ".md"), "w") as f:
+    with open(stem + ".md", "w") as f:
         f.write("\n".join(md))
 
 
@@ -466,9 +471,8 @@ def regime_name(regime):
             "MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=100000000000")
 
 
-def write_affine(info, runs):
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "dbn_affine_cpu.json"), "w") as f:
+def write_affine(info, runs, stem):
+    with open(stem + ".json", "w") as f:
         json.dump({"machine": info, "runs": runs}, f, indent=1)
     md = ["# DBN affine fused into the op vs gn_channel_affine after it "
           "(`benchmarks/bench_dbn.py --affine`)", "",
@@ -483,7 +487,7 @@ def write_affine(info, runs):
         md += [f"## {run['threads']} thread(s), allocator: {regime_name(run['regime'])}", "",
                f"Load average {run['load_before'][0]:.1f} -> {run['load_after'][0]:.1f}.", "",
                affine_table(run), ""]
-    with open(os.path.join(RESULTS, "dbn_affine_cpu.md"), "w") as f:
+    with open(stem + ".md", "w") as f:
         f.write("\n".join(md))
 
 

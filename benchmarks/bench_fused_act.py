@@ -13,7 +13,7 @@ forward (inference) and forward+backward (autograd.record, backward with a fixed
 Target (issue 13): fused fwd+bwd >= 1.3x faster than separate on shapes >= 1 MB.
 Regimes: glibc malloc defaults, and glibc keeping freed memory (MALLOC_ARENA_MAX=1
 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11); one subprocess each.
-Outputs: stdout, benchmarks/results/fused_act_cpu.{md,json}.
+Outputs: stdout; with --out DIR also DIR/fused_act_cpu.{md,json} (the tracked ones: --out benchmarks/results).
 """
 import argparse
 import json
@@ -134,6 +134,8 @@ def main():
         "%s worst %.2fx (%s)" % (k, v, "met" if v >= 1.3 else "NOT met") for k, v in worst.items())]
     text = "\n".join(lines)
     print(text)
+    if args.out is None:
+        return
     os.makedirs(args.out, exist_ok=True)
     date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     with open(os.path.join(args.out, "fused_act_cpu.md"), "w") as f:

@@ -31,7 +31,8 @@ both):
           large shapes (e.g. 8x128x128x128 fp32: any MXNet op 90-110 ms instead of 15-25 ms) and
           hits every contender. (--system-malloc = --regimes system.)
 
-Outputs: a table on stdout, benchmarks/results/group_norm_cpu.{json,md,png}.
+Outputs: a table on stdout; with --out DIR also DIR/group_norm_cpu.{json,md,png} (the tracked ones:
+--out benchmarks/results).
 """
 import argparse
 import json
@@ -648,7 +649,9 @@ def main():
     ap.add_argument("--no-memory", action="store_true", help="skip the extra-memory measurement")
     ap.add_argument("--system-malloc", action="store_true", help="= --regimes system")
     ap.add_argument("--regimes", default="kept,system", help="allocator regimes: kept, system")
-    ap.add_argument("--out", default=RESULTS)
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="write group_norm_cpu.{md,json,png} into DIR (benchmarks/results: the "
+                         "tracked ones); default: print only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--memory-child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--mem-which", help=argparse.SUPPRESS)
@@ -667,7 +670,6 @@ def main():
     if args.memory_child:
         return memory_child(args)
 
-    os.makedirs(args.out, exist_ok=True)
     all_runs = []
     regimes = ["system"] if args.system_malloc else [r for r in args.regimes.split(",") if r]
     for regime in regimes:
@@ -710,6 +712,10 @@ def main():
             md.append("| %s | %s | %s | %s |" % (m["contender"], m["dtype"], shape_str(m["shape"], m["G"]),
                                                "%.2f" % m["extra_over_input"] if m["extra_over_input"] else "failed"))
         md.append("")
+    if args.out is None:
+        print("\n".join(md))
+        return
+    os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "group_norm_cpu.md"), "w") as f:
         f.write("\n".join(md))
     jpath = os.path.join(args.out, "group_norm_cpu.json")

@@ -36,7 +36,7 @@ MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11), both with MKLDNN on (MXNet's de
 kept-memory regime with MXNET_MKLDNN_ENABLED=0 (no layout conversions at all, but MXNet's slower
 non-MKLDNN convolutions). All contenders of a table are timed interleaved (round-robin), medians.
 
-Outputs: stdout, benchmarks/results/in_network_cpu.{md,json}.
+Outputs: stdout; with --out DIR also DIR/in_network_cpu.{md,json} (the tracked ones: --out benchmarks/results).
 """
 import argparse
 import json
@@ -325,6 +325,8 @@ def main():
                        extra=["--parts", args.parts])
     text = report(runs)
     print(text)
+    if args.out is None:
+        return
     os.makedirs(args.out, exist_ok=True)
     date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     with open(os.path.join(args.out, "in_network_cpu%s.md" % args.suffix), "w") as f:

@@ -2,8 +2,10 @@
 
 The conversion is zero-copy (as_nd_ndarray / as_np_ndarray re-wrap the same handle), so the cost is
 per call, not per element. Contenders run round-robin in one process; prints the load average and
-thread count. Usage: OMP_NUM_THREADS=1 python benchmarks/bench_numpy_interface.py
+thread count. Usage: OMP_NUM_THREADS=1 python benchmarks/bench_numpy_interface.py [--reps N]
+Prints only (benchmarks/results/numpy_interface_cpu.md holds a copy of a run's output).
 """
+import argparse
 import os
 import time
 
@@ -49,4 +51,8 @@ def main(shapes=((4, 32, 8, 8), (8, 64, 32, 32)), reps=30, calls=50):
 
 
 if __name__ == "__main__":
-    main()
+    _ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    _ap.add_argument("--reps", type=int, default=30, help="interleaved rounds (median over them)")
+    _ap.add_argument("--calls", type=int, default=50, help="calls per sample")
+    _a = _ap.parse_args()
+    main(reps=_a.reps, calls=_a.calls)

@@ -1,7 +1,8 @@
 #!/usr/bin/env python
 """Per-call overhead of a library (lib_api) op against MXNet's built-in ops, on this machine.
 
-    python benchmarks/bench_overhead.py            # ~1 min; writes benchmarks/results/overhead_cpu.{md,json}
+    python benchmarks/bench_overhead.py            # ~1 min; prints the report
+    python benchmarks/bench_overhead.py --out benchmarks/results   # also writes overhead_cpu.{md,json}
 
 Builds a benchmark-only external library (benchmarks/overhead/noop_op.cc: op `bench_noop`, whose
 forward does nothing) with the installed mxnet's lib_api, loads it next to gn_mx and times, in one
@@ -17,6 +18,7 @@ with one relu, on a tiny and a mid-size input. Also the cost of gn_mx's own attr
 callback (benchmarks/overhead/attr_parse.cc, plain C++). One thread (OMP_NUM_THREADS=1 unless set), glibc
 malloc told to keep freed memory (the regime that does not page-fault outputs in).
 """
+import argparse
 import json
 import os
 import subprocess
@@ -25,7 +27,6 @@ import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
-RESULTS = os.path.join(HERE, "results")
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "python"))
 
@@ -118,7 +119,13 @@ def child():
 
 
 def main():
-    if "--child" in sys.argv:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="write overhead_cpu.{md,json} into DIR (benchmarks/results: the tracked "
+                         "ones); default: print only")
+    ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
         return child()
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
@@ -146,10 +153,12 @@ def main():
               "forward), a hybridized one once per forward/backward." % res["attr_parse_ns"], ""]
     text = "\n".join(lines)
     print(text)
-    os.makedirs(RESULTS, exist_ok=True)
-    with open(os.path.join(RESULTS, "overhead_cpu.md"), "w") as f:
+    if args.out is None:
+        return
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "overhead_cpu.md"), "w") as f:
         f.write(text + "\n")
-    with open(os.path.join(RESULTS, "overhead_cpu.json"), "w") as f:
+    with open(os.path.join(args.out, "overhead_cpu.json"), "w") as f:
         json.dump(res, f, indent=1)
 
 

@@ -25,6 +25,9 @@ import sys
 import time
 
 
+# Default output directory: under examples/export/ (git-ignored); --out names another.
+DEFAULT_OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "export", "dist")
+
 def build_net(gluon, gn_mx):
     net = gluon.nn.HybridSequential()
     net.add(gluon.nn.Conv2D(8, 3, in_channels=3), gn_mx.GroupNorm(num_groups=4, in_channels=8),
@@ -135,7 +138,8 @@ def launch_local(num_workers, out, steps=3, batch=8, timeout=120):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="dist_out")
+    ap.add_argument("--out", default=DEFAULT_OUT,
+                    help="output directory (default: %(default)s, ignored by git)")
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8)
     ap.add_argument("--launch-local", type=int, metavar="WORKERS", default=0,

@@ -118,4 +118,9 @@ def main(steps=5, lam=10.0):
 
 
 if __name__ == "__main__":
-    main()
+    import argparse
+    _ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    _ap.add_argument("--steps", type=int, default=5)
+    _ap.add_argument("--lam", type=float, default=10.0, help="gradient-penalty weight")
+    _a = _ap.parse_args()
+    main(steps=_a.steps, lam=_a.lam)

@@ -24,7 +24,8 @@ hybridized (MXNet 1.9.1's imperative AMP casts do not handle float16 -> float32 
     python examples/train_small_batch.py            # full run (10-25 min on 2 CPU cores)
     python examples/train_small_batch.py --quick    # smoke run (< 2 min on 2 CPU cores)
 
-Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/results/).
+Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/export/results/, ignored
+by git; the tracked results are in examples/results/).
 """
 import argparse
 import json
@@ -306,7 +307,9 @@ def main(argv=None):
     p.add_argument("--base-lr", type=float, default=0.2, help="learning rate at batch size 32")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                 "results"))
+                                                 "export", "results"),
+                   help="output directory (default: %(default)s, ignored by git; --out "
+                        "examples/results refreshes the tracked results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
     args = p.parse_args(argv)
     if args.epochs is None:

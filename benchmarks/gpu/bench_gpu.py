@@ -18,12 +18,10 @@ import platform
 import statistics
 import sys
 
-import torch
-
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-import gnh  # noqa: E402
+torch = gnh = None  # imported by main() after the arguments (--help needs neither)
 
 SD_SHAPES = [(2, c, hw, hw) for c in (320, 640, 1280) for hw in (64, 32, 16, 8)]
 LARGE_SHAPES = [(16, 512, 64, 64), (32, 256, 128, 128), (8, 1280, 32, 32)]
@@ -204,10 +202,14 @@ def markdown(meta, rows, dbn_rows=()):
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=None, metavar="DIR",
+                    help="write gpu_bench.{json,md} into DIR (e.g. benchmarks/results); default: print only")
     ap.add_argument("--quick", action="store_true", help="SD-UNet shapes only")
     args = ap.parse_args()
+    global torch, gnh
+    import torch
+    import gnh
     torch.backends.cudnn.benchmark = False
     gnh.load()
     copy_bw = copy_bandwidth()
@@ -238,6 +240,9 @@ def main():
             print(f"dbn {str(tuple(shape)):20s} G={G:3d} fwd {r['ours_fwd_us']:8.1f}us "
                   f"(torch {r['torch_fwd_us']:8.1f})  f+b {r['ours_fwd_bwd_us']:8.1f}us "
                   f"(torch {r['torch_fwd_bwd_us']:8.1f})", flush=True)
+    if args.out is None:
+        print(markdown(meta, rows, dbn_rows))
+        return
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
         json.dump({"meta": meta, "rows": rows, "dbn_rows": dbn_rows}, f, indent=1)

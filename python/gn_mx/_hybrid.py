@@ -31,6 +31,7 @@ holding a gn_mx block is covered) by ``(training mode, which parameters accumula
 Blocks whose graphs depend on neither pay one dict lookup per call. MXNet's private names (the
 wrapped methods, the cache attributes) are reached only through ``_compat``.
 """
+import json
 import threading
 
 from mxnet import autograd
@@ -224,8 +225,35 @@ def _get_graph(orig):
     return get_graph
 
 
+def _has_gn_layer(block):
+    """Whether `block` or a block below it is a gn_mx layer (class attribute _gnmx_layer), or its
+    traced graph (an imported SymbolBlock's included) holds a gn_mx op."""
+    if getattr(type(block), "_gnmx_layer", False):
+        return True
+    graph = _compat.hybrid_cache(block).graph
+    if graph and any(n["op"].startswith("gn_")
+                     for n in json.loads(graph[1].tojson())["nodes"]):
+        return True
+    return any(_has_gn_layer(c) for c in _compat.children(block))
+
+
+def _check_empty_np_batch(blk, args):
+    """A hybridized graph runs the ops on whatever it is given, and the ops reject zero-size data
+    (MXNet then returned a shape-() result and raised only at the next synchronization). Under
+    the NumPy interface an empty batch is a legal array: refuse it here, at the call, when the
+    graph holds gn_mx layers (a gn_mx block called directly returns an empty output instead)."""
+    for a in args:
+        if _np.is_np(a) and isinstance(a, nd.NDArray) and 0 in a.shape and _has_gn_layer(blk):
+            raise ValueError(
+                f"{type(blk).__name__} '{blk.name}': input of shape {a.shape} is empty; the "
+                f"gn_mx layers inside this hybridized block need at least one sample (skip the "
+                f"call for an empty batch, or call those layers un-hybridized: they then return "
+                f"an empty output)")
+
+
 def _call_cached_op(orig):
     def call_cached_op(self, *args):
+        _check_empty_np_batch(self, args)
         state = self.__dict__.get(_STATE)
         training = None  # asked of autograd (a C call) only for mode-keyed blocks, once
         if state is not None:

@@ -111,7 +111,7 @@ def _import_mxnet():
     return mxnet
 
 
-#: The ops libgn_mx.so registers (shared/API.md); all of them present = the library is loaded.
+#: The ops libgn_mx.so registers (docs/reference/ops.md); all of them present = the library is loaded.
 OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine")
 
 

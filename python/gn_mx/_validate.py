@@ -89,6 +89,44 @@ def check_whitening(who, whitening, iterations):
                          f"got {iterations!r}")
 
 
+#: DecorrelatedBatchNorm's largest group size on the CPU (the op's own limit, kernels/dbn.h
+#: kDbnMaxGroupSizeCpu; any device fails above it, CUDA's smaller one is checked by the op).
+DBN_MAX_GROUP_SIZE_CPU = 4096
+
+
+def check_channels(who, C, shape, num_groups=None, group_size=None, channels=0,
+                   max_group_size=None):
+    """The channel rules a block can check on its input before any op runs, so the message names
+    the layer, also under deferred initialization (where Gluon would report the op's error as
+    "Deferred initialization failed because shape cannot be inferred"): C equal to the layer's
+    channels when they are known (``channels`` > 0), C divisible by ``num_groups`` or
+    ``group_size``, the group size at most ``max_group_size``. ``shape``: the input's shape for the
+    message (None when only C is known, in a symbolic trace)."""
+    of = f" (input shape {tuple(shape)})" if shape is not None else ""
+    if channels and C != channels:
+        raise ValueError(f"{who}: the input has C={C} channels{of}, but the layer has "
+                         f"{channels} (in_channels, or the first input's C)")
+    if group_size is not None:
+        check_group_size(who, C, group_size)
+        D = group_size
+    else:
+        if C % num_groups:
+            raise ValueError(f"{who}: channels (C={C}) must be divisible by num_groups "
+                             f"({num_groups}){of}; choose num_groups among the divisors of C")
+        D = C // num_groups
+    if max_group_size is not None and D > max_group_size:
+        raise ValueError(f"{who}: group size C/num_groups = {D} exceeds the limit "
+                         f"{max_group_size}{of}; use more groups (or a smaller group_size)")
+
+
+def check_data_shape(who, shape, **rules):
+    """An input of known ``shape``: at least 2 dims (N, C, *spatial), then ``check_channels``."""
+    if len(shape) < 2:
+        raise ValueError(f"{who}: input must have at least 2 dims (N, C, *spatial); got shape "
+                         f"{tuple(shape)}")
+    check_channels(who, shape[1], shape, **rules)
+
+
 def check_nonempty(who, x):
     """A clear error for an empty batch (Gluon's deferred init would fail with an AssertionError).
     Symbols (no shape) pass."""

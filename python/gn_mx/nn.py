@@ -7,8 +7,9 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 
 from . import _hybrid, _np
-from ._validate import (act_type, check_dbn_numbers, check_group_size, check_groups,
-                        check_nonempty, check_whitening, dbn_grouping)
+from ._validate import (DBN_MAX_GROUP_SIZE_CPU, act_type, check_channels, check_data_shape,
+                        check_dbn_numbers, check_group_size, check_groups, check_nonempty,
+                        check_whitening, dbn_grouping)
 
 
 def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_initializer):
@@ -20,6 +21,41 @@ def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_in
                             shape=(in_channels,), init=beta_initializer,
                             allow_deferred_init=True, differentiable=center)
     return gamma, beta
+
+
+def _known_channels(block):
+    """The layer's C once known (in_channels, or deferred initialization done), else 0."""
+    shape = block.gamma.shape
+    return max(int(shape[0]), 0) if shape else 0
+
+
+def checked_forward(block, x, args, **rules):
+    """A gn_mx block's forward: the shape rules of ``rules`` (``_validate.check_channels``) checked
+    on the input with the layer's name in the message, before Gluon's deferred initialization or a
+    graph can bury the op's error; then ``HybridBlock.forward``.
+
+    Empty batches: a legacy NDArray gets a ValueError; a NumPy-interface array (``npx.set_np()``,
+    NumPy shape semantics) gets an empty output of the input's shape and dtype (no samples in, no
+    samples out; nothing is computed, no running statistics change). In a symbolic trace (the
+    block inside a hybridized parent) only C is known, from the trace's concrete inputs."""
+    if isinstance(x, NDArray):
+        shape = x.shape
+        if shape == block.__dict__.get("_gnmx_ok_shape"):  # checked before: one tuple compare
+            return HybridBlock.forward(block, x, *args)
+        who = f"{type(block).__name__} '{block.name}'"
+        if 0 in shape and _np.is_np(x) and len(shape) >= 2:
+            if shape[1]:
+                check_data_shape(who, shape, channels=_known_channels(block), **rules)
+            return x.copy()
+        check_nonempty(who, x)
+        check_data_shape(who, shape, channels=_known_channels(block), **rules)
+        block.__dict__["_gnmx_ok_shape"] = shape
+    else:
+        who = f"{type(block).__name__} '{block.name}'"
+        C = _hybrid.traced_channels(_np.to_legacy(x))
+        if C:
+            check_channels(who, C, None, channels=_known_channels(block), **rules)
+    return HybridBlock.forward(block, x, *args)
 
 
 def numpy_interface(hybrid_forward):
@@ -100,9 +136,10 @@ class GroupNorm(HybridBlock):
             self.gamma, self.beta = _affine_params(self, in_channels, center, scale,
                                                    beta_initializer, gamma_initializer)
 
+    _gnmx_layer = True  # _hybrid: a hybridized parent refuses empty NumPy-interface batches
+
     def forward(self, x, *args):
-        check_nonempty(type(self).__name__, x)
-        return super().forward(x, *args)
+        return checked_forward(self, x, args, num_groups=self._num_groups)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta):
@@ -215,9 +252,14 @@ class DecorrelatedBatchNorm(HybridBlock):
                 "running_projection", grad_req="null", shape=(num_groups or 0, D, D),
                 init=GroupIdentity(), allow_deferred_init=True, differentiable=False)
 
+    _gnmx_layer = True
+
     def forward(self, x, *args):
-        check_nonempty(type(self).__name__, x)
-        return super().forward(x, *args)
+        if self._group_size is not None:
+            rules = {"group_size": self._group_size}
+        else:
+            rules = {"num_groups": self._num_groups}
+        return checked_forward(self, x, args, max_group_size=DBN_MAX_GROUP_SIZE_CPU, **rules)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):

@@ -51,6 +51,7 @@ dynamic, and any number of spatial dims (0-3+) works. float16 data with float32 
 (multi-precision) is computed in float32 and cast back, float64 stays float64.
 """
 import contextlib
+import functools
 import threading
 
 import numpy as np
@@ -116,6 +117,43 @@ def export_model(sym, params, *args, opset_version=None, **kwargs):
     with _export_opset(min(int(opset), newest)):
         return mx.onnx.export_model(sym, params, *args, **kwargs)
 
+
+#: MXNet 1.9's exporter lists every initializer (the parameters) among the graph's inputs as well.
+#: onnxruntime then prints one warning per parameter ("Initializer ... appears in graph inputs and
+#: will not be treated as constant value/weight"), which a user cannot act on, and skips constant
+#: folding of them. gn_mx's import makes exports list only the real inputs (data); set this to True
+#: to keep MXNet's form (parameters overridable as inputs).
+KEEP_INITIALIZER_INPUTS = False
+
+
+def _drop_initializer_inputs(graph):
+    """`graph` (an onnx GraphProto) without the inputs that are also initializers (ONNX IR >= 4
+    needs no input entry for an initializer)."""
+    names = {t.name for t in graph.initializer}
+    keep = [i for i in graph.input if i.name not in names]
+    if len(keep) != len(graph.input):
+        del graph.input[:]
+        graph.input.extend(keep)
+    return graph
+
+
+def _wrap_graph_proto():
+    """Post-process every graph MXNet's exporter creates (``MXNetGraph.create_onnx_graph_proto``,
+    which both ``mx.onnx.export_model`` and :func:`export_model` call); once per process."""
+    orig = _MXNetGraph.create_onnx_graph_proto
+    if getattr(orig, "_gnmx_wrapped", False):
+        return
+
+    @functools.wraps(orig)
+    def create_onnx_graph_proto(self, *args, **kwargs):
+        graph = orig(self, *args, **kwargs)
+        return graph if KEEP_INITIALIZER_INPUTS else _drop_initializer_inputs(graph)
+
+    create_onnx_graph_proto._gnmx_wrapped = True
+    _MXNetGraph.create_onnx_graph_proto = create_onnx_graph_proto
+
+
+_wrap_graph_proto()
 
 CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn")
 ACT_TYPES = ("none", "relu", "silu")

@@ -17,11 +17,36 @@ def _F(x):
     return mx.sym if isinstance(x, mx.sym.Symbol) else mx.nd
 
 
+#: The wrappers whose only output has data's shape: an empty NumPy-interface batch gives an empty
+#: output (the ops themselves reject zero-size data).
+_SAME_SHAPE_OUT = {"group_norm": 4, "dbn_inference": None}  # name -> position of return_stats
+
+
+def _empty_np_batch(fn, data, args, kwargs):
+    """For zero-size NumPy-interface data (``npx.set_np()``): an empty output of data's shape where
+    the result is just that (an empty batch of group_norm / dbn_inference without statistics),
+    else a ValueError at the call (statistics of no samples do not exist). None for other data."""
+    if not (_np.is_np(data) and isinstance(data, mx.nd.NDArray)) or 0 not in data.shape:
+        return None
+    name = fn.__name__
+    pos = _SAME_SHAPE_OUT.get(name, -1)
+    stats = pos is not None and (kwargs.get("return_stats") or (0 <= pos < len(args) and args[pos]))
+    if pos != -1 and not stats and data.ndim >= 2 and data.shape[0] == 0 and 0 not in data.shape[1:]:
+        return data.copy()
+    raise ValueError(f"gn_mx.ops.{name}: data of shape {data.shape} is empty; the op needs at "
+                     f"least one element per (sample, group) (an empty batch, N = 0, works with "
+                     f"group_norm and dbn_inference without return_stats, and with the blocks)")
+
+
 def _both_kinds(fn):
     """Runs `fn` on legacy views of its array arguments; returns the kind of the first one."""
     @functools.wraps(fn)
     def wrapper(data, *args, **kwargs):
         np_kind = _np.is_np(data)
+        if np_kind:
+            empty = _empty_np_batch(fn, data, args, kwargs)
+            if empty is not None:
+                return empty
         out = fn(_np.to_legacy(data), *(_np.to_legacy(a) for a in args),
                  **{k: _np.to_legacy(v) for k, v in kwargs.items()})
         return _np.like(out, np_kind)

@@ -1,5 +1,5 @@
 /*
- * dbn_ops.cc: MXNet registration of gn_dbn (training) and gn_dbn_inference (see shared API.md).
+ * dbn_ops.cc: MXNet registration of gn_dbn (training) and gn_dbn_inference (contract: docs/reference/ops.md).
  * Math lives in ../kernels/dbn.h (framework-free); this file validates and maps tensors.
  *
  * gn_dbn:           inputs  data (N, C, *spatial), running_mean (C,), running_projection (G, D, D)

@@ -1,5 +1,5 @@
 /*
- * group_norm_ops.cc: MXNet registration of gn_moments and gn_group_norm (see shared API.md).
+ * group_norm_ops.cc: MXNet registration of gn_moments and gn_group_norm (contract: docs/reference/ops.md).
  * Validation: attributes in parseAttrs, shapes in inferShape, dtypes in inferType, so a bad call
  * raises MXNetError synchronously at the call site; forward/backward re-check only what they index
  * with, fill the kernel's Args and run() it on the callback's device (device.h). Math lives in
