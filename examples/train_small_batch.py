@@ -208,7 +208,7 @@ def train_one(kind, precision, batch_size, data, args, ctx):
     train_time = time.time() - t0
     acc = evaluate(net, x_va, y_va, ctx)
     return {"norm": kind, "precision": precision, "batch_size": batch_size, "val_acc": acc,
-            "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 2),
+            "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 4),
             "steps": total, "step_ms": round(1000.0 * train_time / max(total, 1), 2)}
 
 
