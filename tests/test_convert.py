@@ -171,11 +171,10 @@ def test_convert_float64():
     assert np.abs(net(x).asnumpy() - want).max() <= TOLS[np.float64]
 
 
-@pytest.mark.parametrize("hybridize", [False, True])
-def test_convert_float16(hybridize):
-    """fp16 (MXNet's CPU has no fp16 conv/dense: a norm-only net; random stand-in trained values)."""
+def _fp16_norm_net():
+    """An fp16 MXNet-GroupNorm net (norm-only: MXNet's CPU has no fp16 conv/dense; its InstanceNorm
+    is float32-only) with random stand-in trained values, and its input."""
     net = nn.HybridSequential()
-    # (MXNet's InstanceNorm is float32-only: issue 12302)
     net.add(nn.GroupNorm(num_groups=2), nn.Activation("relu"), nn.GroupNorm(num_groups=4))
     net.initialize()
     net.cast(np.float16)
@@ -184,6 +183,13 @@ def test_convert_float16(hybridize):
     rs = np.random.RandomState(2)
     for p in net.collect_params().values():
         p.set_data(mx.nd.array(rs.randn(*p.shape), dtype=np.float16))
+    return net, x
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+def test_convert_float16(hybridize):
+    """fp16 (MXNet's CPU has no fp16 conv/dense: a norm-only net; random stand-in trained values)."""
+    net, x = _fp16_norm_net()
     if hybridize:
         net.hybridize()
     want = net(x).asnumpy().astype(np.float64)
@@ -337,15 +343,7 @@ def test_convert_symbol_fuses_swish(tmp_path):
 
 def test_convert_symbol_fp16(tmp_path):
     """An fp16 model (norm-only: MXNet's CPU has no fp16 conv/dense), shapes given on the CLI way."""
-    net = nn.HybridSequential()
-    net.add(nn.GroupNorm(num_groups=2), nn.Activation("relu"), nn.GroupNorm(num_groups=4))
-    net.initialize()
-    net.cast(np.float16)
-    x = mx.nd.array(np.random.RandomState(1).randn(3, 4, 5, 5) * 3 + 1, dtype=np.float16)
-    net(x)
-    rs = np.random.RandomState(2)
-    for p in net.collect_params().values():
-        p.set_data(mx.nd.array(rs.randn(*p.shape), dtype=np.float16))
+    net, x = _fp16_norm_net()
     net.hybridize()
     want = net(x).asnumpy().astype(np.float64)
     prefix = str(tmp_path / "fp16")
