@@ -121,3 +121,13 @@ def dbn_fd_check(x, G, eps=1e-5, rtol=1e-5, atol=1e-6, dy=None):
         y = mx.nd.gn_dbn(xs, rm, rp, num_groups=G, eps=eps)[0]
     y.backward(mx.nd.array(dy, dtype=np.float64))
     np.testing.assert_allclose(xs.grad.asnumpy(), numeric_grad(f, x), rtol=rtol, atol=atol)
+
+
+@pytest.fixture
+def np_mode():
+    """The NumPy interface (npx.set_np()) for one test, legacy mode restored after it."""
+    mx.npx.set_np()
+    try:
+        yield
+    finally:
+        mx.npx.reset_np()

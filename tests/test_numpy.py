@@ -22,15 +22,6 @@ CPU = mx.cpu()
 HYBRID = {"imperative": None, "hybrid": {}, "static": {"static_alloc": True, "static_shape": True}}
 
 
-@pytest.fixture
-def np_mode():
-    npx.set_np()
-    try:
-        yield
-    finally:
-        npx.reset_np()
-
-
 def _arr(value, np_kind):
     return mx.np.array(value, dtype=value.dtype) if np_kind else mx.nd.array(value, dtype=value.dtype)
 

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import mxnet as mx
-from mxnet import gluon, npx
+from mxnet import gluon
 
 import gn_mx
 
@@ -128,15 +128,6 @@ def test_dbn_group_size_limit_and_channel_mismatch_and_rank():
 
 
 # ---- empty batches under the NumPy interface ----------------------------------------------------
-
-@pytest.fixture
-def np_mode():
-    npx.set_np()
-    try:
-        yield
-    finally:
-        npx.reset_np()
-
 
 @pytest.mark.parametrize("hybridize", [False, True])
 @pytest.mark.parametrize("cls", ["GroupNorm", "DecorrelatedBatchNorm"])
