@@ -15,7 +15,7 @@ timed eagerly (torch's eigh synchronizes). A pass whose warm-up call exceeds --c
 reported from that one call; a DBN pass predicted (from a smaller D, cubic in D) to outlast the
 remaining --budget-s is skipped, as is every case once --budget-s is spent: both say so in the note.
 
-The bound of each row (bytes that must move, flops of the dense math) comes from bounds.py; %copy
+The bound of each row (bytes that must move, flops of the dense math) comes from gpu_bounds.py; %copy
 is bytes / time / the measured device-to-device copy bandwidth; %fp32 / %fp64 is flops / time /
 the measured fp32 (TF32 off) / fp64 matmul rate. GPU, driver, CUDA, torch and date head the table.
 
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-import bounds  # noqa: E402  (no torch: --estimate and --help need neither torch nor a GPU)
+import gpu_bounds as bounds  # noqa: E402  (no torch: --estimate and --help need neither)
 
 torch = gnh = None  # imported by run() (--help and --estimate need neither)
 
@@ -136,14 +136,15 @@ def smoke_cases():
 
 
 # --------------------------------------------------------------------------------------------------
-# --estimate: lower bounds on an H200 from bounds.py alone
+# --estimate: lower bounds on an H200 from gpu_bounds.py alone
 
 
 def estimate_table(cases, dev=bounds.H200):
     lines = [f"# gn_mx GPU benchmark: lower-bound times on an {dev['name']}", "",
-             f"- {dev['sms']} SMs, {dev['copy_bw'] / 1e12:.1f} TB/s HBM, {dev['fp32'] / 1e12:.0f} TFLOP/s "
+             f"- {dev['sms']} SMs, {dev['copy_bw'] / 1e12:.1f} TB/s HBM, "
+             f"{dev['fp32'] / 1e12:.0f} TFLOP/s "
              f"fp32 (non-tensor), {dev['fp64'] / 1e12:.0f} TFLOP/s fp64",
-             "- bound: max(bytes / bandwidth, flops / fp32 peak) from benchmarks/gpu/bounds.py; "
+             "- bound: max(bytes / bandwidth, flops / fp32 peak) from benchmarks/gpu/gpu_bounds.py; "
              "nothing was run", "",
              "| class | case | dtype | pass | bytes | flops | bound us | bytes-bound us | fp32-bound us "
              "| fp64-bound us |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -153,9 +154,11 @@ def estimate_table(cases, dev=bounds.H200):
             b = bounds.case_bound(c, p)
             t = bounds.lower_bound_s(b, dev)
             total, n = total + t, n + 1
+            us = [b["bytes"] / dev["copy_bw"] * 1e6, b["flops"] / dev["fp32"] * 1e6,
+                  b["flops"] / dev["fp64"] * 1e6]
             lines.append(f"| {c.cls} | {c.label()} | {c.dtype} | {p} | {_mb(b['bytes'])} | "
-                         f"{_gf(b['flops'])} | {t * 1e6:.2f} | {b['bytes'] / dev['copy_bw'] * 1e6:.2f} | "
-                         f"{b['flops'] / dev['fp32'] * 1e6:.2f} | {b['flops'] / dev['fp64'] * 1e6:.2f} |")
+                         f"{_gf(b['flops'])} | {t * 1e6:.2f} | "
+                         + " | ".join(f"{u:.2f}" for u in us) + " |")
     lines += ["", f"Sum of the lower bounds: {total * 1e3:.2f} ms over {n} rows."]
     return "\n".join(lines) + "\n"
 
@@ -245,21 +248,24 @@ class Bench:
         return self.budget_s - (time.monotonic() - self.t0)
 
     def measure(self, fn, graph):
-        """Warm-up, then the median of several runs within --case-budget-s."""
+        """Warm-up, then the median of several runs within about --case-budget-s."""
         if self.smoke:
             return Timing(self.clock.once(fn), "1")
+        budget = self.case_budget_s
         t = self.clock.once(fn)  # warm-up (first-call costs included)
-        if t > self.case_budget_s:
-            return Timing(t, "1", f"1 run: the warm-up took {t:.2f} s > {self.case_budget_s:g} s")
+        if t > budget:
+            return Timing(t, "1", f"1 run: the warm-up took {t:.2f} s > {budget:g} s")
         t = self.clock.once(fn)
         if graph and self.cuda:
             reps = max(1, min(50, int(2e-3 / max(t, 1e-7))))
-            replays = max(3, min(9, int(self.case_budget_s / 4 / max(t * reps, 1e-7))))
+            replays = max(3, min(9, int(budget / 4 / max(t * reps, 1e-7))))
             try:
                 return Timing(self.clock.graph(fn, reps, replays), f"{replays}x{reps} graph")
             except Exception:  # noqa: BLE001 - capture unsupported: time eager launches instead
                 torch.cuda.synchronize()
-        runs = max(3, min(15, int(self.case_budget_s / 4 / max(t, 1e-7))))
+        if 3 * t > budget / 2:
+            return Timing(t, "1", f"1 run after the warm-up: {t:.2f} s, 3 exceed {budget / 2:g} s")
+        runs = max(3, min(15, int(budget / 4 / max(t, 1e-7))))
         return Timing(statistics.median(self.clock.once(fn) for _ in range(runs)), str(runs))
 
     # ---- tensors
@@ -539,22 +545,26 @@ def markdown(meta, rows):
     lines = [f"# gn_mx GPU benchmark ({meta['device']})", "",
              f"- {meta['mode']} run, {meta['date']}; torch {meta['torch']}, CUDA {_na(meta['cuda'])}, "
              f"driver {_na(meta['driver'])}, nvcc: {_na(meta['nvcc'])}; python {meta['python']}",
-             f"- {_na(meta.get('sms'))} SMs; measured copy bandwidth {meta['copy_gbs']:.0f} GB/s (read + "
-             f"write of a device copy), matmul fp32 {meta['fp32_tflops']:.1f} TFLOP/s (TF32 off), "
+             f"- {_na(meta.get('sms'))} SMs, compute capability {_na(meta.get('capability'))}, "
+             f"{_na(meta.get('memory_gib'))} GiB; measured copy bandwidth {meta['copy_gbs']:.0f} GB/s "
+             f"(read + write of a device copy), matmul fp32 {meta['fp32_tflops']:.1f} TFLOP/s (TF32 off), "
              f"fp64 {meta['fp64_tflops']:.1f} TFLOP/s",
              "- ours: gn_mx's CUDA kernels through tests/gpu/harness.cc; torch: F.group_norm's aten "
              "kernels, addcmul + reductions (affine), eigh-based DBN with autograd (dbn)",
              "- times: median per call (runs: `RxK graph` = R replays of a CUDA graph of K calls, "
              "`n` = n eager calls each timed by CUDA events, DBN eager incl. launch overhead; "
              "on the emulator one call by the CPU clock)",
-             "- bound: bytes that must move (+ flops of the dense DBN math), benchmarks/gpu/bounds.py; "
+             "- bound: bytes that must move (+ flops of the dense DBN math), benchmarks/gpu/gpu_bounds.py; "
              "%copy = bytes / time / copy bw; %fp32, %fp64 = flops / time / matmul rate (ours)",
-             f"- time budget {meta.get('budget_s')} s (per pass {meta.get('case_budget_s')} s); "
+             f"- time budget {_na(meta.get('budget_s'))} s (per pass {meta.get('case_budget_s')} s); "
              f"benchmark wall time {meta.get('wall_s', 0):.0f} s",
-             "- classes: " + "; ".join(f"{k} = {CLASSES[k]}" for k in cls_seen), "",
-             "| class | case | dtype | pass | ours us | torch us | torch/ours | bound | bound us | "
-             "ours %copy | ours %fp32 | ours %fp64 | runs ours/torch | note |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "- classes: " + "; ".join(f"{k} = {CLASSES[k]}" for k in cls_seen)]
+    if meta.get("interrupted"):
+        lines.append("- INTERRUPTED (SIGTERM or Ctrl-C): the cases after the last row were not run")
+    lines += ["",
+              "| class | case | dtype | pass | ours us | torch us | torch/ours | bound | bound us | "
+              "ours %copy | ours %fp32 | ours %fp64 | runs ours/torch | note |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         lines.append(
             f"| {r['cls']} | {r['case']} | {r['dtype']} | {r['pass']} | {_num(r['ours_us'], '.1f')} | "
@@ -572,7 +582,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                  epilog="Details, columns and budgets: benchmarks/gpu/README.md")
     ap.add_argument("--out", default=None, metavar="DIR",
-                    help="write gpu_bench.{json,md} into DIR (e.g. benchmarks/results); default: print only")
+                    help="write gpu_bench.{json,md} into DIR (e.g. benchmarks/results); "
+                    "default: print only")
     ap.add_argument("--smoke", action="store_true",
                     help="tiny shapes of every class, one run each (checks the script; with "
                     "GNMX_HARNESS_EMU=1 on the CPU emulator)")
@@ -580,6 +591,7 @@ def parse_args(argv=None):
                     help="print the H200 lower-bound time of every row of the full run; runs nothing")
     ap.add_argument("--only", default=None, metavar="CLS[,CLS]",
                     help="classes to run: " + ", ".join(CLASSES))
+    ap.add_argument("--quick", action="store_true", help="every class but dbn")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget of the measurements; cases after it are skipped (default "
                     "100, none with --smoke)")
@@ -589,7 +601,9 @@ def parse_args(argv=None):
     return ap.parse_args(argv)
 
 
-def select(cases, only):
+def select(cases, only, quick=False):
+    if quick:
+        cases = [c for c in cases if c.cls != "dbn"]
     if not only:
         return cases
     want = only.split(",")
@@ -617,13 +631,14 @@ def run(args):
     bench = Bench(args, cuda)
     peaks = measure_peaks(bench.clock, args.smoke, gnh.DEVICE)
     meta = device_meta(cuda, peaks, args.smoke)
-    meta.update(budget_s=args.budget_s, case_budget_s=args.case_budget_s)
+    meta.update(budget_s=args.budget_s if math.isfinite(args.budget_s) else None,
+                case_budget_s=args.case_budget_s)
     print(f"{meta['device']}: copy {meta['copy_gbs']:.0f} GB/s, fp32 {meta['fp32_tflops']:.1f} "
           f"TFLOP/s, fp64 {meta['fp64_tflops']:.1f} TFLOP/s", flush=True)
     bench.t0 = time.monotonic()
     rows = []
     try:
-        for c in select(smoke_cases() if args.smoke else full_cases(), args.only):
+        for c in select(smoke_cases() if args.smoke else full_cases(), args.only, args.quick):
             for r in bench.run_case(c, peaks):
                 rows.append(r)
                 print(f"{r['cls']:11s} {r['case']:38s} {r['dtype']:7s} {r['pass']:9s} ours "
@@ -645,7 +660,7 @@ def main(argv=None):
     if args.budget_s is None:
         args.budget_s = math.inf if args.smoke else 100.0
     if args.estimate:
-        print(estimate_table(select(full_cases(), args.only)), end="")
+        print(estimate_table(select(full_cases(), args.only, args.quick)), end="")
         return
     import signal
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` in run_all.sh: report the rows so far

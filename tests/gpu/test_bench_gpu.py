@@ -1,0 +1,180 @@
+"""benchmarks/gpu/bench_gpu.py checked without a GPU.
+
+- --smoke (tiny shapes of every class, one run each) through the CUDA emulator with torch CPU
+  (GNMX_HARNESS_EMU=1; on a GPU machine it runs on the GPU): the table has every shape class and
+  pass, sane columns, and the bounds of gpu_bounds.py. Skipped without torch, like the other modules.
+- --estimate and --help need neither torch nor a device: they run everywhere (the CPU CI too).
+- run_all.sh's time limits add up to less than 5 minutes, and it copies its results to $OUT.
+
+    GNMX_HARNESS_EMU=1 python -m pytest --confcutdir=tests/gpu tests/gpu/test_bench_gpu.py -q
+"""
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+GPU_BENCH = os.path.join(ROOT, "benchmarks", "gpu")
+BENCH = os.path.join(GPU_BENCH, "bench_gpu.py")
+sys.path.insert(0, GPU_BENCH)
+import bench_gpu  # noqa: E402  (imports neither torch nor the harness)
+import gpu_bounds as bounds  # noqa: E402
+
+
+def _run(args, cwd=ROOT, timeout=600):
+    r = subprocess.run([sys.executable, BENCH] + args, cwd=cwd, capture_output=True, text=True,
+                       timeout=timeout)
+    assert r.returncode == 0, (r.stdout + r.stderr)[-4000:]
+    return r.stdout
+
+
+def _table_rows(md):
+    """The data rows of the markdown table(s), split into cells."""
+    return [[c.strip() for c in line.strip().strip("|").split("|")]
+            for line in md.splitlines()
+            if line.startswith("| ") and not line.startswith("| class") and "---" not in line]
+
+
+# ---- without torch
+
+
+def test_full_cases_cover_the_issue():
+    cases = bench_gpu.full_cases()
+    classes = {c.cls for c in cases}
+    assert classes == set(bench_gpu.CLASSES)
+    gn = {(c.shape, c.G) for c in cases if c.cls == "tiny_groups"}
+    assert {((4096, 512), 128), ((4096, 512), 512), ((64, 1024), 32)} <= gn
+    assert {c.dtype for c in cases if c.cls == "large_n_s1"} == {"float16", "float32"}
+    assert all(len(c.shape) == 2 and c.shape[0] >= 65536 for c in cases if c.cls == "large_n_s1")
+    assert {c.shape for c in cases if c.cls == "affine"} == {(4096, 512), (8, 256, 56, 56)}
+    mis = [c for c in cases if c.cls == "misaligned"]
+    assert all(c.dtype == "float16" for c in mis)
+    assert any(c.offset for c in mis)
+    assert any(bounds.numel(c.shape[2:]) * c.D % 8 for c in mis)  # a group length of odd bytes/16
+    dbn = [c for c in cases if c.cls == "dbn"]
+    assert {c.D for c in dbn} == {16, 64, 128, 256, 512}
+    assert {1, 8, 32} <= {c.G for c in dbn}
+    for D in {c.D for c in dbn}:  # small and large m at every D
+        ms = {c.m for c in dbn if c.D == D}
+        assert min(ms) <= 512 and max(ms) >= 32768, (D, ms)
+    assert all(c.shape[1] <= bench_gpu.DBN_MAX_C for c in dbn)
+
+
+def test_bounds_by_hand():
+    # GroupNorm fwd, (4096, 512) fp16, G = 128: x + y (2 B each), mean + rstd (fp32), gamma + beta
+    b = bounds.gn_bound((4096, 512), "float16", 128, "fwd")
+    assert b["bytes"] == 2 * 4096 * 512 * 2 + 2 * 4096 * 128 * 4 + 2 * 512 * 2
+    bb = bounds.gn_bound((4096, 512), "float16", 128, "bwd")
+    assert bb["bytes"] == 3 * 4096 * 512 * 2 + 2 * 4096 * 128 * 4 + 3 * 512 * 2
+    assert bounds.gn_bound((4096, 512), "float16", 128, "fwd+bwd")["bytes"] == b["bytes"] + bb["bytes"]
+    a = bounds.affine_bound((8, 256, 56, 56), "float32", "bwd")
+    assert a["bytes"] == 3 * 8 * 256 * 56 * 56 * 4 + 3 * 256 * 4
+    # DBN, G = 2 groups of D = 4, m = N*S = 3*5 = 15
+    d = bounds.dbn_bound((3, 8, 5), "float32", 2, "fwd")
+    assert d["bytes"] == 2 * 3 * 8 * 5 * 4
+    assert d["flops"] == 2 * (4 * 15 + 4 * 16 * 15 + 11 * 64)
+    assert bounds.dbn_bound((3, 8, 5), "float32", 2, "inference")["flops"] == 2 * 2 * 16 * 15
+    assert bounds.lower_bound_s({"bytes": 4.8e12, "flops": 0}) == pytest.approx(1.0)
+    assert bounds.lower_bound_s({"bytes": 0, "flops": 134e12}) == pytest.approx(2.0)
+    with pytest.raises(ValueError, match="unknown pass"):
+        bounds.gn_bound((2, 4), "float32", 2, "sideways")
+
+
+def test_estimate_lists_every_row():
+    out = _run(["--estimate"])
+    rows = _table_rows(out)
+    cases = bench_gpu.full_cases()
+    assert len(rows) == sum(len(bench_gpu.PASSES[c.cls]) for c in cases)
+    assert {r[0] for r in rows} == set(bench_gpu.CLASSES)
+    assert "132 SMs" in out and "4.8 TB/s" in out and "nothing was run" in out
+    # (4096, 512) fp16 G=128 fwd: 12584960 B / 4.8 TB/s = 2.62 us
+    row = next(r for r in rows if r[1] == "(4096, 512) G=128" and r[2] == "float16" and r[3] == "fwd")
+    assert float(row[6]) == pytest.approx(2.62, abs=0.01)
+    assert all(float(r[6]) > 0 for r in rows)
+
+
+def test_help_only_prints_help(tmp_path):
+    before = set(os.listdir(os.path.join(ROOT, "benchmarks", "results")))
+    out = _run(["--help"], cwd=str(tmp_path))
+    assert "usage:" in out and "--smoke" in out and "--estimate" in out
+    assert os.listdir(tmp_path) == []
+    assert set(os.listdir(os.path.join(ROOT, "benchmarks", "results"))) == before
+
+
+def test_run_all_limits_and_out():
+    with open(os.path.join(GPU_BENCH, "run_all.sh")) as f:
+        sh = f.read()
+    lim = {k: int(v) for k, v in re.findall(r'^(T_BUILD|T_TESTS|T_BENCH|GRACE)=(?:"?\$\{\w+:-)?(\d+)',
+                                              sh, re.M)}
+    assert set(lim) == {"T_BUILD", "T_TESTS", "T_BENCH", "GRACE"}, lim
+    assert lim["T_BUILD"] + lim["T_TESTS"] + lim["T_BENCH"] + 3 * lim["GRACE"] < 300, lim
+    assert lim["T_BENCH"] > 30  # the benchmark's own budget is T_BENCH - 30
+    assert "trap copy_out EXIT" in sh and 'cp "$RES/$f" "$OUT/"' in sh
+
+
+# ---- with torch (and the emulator or a GPU)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    pytest.importorskip("torch")
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    import gnh
+    if not gnh.available():
+        pytest.skip("no CUDA device for the GPU harness (GNMX_HARNESS_EMU=1: CPU emulator)")
+    gnh.load()  # the emulator build (cached by input hash) outside the smoke run's time
+    out = tmp_path_factory.mktemp("bench")
+    log = _run(["--smoke", "--out", str(out)])
+    with open(out / "gpu_bench.json") as f:
+        data = json.load(f)
+    return {"dir": out, "log": log, "data": data, "md": (out / "gpu_bench.md").read_text()}
+
+
+def test_smoke_writes_two_files(smoke):
+    assert sorted(os.listdir(smoke["dir"])) == ["gpu_bench.json", "gpu_bench.md"]
+
+
+def test_smoke_every_class_and_pass(smoke):
+    rows = smoke["data"]["rows"]
+    seen = {(r["cls"], r["pass"]) for r in rows}
+    want = {(k, p) for k, ps in bench_gpu.PASSES.items() for p in ps}
+    assert seen == want
+    assert len(rows) == sum(len(bench_gpu.PASSES[c.cls]) for c in bench_gpu.smoke_cases())
+    assert any(r["offset"] for r in rows if r["cls"] == "misaligned")
+
+
+def test_smoke_columns_are_sane(smoke):
+    for r in smoke["data"]["rows"]:
+        assert r["note"] == "", r  # nothing skipped, no error
+        for k in ("ours_us", "torch_us", "bound_us", "ours_pct_copy"):
+            assert r[k] is not None and math.isfinite(r[k]) and r[k] > 0, (k, r)
+        assert r["speedup"] == pytest.approx(r["torch_us"] / r["ours_us"])
+        case = bench_gpu.Case(r["cls"], tuple(r["shape"]), r["dtype"], r["G"], r["offset"])
+        b = bounds.case_bound(case, r["pass"])
+        assert (r["bytes"], r["flops"]) == (b["bytes"], b["flops"])
+        dbn = r["cls"] == "dbn"
+        for k in ("ours_pct_fp32", "ours_pct_fp64"):
+            assert (r[k] is not None and r[k] > 0) if dbn else r[k] is None, (k, r)
+        assert r["ours_runs"] == "1" and r["torch_runs"] == "1"  # --smoke: one repetition
+
+
+def test_smoke_header_and_table(smoke):
+    meta, md = smoke["data"]["meta"], smoke["md"]
+    assert meta["mode"] == "smoke"
+    for k in ("copy_gbs", "fp32_tflops", "fp64_tflops"):
+        assert meta[k] > 0, meta
+    for k in ("device", "torch", "date", "driver", "cuda"):
+        assert k in meta
+    first = md.splitlines()[0]
+    assert first.startswith("# gn_mx GPU benchmark (") and meta["device"] in first
+    for text in ("measured copy bandwidth", "matmul fp32", "fp64", "TF32 off", meta["torch"],
+                 meta["date"], "| class | case | dtype | pass | ours us | torch us | torch/ours |"):
+        assert text in md, text
+    table = _table_rows(md)
+    assert len(table) == len(smoke["data"]["rows"])
+    assert {r[0] for r in table} == set(bench_gpu.CLASSES)
+    assert all(len(r) == len(table[0]) for r in table)
