@@ -428,25 +428,33 @@ class Bench:
         return r
 
 
+def to_groups(x, G):
+    """(N, C, ...) -> (G, D, m): the D x m matrix of each group (a copy, as a torch user would)."""
+    N, C = x.shape[:2]
+    return x.reshape(N, G, C // G, -1).permute(1, 2, 0, 3).reshape(G, C // G, -1)
+
+
+def from_groups(X, shape):
+    G, D, _ = X.shape
+    return X.reshape(G, D, shape[0], -1).permute(2, 0, 1, 3).reshape(shape)
+
+
 def torch_dbn(x, G, eps=EPS):
     """ZCA whitening as a torch user writes it: batched covariance, torch.linalg.eigh,
     W = U diag(l^-1/2) U^T, applied with matmul; autograd gives the backward."""
-    N, C = x.shape[:2]
-    D = C // G
-    X = x.reshape(N, G, D, -1).permute(1, 2, 0, 3).reshape(G, D, -1)
+    X = to_groups(x, G)
     Xc = X - X.mean(-1, keepdim=True)
-    eye = torch.eye(D, device=x.device, dtype=x.dtype)
+    eye = torch.eye(X.shape[1], device=x.device, dtype=x.dtype)
     sigma = Xc @ Xc.transpose(1, 2) / X.shape[-1] + eps * eye
     l, U = torch.linalg.eigh(sigma)
     W = (U * l.clamp_min(eps).rsqrt().unsqueeze(1)) @ U.transpose(1, 2)
-    return (W @ Xc).reshape(G, D, N, -1).permute(2, 0, 1, 3).reshape(x.shape)
+    return from_groups(W @ Xc, x.shape)
 
 
 def torch_dbn_inference(x, running_mean, P, G):
-    N, C = x.shape[:2]
-    D = C // G
-    X = x.reshape(N, G, D, -1) - running_mean.reshape(1, G, D, 1)
-    return (P.unsqueeze(0) @ X).reshape(x.shape)
+    """y = P (x - running_mean) per group, P: (G, D, D)."""
+    X = to_groups(x, G) - running_mean.reshape(G, -1, 1)
+    return from_groups(P @ X, x.shape)
 
 
 def _short(e):
@@ -561,6 +569,8 @@ def markdown(meta, rows):
              "- classes: " + "; ".join(f"{k} = {CLASSES[k]}" for k in cls_seen)]
     if meta.get("interrupted"):
         lines.append("- INTERRUPTED (SIGTERM or Ctrl-C): the cases after the last row were not run")
+    elif meta.get("partial"):
+        lines.append("- PARTIAL: written after the last row; the run did not finish (killed?)")
     lines += ["",
               "| class | case | dtype | pass | ours us | torch us | torch/ours | bound | bound us | "
               "ours %copy | ours %fp32 | ours %fp64 | runs ours/torch | note |",
@@ -613,7 +623,9 @@ def select(cases, only, quick=False):
     return [c for c in cases if c.cls in want]
 
 
-def run(args):
+def run(args, report):
+    """Measures every selected case; report(meta, rows) after each case (partial results survive a
+    hang that only SIGKILL ends) and once at the end."""
     global torch, gnh
     import torch
     import gnh
@@ -632,7 +644,7 @@ def run(args):
     peaks = measure_peaks(bench.clock, args.smoke, gnh.DEVICE)
     meta = device_meta(cuda, peaks, args.smoke)
     meta.update(budget_s=args.budget_s if math.isfinite(args.budget_s) else None,
-                case_budget_s=args.case_budget_s)
+                case_budget_s=args.case_budget_s, partial=True)
     print(f"{meta['device']}: copy {meta['copy_gbs']:.0f} GB/s, fp32 {meta['fp32_tflops']:.1f} "
           f"TFLOP/s, fp64 {meta['fp64_tflops']:.1f} TFLOP/s", flush=True)
     bench.t0 = time.monotonic()
@@ -644,15 +656,39 @@ def run(args):
                 print(f"{r['cls']:11s} {r['case']:38s} {r['dtype']:7s} {r['pass']:9s} ours "
                       f"{_num(r['ours_us'], '10.1f')} us  torch {_num(r['torch_us'], '10.1f')} us  "
                       f"{_pct(r['ours_pct_copy']):>5s} copy  {r['note']}", flush=True)
+            meta["wall_s"] = time.monotonic() - bench.t0
+            report(meta, rows, final=False)
+        meta["partial"] = False
     except KeyboardInterrupt:
         meta["interrupted"] = True
         print("bench_gpu.py: interrupted; reporting the rows so far", flush=True)
     meta["wall_s"] = time.monotonic() - bench.t0
-    return meta, rows
+    report(meta, rows, final=True)
 
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
+
+
+def writer(out):
+    """report(meta, rows, final): print the table at the end, or (--out) write gpu_bench.{json,md}
+    after every case, each file replaced atomically."""
+    def report(meta, rows, final):
+        md = markdown(meta, rows)
+        if out is None:
+            if final:
+                print(md, end="")
+            return
+        os.makedirs(out, exist_ok=True)
+        for name, text in (("gpu_bench.json", json.dumps({"meta": meta, "rows": rows}, indent=1)),
+                           ("gpu_bench.md", md)):
+            path = os.path.join(out, name)
+            with open(path + ".tmp", "w") as f:
+                f.write(text)
+            os.replace(path + ".tmp", path)
+        if final:
+            print(f"wrote {out}/gpu_bench.json and gpu_bench.md")
+    return report
 
 
 def main(argv=None):
@@ -664,17 +700,7 @@ def main(argv=None):
         return
     import signal
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` in run_all.sh: report the rows so far
-    meta, rows = run(args)
-    md = markdown(meta, rows)
-    if args.out is None:
-        print(md, end="")
-        return
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "gpu_bench.json"), "w") as f:
-        json.dump({"meta": meta, "rows": rows}, f, indent=1)
-    with open(os.path.join(args.out, "gpu_bench.md"), "w") as f:
-        f.write(md)
-    print(f"wrote {args.out}/gpu_bench.json and gpu_bench.md")
+    run(args, writer(args.out))
 
 
 if __name__ == "__main__":

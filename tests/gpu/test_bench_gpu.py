@@ -119,6 +119,24 @@ def test_run_all_limits_and_out():
 # ---- with torch (and the emulator or a GPU)
 
 
+def test_torch_dbn_references():
+    """The torch side of the DBN rows computes what gn_mx does: whitened groups (covariance I),
+    inference P (x - mean) per group."""
+    torch = pytest.importorskip("torch")
+    bench_gpu.torch = torch
+    g = torch.Generator().manual_seed(0)
+    mix = torch.eye(8, dtype=torch.float64) + 0.3 * torch.randn(8, 8, generator=g, dtype=torch.float64)
+    x = torch.einsum("dc,nc...->nd...", mix, torch.randn(64, 8, 3, generator=g, dtype=torch.float64))
+    Y = bench_gpu.to_groups(bench_gpu.torch_dbn(x, 2, eps=1e-12), 2)
+    assert Y.shape == (2, 4, 64 * 3)
+    cov = Y @ Y.transpose(1, 2) / Y.shape[-1]
+    assert (cov - torch.eye(4, dtype=torch.float64)).abs().max() < 1e-9
+    P = torch.randn(2, 4, 4, generator=g, dtype=torch.float64)
+    rm = torch.randn(8, generator=g, dtype=torch.float64)
+    ref = torch.einsum("gde,nges->ngds", P, (x - rm.view(1, 8, 1)).view(64, 2, 4, 3)).reshape(x.shape)
+    assert (bench_gpu.torch_dbn_inference(x, rm, P, 2) - ref).abs().max() < 1e-12
+
+
 @pytest.fixture(scope="module")
 def smoke(tmp_path_factory):
     pytest.importorskip("torch")
@@ -165,6 +183,8 @@ def test_smoke_columns_are_sane(smoke):
 def test_smoke_header_and_table(smoke):
     meta, md = smoke["data"]["meta"], smoke["md"]
     assert meta["mode"] == "smoke"
+    assert meta["partial"] is False and "interrupted" not in meta  # finished: no PARTIAL line
+    assert "PARTIAL" not in md and "INTERRUPTED" not in md
     for k in ("copy_gbs", "fp32_tflops", "fp64_tflops"):
         assert meta[k] > 0, meta
     for k in ("device", "torch", "date", "driver", "cuda"):
