@@ -57,6 +57,7 @@ CLASSES = {
 PASSES = {"tiny_groups": ("fwd", "bwd"), "large_n_s1": ("fwd", "bwd"), "misaligned": ("fwd", "bwd"),
           "affine": ("fwd", "bwd"), "sd_unet": ("fwd", "bwd"), "dbn": ("fwd", "bwd", "inference")}
 EPS = 1e-5
+EIG_ENV = "GNMX_DBN_CUDA_EIG"  # the DBN forward's eigensolver (dbn_cuda.cu, issue 23 item 1)
 
 
 @dataclass(frozen=True)
@@ -66,6 +67,12 @@ class Case:
     dtype: str          # "float16" / "float32" / "float64"
     G: int = 1
     offset: int = 0     # elements between the allocation and the tensors (misaligned pointers)
+    eig: str = ""       # dbn: GNMX_DBN_CUDA_EIG for this case ("": unset, the kernels' choice)
+
+    @property
+    def passes(self):
+        # another eigensolver changes only the forward
+        return ("fwd",) if self.eig else PASSES[self.cls]
 
     @property
     def D(self):
@@ -78,7 +85,7 @@ class Case:
     def label(self):
         s = f"{tuple(self.shape)}"
         if self.cls == "dbn":
-            return f"{s} G={self.G} D={self.D} m={self.m}"
+            return f"{s} G={self.G} D={self.D} m={self.m}" + (f" eig={self.eig}" if self.eig else "")
         if self.cls != "affine":
             s += f" G={self.G}"
         if self.offset:
@@ -101,7 +108,9 @@ def dbn_layouts(C, smoke=False):
     return [(512, C), (32, C, 32, 32)]
 
 
-def full_cases():
+def full_cases(dbn_eig=()):
+    """Every case of a GPU run, in run order; dbn_eig: GNMX_DBN_CUDA_EIG values whose DBN forwards
+    are timed again after all default rows (so the budget cuts them first)."""
     cases = []
     for dt in ("float16", "float32"):
         cases += [Case("tiny_groups", (4096, 512), dt, 128), Case("tiny_groups", (4096, 512), dt, 512),
@@ -115,10 +124,11 @@ def full_cases():
     for dt in ("float16", "float32"):
         cases += [Case("sd_unet", (2, c, hw, hw), dt, 32) for c in (320, 640, 1280)
                   for hw in (64, 32, 16, 8)]
-    for D in DBN_DS:
-        for G in DBN_GS:
-            if G * D <= DBN_MAX_C:
-                cases += [Case("dbn", shape, "float32", G) for shape in dbn_layouts(G * D)]
+    for eig in ("",) + tuple(dbn_eig):
+        for D in DBN_DS:
+            for G in DBN_GS:
+                if G * D <= DBN_MAX_C:
+                    cases += [Case("dbn", shape, "float32", G, eig=eig) for shape in dbn_layouts(G * D)]
     return cases
 
 
@@ -132,7 +142,7 @@ def smoke_cases():
              Case("sd_unet", (1, 32, 4, 4), "float32", 8)]
     for D, G in ((4, 1), (8, 2)):
         cases += [Case("dbn", shape, "float32", G) for shape in dbn_layouts(G * D, smoke=True)]
-    return cases
+    return cases + [Case("dbn", (32, 4), "float32", 1, eig="shared")]  # the --dbn-eig plumbing
 
 
 # --------------------------------------------------------------------------------------------------
@@ -150,7 +160,7 @@ def estimate_table(cases, dev=bounds.H200):
              "| fp64-bound us |", "|---|---|---|---|---|---|---|---|---|---|"]
     total, n = 0.0, 0
     for c in cases:
-        for p in PASSES[c.cls]:
+        for p in c.passes:
             b = bounds.case_bound(c, p)
             t = bounds.lower_bound_s(b, dev)
             total, n = total + t, n + 1
@@ -364,26 +374,36 @@ class Bench:
     def run_case(self, c, peaks):
         if self.remaining() <= 0:
             return [self.row(c, p, None, None, peaks, f"skipped: the run's --budget-s "
-                             f"({self.budget_s:g} s) is spent") for p in PASSES[c.cls]]
+                             f"({self.budget_s:g} s) is spent") for p in c.passes]
         try:
             passes = (self.dbn_passes(c) if c.cls == "dbn" else
                       self.affine_passes(c) if c.cls == "affine" else self.gn_passes(c))
         except Exception as e:  # noqa: BLE001 - one broken case must not lose the others
-            return [self.row(c, p, None, None, peaks, f"error: {_short(e)}") for p in PASSES[c.cls]]
+            return [self.row(c, p, None, None, peaks, f"error: {_short(e)}") for p in c.passes]
         rows = []
-        for p in PASSES[c.cls]:
-            ps = passes[p]
-            res = {impl: self.timed(c, p, impl, getattr(ps, impl), ps.graph,
-                                    getattr(ps, "prep_" + impl))
-                   for impl in ("ours", "torch")}
-            rows.append(self.row(c, p, res["ours"], res["torch"], peaks))
+        old = os.environ.get(EIG_ENV)
+        if c.eig:
+            os.environ[EIG_ENV] = c.eig  # read by dbn_cuda.cu at every forward
+        try:
+            for p in c.passes:
+                ps = passes[p]
+                res = {impl: self.timed(c, p, impl, getattr(ps, impl), ps.graph,
+                                        getattr(ps, "prep_" + impl))
+                       for impl in ("ours", "torch")}
+                rows.append(self.row(c, p, res["ours"], res["torch"], peaks))
+        finally:
+            if c.eig:
+                if old is None:
+                    os.environ.pop(EIG_ENV, None)
+                else:
+                    os.environ[EIG_ENV] = old
         del passes
         if self.cuda:
             torch.cuda.empty_cache()
         return rows
 
     def timed(self, c, p, impl, fn, graph, prep=None):
-        key = (impl, p)
+        key = (impl, p, c.eig)
         if c.cls == "dbn" and key in self.slow and not self.smoke:
             D0, t0 = self.slow[key]
             pred = t0 * (c.D / D0) ** 3
@@ -602,6 +622,9 @@ def parse_args(argv=None):
     ap.add_argument("--only", default=None, metavar="CLS[,CLS]",
                     help="classes to run: " + ", ".join(CLASSES))
     ap.add_argument("--quick", action="store_true", help="every class but dbn")
+    ap.add_argument("--dbn-eig", default="", metavar="PATH[,PATH]",
+                    help="also time the DBN forwards with GNMX_DBN_CUDA_EIG set to each (e.g. "
+                    "shared,cusolver; where the kernels read it), after the default rows")
     ap.add_argument("--budget-s", type=float, default=None,
                     help="wall-clock budget of the measurements; cases after it are skipped (default "
                     "100, none with --smoke)")
@@ -609,6 +632,10 @@ def parse_args(argv=None):
                     help="a pass whose warm-up call takes longer is reported from that call alone; "
                     "also the target time of each pass's repeats (default 1)")
     return ap.parse_args(argv)
+
+
+def _eigs(args):
+    return [e for e in args.dbn_eig.split(",") if e and e != "auto"]
 
 
 def select(cases, only, quick=False):
@@ -650,7 +677,7 @@ def run(args, report):
     bench.t0 = time.monotonic()
     rows = []
     try:
-        for c in select(smoke_cases() if args.smoke else full_cases(), args.only, args.quick):
+        for c in select(smoke_cases() if args.smoke else full_cases(_eigs(args)), args.only, args.quick):
             for r in bench.run_case(c, peaks):
                 rows.append(r)
                 print(f"{r['cls']:11s} {r['case']:38s} {r['dtype']:7s} {r['pass']:9s} ours "
@@ -696,7 +723,7 @@ def main(argv=None):
     if args.budget_s is None:
         args.budget_s = math.inf if args.smoke else 100.0
     if args.estimate:
-        print(estimate_table(select(full_cases(), args.only, args.quick)), end="")
+        print(estimate_table(select(full_cases(_eigs(args)), args.only, args.quick)), end="")
         return
     import signal
     signal.signal(signal.SIGTERM, _interrupt)  # `timeout` in run_all.sh: report the rows so far
