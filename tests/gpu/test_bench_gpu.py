@@ -14,6 +14,8 @@ import os
 import re
 import subprocess
 import sys
+import time
+import types
 
 import pytest
 
@@ -114,6 +116,57 @@ def test_run_all_limits_and_out():
     assert lim["T_BUILD"] + lim["T_TESTS"] + lim["T_BENCH"] + 3 * lim["GRACE"] < 300, lim
     assert lim["T_BENCH"] > 30  # the benchmark's own budget is T_BENCH - 30
     assert "trap copy_out EXIT" in sh and 'cp "$RES/$f" "$OUT/"' in sh
+
+
+def _bench(monkeypatch, budget_s=100.0, case_budget_s=0.2):
+    """A non-smoke Bench on the CPU clock (no torch needed for its timing logic)."""
+    monkeypatch.setattr(bench_gpu, "gnh", types.SimpleNamespace(DEVICE="cpu"))
+    args = types.SimpleNamespace(smoke=False, budget_s=budget_s, case_budget_s=case_budget_s)
+    return bench_gpu.Bench(args, cuda=False)
+
+
+def test_measure_budgets(monkeypatch):
+    b = _bench(monkeypatch)
+    calls = []
+    t = b.measure(lambda: calls.append(1), graph=False)
+    assert 3 <= int(t.runs) <= 15 and t.note == "" and len(calls) == int(t.runs) + 2  # warm-up, probe
+    calls.clear()
+    t = b.measure(lambda: (calls.append(1), time.sleep(0.25)), graph=False)  # warm-up > 0.2 s
+    assert (t.runs, len(calls)) == ("1", 1) and "warm-up took" in t.note and t.s >= 0.25
+    calls.clear()
+    t = b.measure(lambda: (calls.append(1), time.sleep(0.05)), graph=False)  # 3 runs > 0.1 s
+    assert (t.runs, len(calls)) == ("1", 2) and "1 run after the warm-up" in t.note
+
+
+def test_slow_dbn_is_predicted_and_skipped(monkeypatch):
+    b = _bench(monkeypatch, budget_s=5.0)
+    b.slow[("ours", "fwd", "")] = (128, 2.0)  # 2 s at D = 128 -> ~16 s at D = 256 > 5 s left
+
+    def never():
+        raise AssertionError("a pass predicted to outlast the budget was run")
+
+    big = bench_gpu.Case("dbn", (512, 256), "float32", 1)
+    t = b.timed(big, "fwd", "ours", never, graph=False)
+    assert t.runs == "0" and "predicted" in t.note and math.isnan(t.s)
+    small = bench_gpu.Case("dbn", (512, 64), "float32", 1)  # a smaller D is never predicted
+    assert b.timed(small, "fwd", "ours", lambda: None, graph=False).runs != "0"
+    other = bench_gpu.Case("dbn", (512, 256), "float32", 1, eig="cusolver")  # its own history
+    assert b.timed(other, "fwd", "ours", lambda: None, graph=False).runs != "0"
+
+
+def test_spent_budget_skips_cases(monkeypatch):
+    b = _bench(monkeypatch, budget_s=0.0)
+    peaks = {"copy_bw": 1e12, "fp32": 1e13, "fp64": 1e13}
+    for c in (bench_gpu.Case("sd_unet", (2, 320, 8, 8), "float16", 32),
+              bench_gpu.Case("dbn", (512, 64), "float32", 4)):
+        rows = b.run_case(c, peaks)  # never builds the case's tensors (no torch here)
+        assert [r["pass"] for r in rows] == list(c.passes)
+        assert all("--budget-s" in r["note"] and r["ours_us"] is None for r in rows)
+        assert all(r["bound_us"] > 0 and r["speedup"] is None for r in rows)
+    md = bench_gpu.markdown({"device": "x", "mode": "full", "date": "d", "torch": "t", "cuda": None,
+                             "driver": None, "nvcc": None, "python": "p", "copy_gbs": 1.0,
+                             "fp32_tflops": 1.0, "fp64_tflops": 1.0, "partial": True}, rows)
+    assert "PARTIAL" in md and "skipped" in md and "| - | - | - |" in md
 
 
 # ---- with torch (and the emulator or a GPU)
