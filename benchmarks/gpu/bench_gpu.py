@@ -505,6 +505,8 @@ def measure_peaks(clock, smoke, dev):
         b = torch.randn(k, k, dtype=dt, device=dev)
         peaks[name] = 2 * k ** 3 / best(lambda: torch.mm(a, b), 2 if smoke else 5)
         del a, b
+    if dev == "cuda":
+        torch.cuda.empty_cache()
     return peaks
 
 
@@ -542,7 +544,8 @@ def _nvcc_version():
         return None
     try:
         out = subprocess.run([nvcc, "--version"], capture_output=True, text=True, timeout=20).stdout
-        return out.strip().splitlines()[-1] if out.strip() else None
+        lines = [ln for ln in out.splitlines() if "release" in ln] or out.strip().splitlines()[-1:]
+        return lines[0].strip() if lines else None
     except (OSError, subprocess.SubprocessError):
         return None
 
