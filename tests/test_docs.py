@@ -12,6 +12,7 @@ here is marked by an HTML comment on the line right before its fence,
 and is reported as a skipped test with that reason; a skip marker without a reason fails. Other
 fences (text, c, json, none) are not code to run.
 """
+import concurrent.futures
 import os
 import re
 import shutil
@@ -114,20 +115,44 @@ def _run(cmd, cwd, what):
     return proc
 
 
-@pytest.mark.parametrize("path, kind", RUNS)
-def test_code_blocks_run(path, kind, tmp_path):
-    """A page's python (or shell) blocks, in order, in one fresh interpreter (or shell)."""
+def _run_page(path, kind):
+    """Run a page's python (or shell) blocks, in order, in one fresh interpreter (or shell)."""
     langs = PYTHON_LANGS if kind == "python" else SHELL_LANGS
     blocks = [b for b in parse_blocks(path) if b[0] in langs and b[3] is None and b[4] is None]
-    if kind == "python":
-        script = tmp_path / "page.py"
-        script.write_text(_python_driver(path, blocks))
-        _run([sys.executable, str(script)], str(tmp_path), f"the python blocks of {_rel(path)}")
-    else:
-        script = tmp_path / "page.sh"
-        script.write_text("set -eo pipefail\n" + "".join(
-            f"echo '--- block {_rel(path)}:{line}'\n{code}" for _, line, code, _, _ in blocks))
-        _run(["bash", str(script)], ROOT, f"the shell blocks of {_rel(path)}")
+    work = tempfile.mkdtemp(prefix="gn_mx_docs_")
+    try:
+        if kind == "python":
+            script = os.path.join(work, "page.py")
+            with open(script, "w") as f:
+                f.write(_python_driver(path, blocks))
+            return _run([sys.executable, script], work, f"the python blocks of {_rel(path)}")
+        script = os.path.join(work, "page.sh")
+        with open(script, "w") as f:
+            f.write("set -eo pipefail\n" + "".join(
+                f"echo '--- block {_rel(path)}:{line}'\n{code}" for _, line, code, _, _ in blocks))
+        return _run(["bash", script], ROOT, f"the shell blocks of {_rel(path)}")
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+
+_pool, _futures = None, {}
+
+
+def _page_result(path, kind):
+    """The pages run concurrently (a few at a time: most of a page's time is importing MXNet and
+    waiting on subprocesses); each test waits for its own page and reports its own failure."""
+    global _pool
+    if _pool is None:
+        _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(3, (os.cpu_count() or 1) + 1))
+        for p in RUNS:
+            _futures[tuple(p.values)] = _pool.submit(_run_page, *p.values)
+    return _futures[(path, kind)].result()
+
+
+@pytest.mark.parametrize("path, kind", RUNS)
+def test_code_blocks_run(path, kind):
+    """A page's python (or shell) blocks, in order, in one fresh interpreter (or shell)."""
+    _page_result(path, kind)
 
 
 @pytest.mark.parametrize("path, line, reason", SKIPS)
