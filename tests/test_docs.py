@@ -218,3 +218,24 @@ def test_mkdocs_build_strict():
         assert "gn_mx.nn.GroupNorm" in api and "num_groups" in api
     finally:
         shutil.rmtree(site, ignore_errors=True)
+
+
+def test_readme_links_exist():
+    """README.md is not part of the site (mkdocs checks the pages' links): its relative links
+    must name files of the repository, and anchors into docs pages must exist there."""
+    text = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
+    bad = []
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if "://" in target or target.startswith("#"):
+            continue
+        path, _, anchor = target.partition("#")
+        full = os.path.join(ROOT, path)
+        if not os.path.exists(full):
+            bad.append(target)
+        elif anchor and path.endswith(".md"):
+            heads = re.findall(r"^#+ (.*)$", open(full, encoding="utf-8").read(), re.M)
+            slugs = {re.sub(r"[\s]+", "-", re.sub(r"[^\w\s-]", "", h).strip().lower())
+                     for h in heads}
+            if anchor not in slugs:
+                bad.append(target)
+    assert not bad, bad
