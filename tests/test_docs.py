@@ -90,8 +90,10 @@ def _cases():
 RUNS, SKIPS, MARKER_ERRORS = _cases()
 
 
-def _env():
-    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1")
+def _env(tmp):
+    # TMPDIR: what the blocks create with mktemp / tempfile goes into the page's own directory,
+    # removed after the page ran.
+    env = dict(os.environ, OMP_NUM_THREADS="1", MPLBACKEND="Agg", PYTHONUNBUFFERED="1", TMPDIR=tmp)
     env["PATH"] = os.path.dirname(sys.executable) + os.pathsep + env.get("PATH", "")
     return env
 
@@ -107,8 +109,8 @@ def _python_driver(path, blocks):
     return "\n".join(parts) + "\n"
 
 
-def _run(cmd, cwd, what):
-    proc = subprocess.run(cmd, cwd=cwd, env=_env(), capture_output=True, text=True,
+def _run(cmd, cwd, what, tmp):
+    proc = subprocess.run(cmd, cwd=cwd, env=_env(tmp), capture_output=True, text=True,
                           timeout=_TIMEOUT_S)
     assert proc.returncode == 0, (f"{what} failed (exit {proc.returncode})\n--- stdout\n"
                                   f"{proc.stdout[-6000:]}\n--- stderr\n{proc.stderr[-6000:]}")
@@ -125,12 +127,12 @@ def _run_page(path, kind):
             script = os.path.join(work, "page.py")
             with open(script, "w") as f:
                 f.write(_python_driver(path, blocks))
-            return _run([sys.executable, script], work, f"the python blocks of {_rel(path)}")
+            return _run([sys.executable, script], work, f"the python blocks of {_rel(path)}", work)
         script = os.path.join(work, "page.sh")
         with open(script, "w") as f:
             f.write("set -eo pipefail\n" + "".join(
                 f"echo '--- block {_rel(path)}:{line}'\n{code}" for _, line, code, _, _ in blocks))
-        return _run(["bash", script], ROOT, f"the shell blocks of {_rel(path)}")
+        return _run(["bash", script], ROOT, f"the shell blocks of {_rel(path)}", work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
 
@@ -210,7 +212,7 @@ def test_mkdocs_build_strict():
     site = tempfile.mkdtemp(prefix="gn_mx_site_")
     try:
         proc = _run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", site],
-                    ROOT, "mkdocs build --strict")
+                    ROOT, "mkdocs build --strict", tempfile.gettempdir())
         for page in ("index.html", "reference/ops.html", "reference/python.html",
                      "performance/gpu.html", "benchmarks/results/group_norm_cpu.html"):
             assert os.path.isfile(os.path.join(site, page)), (page, proc.stderr[-3000:])
