@@ -140,21 +140,27 @@ def _run_page(path, kind):
 _pool, _futures = None, {}
 
 
-def _page_result(path, kind):
-    """The pages run concurrently (a few at a time: most of a page's time is importing MXNet and
-    waiting on subprocesses); each test waits for its own page and reports its own failure."""
-    global _pool
-    if _pool is None:
-        _pool = concurrent.futures.ThreadPoolExecutor(max_workers=min(3, (os.cpu_count() or 1) + 1))
-        for p in RUNS:
-            _futures[tuple(p.values)] = _pool.submit(_run_page, *p.values)
-    return _futures[(path, kind)].result()
+@pytest.fixture(scope="module")
+def page_runner(request):
+    """Runs the selected pages concurrently, a few at a time (most of a page's time is importing
+    MXNet and waiting on subprocesses); each test waits for its own page and reports its own
+    failure. Pages not started when the module ends (pytest -x) are cancelled."""
+    selected = [item.callspec.params for item in request.session.items
+                if getattr(item, "originalname", None) == "test_code_blocks_run"
+                and item.module.__name__ == request.module.__name__]
+    workers = min(3, (os.cpu_count() or 1) + 1)
+    with concurrent.futures.ThreadPoolExecutor(max_workers=workers) as pool:
+        futures = {(p["path"], p["kind"]): pool.submit(_run_page, p["path"], p["kind"])
+                   for p in selected}
+        yield futures
+        for f in futures.values():
+            f.cancel()
 
 
 @pytest.mark.parametrize("path, kind", RUNS)
-def test_code_blocks_run(path, kind):
+def test_code_blocks_run(path, kind, page_runner):
     """A page's python (or shell) blocks, in order, in one fresh interpreter (or shell)."""
-    _page_result(path, kind)
+    page_runner[(path, kind)].result()
 
 
 @pytest.mark.parametrize("path, line, reason", SKIPS)
