@@ -858,32 +858,29 @@ constexpr const char* kEigEnvError =
     "GNMX_DBN_CUDA_EIG must be auto, shared, global or cusolver (docs/dbn.md)";
 
 // Dynamic shared memory eig_kernel<A> may use on the current device: the opt-in maximum per block
-// (sm_70+: 96-227 KB; sm_50/60: 48 KB) less the kernel's static shared memory; the kernel's
+// (sm_70+: 96-227 KB; sm_50/60: 48 KB) less the kernel's static shared memory. The kernel's
 // cudaFuncAttributeMaxDynamicSharedMemorySize is raised to it once per device (needed above 48 KB;
-// always the same value, so concurrent launches of different D never race on it).
+// always this one value, so concurrent launches with different D never race on it).
 template <typename A>
 const char* eig_smem_limit(size_t* out) {
   constexpr int kDevs = 64;
   static std::mutex mu;
-  static size_t cache[kDevs] = {};
-  int dev = 0;
+  static size_t set_to[kDevs] = {};
+  int dev = 0, optin = 0;
   if (const char* e = cuda_error(cudaGetDevice(&dev))) return e;
-  std::lock_guard<std::mutex> lock(mu);
-  if (dev >= 0 && dev < kDevs && cache[dev]) {
-    *out = cache[dev];
-    return nullptr;
-  }
-  int optin = 0;
   if (const char* e = cuda_error(
           cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)))
     return e;
   cudaFuncAttributes fa;
   if (const char* e = cuda_error(cudaFuncGetAttributes(&fa, eig_kernel<A>))) return e;
-  const size_t limit = optin > int(fa.sharedSizeBytes) ? size_t(optin) - fa.sharedSizeBytes : 0;
-  if (const char* e = cuda_error(cudaFuncSetAttribute(
-          eig_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit))))
-    return e;
-  if (dev >= 0 && dev < kDevs) cache[dev] = limit;
+  const size_t limit = size_t(optin) > fa.sharedSizeBytes ? size_t(optin) - fa.sharedSizeBytes : 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= kDevs || set_to[dev] != limit) {
+    if (const char* e = cuda_error(cudaFuncSetAttribute(
+            eig_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit))))
+      return e;
+    if (dev >= 0 && dev < kDevs) set_to[dev] = limit;
+  }
   *out = limit;
   return nullptr;
 }
