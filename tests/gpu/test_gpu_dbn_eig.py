@@ -178,7 +178,7 @@ def test_invalid_path_is_an_error(monkeypatch):
 def _eig_smem(D, shared):
     """dbn_cuda.cu's eig_smem(D, shared).bytes (the layout rule this test pins)."""
     npairs, ld = (D + 1) // 2, (D + 1) | 1
-    head = (2 * npairs * 8 + 2 * D * 8 + D * 4 + 15) // 16 * 16
+    head = (2 * npairs * 8 + 2 * D * 8 + D * 4 + 2 * npairs * 4 + 15) // 16 * 16
     tiles = (64 * 17 + 16 * 64) * 8
     return head + max(2 * D * ld * 8 if shared else 0, tiles)
 

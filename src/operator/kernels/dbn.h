@@ -51,11 +51,31 @@
  * Eigensolver, CPU and CUDA differ on purpose: the CPU uses cyclic Jacobi (dbn_math.h) for D <= 8
  * and Householder tridiagonalization + implicit QL (dbn_small_cpu.h) above, because QL costs
  * O(D^3) once where Jacobi costs O(D^3) per sweep (~8 sweeps), and beats OpenBLAS dsyevd 3-6x at
- * D = 16..64 (dsyevd stays as a fallback); the CUDA kernel keeps one Jacobi solver per group (a
- * block-parallel sweep maps well onto threads, QL's rotation chain is sequential). Both return
+ * D = 16..64 (dsyevd stays as a fallback); the CUDA forward runs a block-parallel Jacobi per group
+ * with A and U^T in shared memory while 2 D (D + 1) doubles fit the GPU's opt-in shared memory per
+ * block (D <= 53 on sm_50/60/61 (48 KB), 62 on sm_75 (64 KB), 76 on sm_70, 78 on sm_86/89, 100 on
+ * sm_80, 118 on sm_90), and cuSOLVER's dsyevd per group above (loaded at run time on first use,
+ * cusolver_loader.h; a clear error when it is missing); GNMX_DBN_CUDA_EIG=auto|shared|global|
+ * cusolver forces a path (global: the same Jacobi in the workspace, slow; docs/dbn.md). All return
  * ascending eigenvalues with orthonormal eigenvectors to fp64 rounding, so the outputs agree to
  * rounding; eigenvector signs (and bases of repeated eigenvalues) may differ, which leaves W,
- * y and dx unchanged (they depend on U only through U f(l) U^T).
+ * y and dx unchanged (they depend on U only through U f(l) U^T). A cuSOLVER failure (info != 0)
+ * gives NaN outputs for that group, like a non-finite Sigma (no host round trip to report it).
+ *
+ * Precision of the CUDA D x D products (dbn_cuda.cu's BlockExec::mm, shared-memory tiles): fp64
+ * accumulation for every product, in the CPU's order (k ascending, one multiply-add each), so the
+ * CUDA and CPU W / B agree to FMA contraction. fp64 is required where rounding is amplified:
+ * U^T sym(G_W) U in the backward (its entries are then scaled by K_ij ~ l^-3/2, up to
+ * cond(Sigma)^{3/2} relative to the largest), IterNorm's Newton iterations and their backward
+ * (rounding grows with cond(Sigma) per iteration, see kDbnMaxIterations), and every product for
+ * fp64 data. The math would allow fp32 accumulation (normwise error <= D 2^-24 ||C||, since
+ * multiplying by an orthogonal U does not change norms) in the products with an eigenvector factor
+ * whose result is stored in fp32 anyway for fp16/fp32 data: W = (U diag(l^-1/2)) U^T (forward
+ * and backward), U (K o H) and (U (K o H)) U^T (backward). Not done: they are 1 of the forward's
+ * and 3 of the backward's 5 products, on an H200 ~2 ms each at D = 512 in fp64; on slow-fp64 GPUs
+ * (T4/L4: fp64 = 1/32-1/64 of fp32) ~40 ms each at D = 512, where fp32 would save ~60% of the
+ * backward (estimates, docs/dbn.md "GPU"); it needs an executor member for "product with an
+ * orthogonal factor" in dbn_math.h.
  * Every D x D step after the eigensolver (clamp, W = U diag(l^-1/2) U^T, running statistics,
  * the backward's W and B) is written once, in dbn_math.h, over an executor: the CPU runs it with
  * plain loops and dbn_small_cpu.h's register-blocked AVX2 product (CpuExec), the CUDA kernels with
@@ -165,8 +185,10 @@ const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a);
 
 // ---- Limits and validation shared by the adapter, the CPU and the CUDA kernels ---------------
 // Largest group size D = C/num_groups per device. CPU: the D x D eigendecomposition per group
-// (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group pair and eigenvalue arrays
-// in static shared memory. The adapter checks the CPU limit at shape inference (lib_api shape
+// (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group arrays in static shared
+// memory (bwd_small_kernel) and the time of one block per group (estimated on an H200 at D = 512:
+// ~2 ms per D x D product, ~10 ms for the ZCA backward's small kernel, ~100 ms for IterNorm's
+// with T = 5; docs/dbn.md "GPU"). The adapter checks the CPU limit at shape inference (lib_api shape
 // inference does not know the device); the GPU path checks the CUDA limit before any launch.
 constexpr int64_t kDbnMaxGroupSizeCpu = 4096;
 constexpr int64_t kDbnMaxGroupSizeCuda = 512;

@@ -11,8 +11,10 @@
  *           registers (panel products from shared memory), partials written as fp64
  *           eig kernel, one block per group: Sigma = sum(partials)/m + eps I (fp64), parallel
  *           cyclic Jacobi (round-robin ordering: D/2 disjoint rotations per step, all threads
- *           applying them), ascending sort, then dbn_math.h's dbn_whitening_matrix (clamp,
- *           W = U diag(l^-1/2) U^T) and dbn_update_running run by BlockExec
+ *           applying them) on A and U^T in shared memory, ascending sort, then dbn_math.h's
+ *           dbn_whitening_matrix (clamp, W = U diag(l^-1/2) U^T) and dbn_update_running run by
+ *           BlockExec; for D beyond shared memory, the eig kernel in two halves around
+ *           cusolverDnDsyevd per group (EigPath below, GNMX_DBN_CUDA_EIG)
  *           apply kernel, grid (G, column blocks): y = W (x - mu) panel by panel
  * Backward: gram kernel with dY: G_W = dY Xc^T and sum(dY)  -> fp64 partials
  *           small kernel, one block per group: dbn_math.h's dbn_bwd_small run by BlockExec
@@ -27,8 +29,9 @@
  * backward adds the gram kernel on (dy, x - r_mean) and affine_grad_kernel.
  * No host round trip, no per-group launch: the whole op is 3-4 launches on `stream`.
  *
- * Matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64); the
- * CUDA path supports D = C/G <= 512. Every launch is followed by cudaGetLastError.
+ * D x D matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64;
+ * Jacobi's two in shared memory), their products go through shared-memory tiles (BlockExec::mm);
+ * the CUDA path supports D = C/G <= 512. Every launch is followed by cudaGetLastError.
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -411,7 +414,7 @@ __host__ __device__ inline int smem_ld(int D) { return (D + 1) | 1; }
 // (smem_ld(D) each row) on the shared path, or BlockExec::mm's tiles, which reuse the same bytes
 // there (the products start after Jacobi's matrices are copied out).
 struct EigSmem {
-  size_t c, s, l, ls, rank, mats, bytes;
+  size_t c, s, l, ls, rank, pq, mats, bytes;
 };
 __host__ __device__ inline EigSmem eig_smem(int D, bool shared_mats) {
   EigSmem o;
@@ -421,7 +424,8 @@ __host__ __device__ inline EigSmem eig_smem(int D, bool shared_mats) {
   o.l = o.s + npairs * sizeof(double);
   o.ls = o.l + d8;
   o.rank = o.ls + d8;
-  o.mats = (o.rank + size_t(D) * sizeof(int) + 15) / 16 * 16;
+  o.pq = o.rank + size_t(D) * sizeof(int);  // a round's pairs p[k], q[k]
+  o.mats = (o.pq + 2 * npairs * sizeof(int) + 15) / 16 * 16;
   const size_t mats = shared_mats ? 2 * size_t(D) * smem_ld(D) * sizeof(double) : 0;
   o.bytes = o.mats + (mats > kTileBytes ? mats : kTileBytes);
   return o;
@@ -433,10 +437,11 @@ __host__ __device__ inline EigSmem eig_smem(int D, bool shared_mats) {
 // rotations at a time, round-robin). U <- U J is Ut <- J^T Ut: rows p, q, contiguous.
 // Like dbn_jacobi_eigh, A is scaled by 2^-e (max|A_ij| in [0.5, 1)) first and diag(A) scaled back
 // at the end, so the stopping rule holds for entries up to the float64 range.
-// s_c, s_s: (D + 1) / 2 doubles of shared memory each. A and Ut live in shared memory (the default
-// path, lda = ldu = smem_ld(D): conflict-free columns) or in the workspace (lda = ldu = D).
+// s_c, s_s (doubles), s_p, s_q (ints): (D + 1) / 2 each of shared memory, a round's rotations.
+// A and Ut live in shared memory (the default path, lda = ldu = smem_ld(D): conflict-free
+// columns) or in the workspace (lda = ldu = D).
 __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, double* s_c,
-                             double* s_s) {
+                             double* s_s, int* s_p, int* s_q) {
   const int DD = D * D;
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     const int i = e / D, j = e - i * D;
@@ -480,6 +485,8 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
         }
         s_c[k] = c;
         s_s[k] = s;
+        s_p[k] = p;
+        s_q[k] = q;
       }
       __syncthreads();
       // f(p, q, c, s, i) for every rotation of the round that is not the identity and every
@@ -488,9 +495,7 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
         for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {
           const int k = idx / D;
           if (s_s[k] == 0.0) continue;
-          int p, q;
-          rr_pair(k, r, Dp, &p, &q);
-          f(p, q, s_c[k], s_s[k], idx - k * D);
+          f(s_p[k], s_q[k], s_c[k], s_s[k], idx - k * D);
         }
         __syncthreads();
       };
@@ -503,8 +508,7 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
       });
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
         if (s_s[k] == 0.0) continue;
-        int p, q;
-        rr_pair(k, r, Dp, &p, &q);
+        const int p = s_p[k], q = s_q[k];
         A[p * lda + q] = A[q * lda + p] = 0.0;
       }
       __syncthreads();
@@ -569,6 +573,8 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
   double* s_l = reinterpret_cast<double*>(smem + L.l);
   double* s_ls = reinterpret_cast<double*>(smem + L.ls);
   int* s_rank = reinterpret_cast<int*>(smem + L.rank);
+  int* s_p = reinterpret_cast<int*>(smem + L.pq);
+  int* s_q = s_p + (D + 1) / 2;
   double* mats = reinterpret_cast<double*>(smem + L.mats);
   const BlockExec ex{mats};
   const int64_t g = blockIdx.x;
@@ -608,7 +614,7 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
       return;
     }
     if (finite) {
-      block_jacobi(Aw, ld, Ut, ld, D, s_c, s_s);
+      block_jacobi(Aw, ld, Ut, ld, D, s_c, s_s, s_p, s_q);
       for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = Aw[i * ld + i];
     }
   }
