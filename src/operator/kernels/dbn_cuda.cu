@@ -117,8 +117,8 @@ constexpr int kBwdScratchMats = 6;  // bwd_small_kernel's (ZCA)
 // ------------------------------------------------------------------------------------------------
 // The ZCA forward's eigensolver (eig_kernel), by group size and GNMX_DBN_CUDA_EIG (docs/dbn.md):
 //   kShared:   block-parallel Jacobi with A and U^T in shared memory (padded rows), the default
-//              while 2 D (D + 1) doubles fit the device's opt-in shared memory per block (sm_70+:
-//              96-227 KB, D <= 76..118; sm_50/60: 48 KB, D <= 52);
+//              while eig_smem(D, true) fits the device's opt-in shared memory per block (D <= 53
+//              .. 118 by architecture: the list is in dbn.h);
 //   kCusolver: cusolverDnDsyevd per group (cusolver_loader.h), the default above that;
 //   kGlobal:   the same Jacobi on matrices in the workspace (only when asked for: O(D^3) global
 //              traffic per sweep, seconds at D = 512).
@@ -864,9 +864,10 @@ constexpr const char* kEigEnvError =
     "GNMX_DBN_CUDA_EIG must be auto, shared, global or cusolver (docs/dbn.md)";
 
 // Dynamic shared memory eig_kernel<A> may use on the current device: the opt-in maximum per block
-// (sm_70+: 96-227 KB; sm_50/60: 48 KB) less the kernel's static shared memory. The kernel's
-// cudaFuncAttributeMaxDynamicSharedMemorySize is raised to it once per device (needed above 48 KB;
-// always this one value, so concurrent launches with different D never race on it).
+// (48 KB on sm_50/60/61, 64 KB on sm_75, up to 227 KB on sm_90) less the kernel's static shared
+// memory. The kernel's cudaFuncAttributeMaxDynamicSharedMemorySize is raised to it once per device
+// (needed above 48 KB; always this one value, so concurrent launches with different D never race
+// on it).
 template <typename A>
 const char* eig_smem_limit(size_t* out) {
   constexpr int kDevs = 64;
