@@ -652,55 +652,73 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
   dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, Us, mean, momentum);
 }
 
-// One block per group: dbn_bwd_small (W, B = (2/m) G_S) on the summed gram partials; dynamic shared
-// memory: kTileBytes.
+// One block per group, dynamic shared memory kTileBytes. ZCA (one launch, stage 0): dbn_bwd_small
+// (W, B = (2/m) G_S) on the summed gram partials. IterNorm: T + 2 launches, so that no launch runs
+// all of its ~12 T D x D products (at D = 512 on an H200 ~1.5-2 ms each: over 100 ms for T >= 5
+// in one launch): stage 0 sums the partials and runs dbn_bwd_iternorm_head (and writes dgamma),
+// stage s = 1..T the back step k = T - s, stage T + 1 dbn_bwd_iternorm_tail and the outputs; the
+// state between them lives in the group's scratch (dbn_iternorm_bwd_layout).
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
                  A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch,
                  DType param_dtype, const void* gamma, void* dgamma, void* dbeta, DbnWhitening wh,
-                 int T, int64_t scratch_per_group) {
+                 int T, int64_t scratch_per_group, int stage) {
   __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD], s_gam[kMaxD], s_dgam[kMaxD];
   extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec::mm's tiles
   const BlockExec ex{reinterpret_cast<double*>(smem)};
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
+  const bool iter = wh == DbnWhitening::kIterNorm;
   double* GW = scratch + g * scratch_per_group;     // G_W, then B
   double* H = GW + DD;
   double* Tm = H + DD;
   double* U = Tm + DD;                              // U (ZCA) or Sigma (IterNorm)
   double* Ut = U + DD;                              // IterNorm: W, then its scratch
-  double* W = Ut + DD;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
-    if (e < DD) {
-      GW[e] = s;
-      U[e] = static_cast<double>(eigvec[g * DD + e]);
-    } else {
-      dymean[g * D + (e - DD)] = static_cast<A>(s / m);
-      if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
+  double* W = iter ? Ut : Ut + DD;
+  if (stage == 0)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      double s = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+      if (e < DD) {
+        GW[e] = s;
+        U[e] = static_cast<double>(eigvec[g * DD + e]);
+      } else {
+        dymean[g * D + (e - DD)] = static_cast<A>(s / m);
+        if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
+      }
     }
-  }
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     s_l[i] = static_cast<double>(eigval[g * D + i]);
     if (gamma) s_gam[i] = dbn_load_stat(param_dtype, gamma, g * D + i);
   }
   __syncthreads();
-  if (wh == DbnWhitening::kIterNorm)  // U holds the forward's Sigma; H on: the iterations' scratch
-    dbn_bwd_iternorm(ex, U, GW, D, T, m, gamma ? s_gam : nullptr, s_dgam, Ut, /*B=*/GW, Ut + DD);
-  else
+  if (iter) {  // U holds the forward's Sigma
+    const DbnIterBwdScratch L = dbn_iternorm_bwd_layout(Ut + DD, D, T);
+    if (stage == 0) {
+      dbn_bwd_iternorm_head(ex, U, GW, D, T, gamma ? s_gam : nullptr, s_dgam, W, L);
+      if (gamma)
+        for (int i = threadIdx.x; i < D; i += blockDim.x)
+          dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
+      return;
+    }
+    if (stage <= T) {
+      dbn_bwd_iternorm_step(ex, D, T - stage, L);
+      return;
+    }
+    dbn_bwd_iternorm_tail(ex, U, D, m, /*B=*/GW, L);
+  } else {
     dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
                   DbnBwdScratch{H, Tm, Ut, s_sq, s_r});
-  if (wh == DbnWhitening::kIterNorm) W = Ut;
+    if (gamma)
+      for (int i = threadIdx.x; i < D; i += blockDim.x)
+        dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
+  }
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     Bout[g * DD + e] = static_cast<A>(GW[e]);
     Wout[g * DD + e] = static_cast<A>(gamma ? W[e] * s_gam[e % D] : W[e]);
   }
-  if (gamma)
-    for (int i = threadIdx.x; i < D; i += blockDim.x)
-      dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
 }
 
 // Affine inference backward, one block per group: dgamma = dbn_affine_dgamma(P, sum dy (x -
@@ -989,11 +1007,16 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
                          kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
       x, mean, dy, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
   GN_CUDA_CHECK_LAUNCH();
-  bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, kTileBytes, st>>>(
-      w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
-      static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
-      a.dgamma, a.dbeta, a.whitening, a.iterations, bwd_scratch(q.D, a.whitening, a.iterations));
-  GN_CUDA_CHECK_LAUNCH();
+  // ZCA: one launch; IterNorm: T + 2 (bwd_small_kernel's stages)
+  const int stages = a.whitening == DbnWhitening::kIterNorm ? a.iterations + 2 : 1;
+  for (int stage = 0; stage < stages; ++stage) {
+    bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, kTileBytes, st>>>(
+        w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
+        static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
+        a.dgamma, a.dbeta, a.whitening, a.iterations,
+        bwd_scratch(q.D, a.whitening, a.iterations), stage);
+    GN_CUDA_CHECK_LAUNCH();
+  }
   return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, nullptr, static_cast<T*>(a.dx),
                                st);
 }
