@@ -187,8 +187,8 @@ const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a);
 // Largest group size D = C/num_groups per device. CPU: the D x D eigendecomposition per group
 // (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group arrays in static shared
 // memory (bwd_small_kernel) and the time of one block per group (estimated on an H200 at D = 512:
-// ~2 ms per D x D product, ~10 ms for the ZCA backward's small kernel, ~100 ms for IterNorm's
-// with T = 5; docs/dbn.md "GPU"). The adapter checks the CPU limit at shape inference (lib_api shape
+// ~2 ms per D x D product, ~10 ms for the ZCA backward's small kernel, at most ~66 ms for one of
+// IterNorm's launches (T = 10); docs/dbn.md "GPU"). The adapter checks the CPU limit at shape inference (lib_api shape
 // inference does not know the device); the GPU path checks the CUDA limit before any launch.
 constexpr int64_t kDbnMaxGroupSizeCpu = 4096;
 constexpr int64_t kDbnMaxGroupSizeCuda = 512;
