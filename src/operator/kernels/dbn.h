@@ -62,25 +62,27 @@
  * y and dx unchanged (they depend on U only through U f(l) U^T). A cuSOLVER failure (info != 0)
  * gives NaN outputs for that group, like a non-finite Sigma (no host round trip to report it).
  *
- * Precision of the CUDA D x D products (dbn_cuda.cu's BlockExec::mm, shared-memory tiles): fp64
- * accumulation for every product, in the CPU's order (k ascending, one multiply-add each), so the
- * CUDA and CPU W / B agree to FMA contraction. fp64 is required where rounding is amplified:
- * U^T sym(G_W) U in the backward (its entries are then scaled by K_ij ~ l^-3/2, up to
- * cond(Sigma)^{3/2} relative to the largest), IterNorm's Newton iterations and their backward
- * (rounding grows with cond(Sigma) per iteration, see kDbnMaxIterations), and every product for
- * fp64 data. The math would allow fp32 accumulation (normwise error <= D 2^-24 ||C||, since
- * multiplying by an orthogonal U does not change norms) in the products with an eigenvector factor
- * whose result is stored in fp32 anyway for fp16/fp32 data: W = (U diag(l^-1/2)) U^T (forward
- * and backward), U (K o H) and (U (K o H)) U^T (backward). Not done: they are 1 of the forward's
- * and 3 of the backward's 5 products, on an H200 ~2 ms each at D = 512 in fp64; on slow-fp64 GPUs
- * (T4/L4: fp64 = 1/32-1/64 of fp32) ~40 ms each at D = 512, where fp32 would save ~60% of the
- * backward (estimates, docs/dbn.md "GPU"); it needs an executor member for "product with an
- * orthogonal factor" in dbn_math.h.
+ * Precision of the CUDA D x D products (dbn_cuda.cu's BlockExec, shared-memory tiles, every entry
+ * summed over k in ascending order as on the CPU):
+ *   fp32 accumulation (fp16/fp32 data only) in the products with an orthogonal factor whose result
+ *     is stored in fp32 anyway (dbn_math.h's ex.mm_orth): W = (U diag(l^-1/2)) U^T (forward and
+ *     backward), U (K o H) and (U (K o H)) U^T (backward). Multiplying by an orthogonal U keeps
+ *     norms, so the error is <= D 2^-24 ||C|| normwise (<= 3e-5 at D = 512, ~sqrt(D) 2^-24 in
+ *     practice), below the fp32 outputs' own. On slow-fp64 GPUs (T4/L4: fp64 = 1/32-1/64 of
+ *     fp32) this takes 3 of the ZCA backward's 5 products and the forward's one off the fp64
+ *     pipes (~40 ms each at D = 512 on a T4 in fp64; estimates, docs/dbn.md "GPU").
+ *   fp64 where it must be: U^T sym(G_W) U in the backward (its entries are then scaled by
+ *     K_ij ~ l^-3/2, up to cond(Sigma)^{3/2} times the largest: a normwise fp32 error there is
+ *     amplified), IterNorm's Newton iterations and their backward (rounding grows with
+ *     cond(Sigma) per iteration, see kDbnMaxIterations), and every product for fp64 data.
+ * So for fp64 data the CUDA and CPU W / B agree to FMA contraction, for fp16/fp32 data to fp32
+ * rounding (normwise); the CPU sums every product in fp64.
  * Every D x D step after the eigensolver (clamp, W = U diag(l^-1/2) U^T, running statistics,
  * the backward's W and B) is written once, in dbn_math.h, over an executor: the CPU runs it with
  * plain loops and dbn_small_cpu.h's register-blocked AVX2 product (CpuExec), the CUDA kernels with
  * one thread block per group (dbn_cuda.cu's BlockExec). Both sum every product in the same order,
- * so the same U, l give the same W and B up to FMA contraction. The Jacobi rotation, scaling and
+ * so the same U, l give the same W and B up to FMA contraction (fp64 data; fp16/fp32 data: the
+ * precision paragraph above). The Jacobi rotation, scaling and
  * stopping rule (kDbnJacobiTol, kDbnJacobiMaxSweeps) are dbn_math.h's too; only the order of the
  * rotations differs (serial cyclic on the CPU, round-robin parallel on the GPU).
  *

@@ -326,14 +326,16 @@ gram_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean, const T* 
 // dynamic shared memory): 64 x 64 output tiles, k-panels of 16 columns of A / rows of B staged
 // in shared memory (coalesced global reads), each of the 16 x 16 threads keeping a 4 x 4 block of
 // outputs in registers (rows ty + 16 r, columns tx + 16 c: B reads consecutive, A reads broadcast).
-// Every output is summed over k in ascending order, one multiply-add per k in fp64, as the
-// one-dot-product-per-entry loop before it and the CPU's dmm_nn: the same values.
+// Every output is summed over k in ascending order, one multiply-add per k: in fp64 as the CPU's
+// dmm_nn (the same values up to FMA contraction), or, for mm_orth with `fp32_orth` (fp16/fp32
+// data), staged and summed in fp32 (dbn_math.h's executor contract, dbn.h "Precision").
 constexpr int kTile = 64, kTileK = 16, kTileLdA = kTileK + 1;
 constexpr size_t kTileBytes = size_t(kTile * kTileLdA + kTileK * kTile) * sizeof(double);
 static_assert(kBlock == 256, "BlockExec::mm maps 16 x 16 threads onto 4 x 4 outputs each");
 
 struct BlockExec {
-  double* tile = nullptr;  // kTileBytes of shared memory (mm only)
+  double* tile = nullptr;  // kTileBytes of shared memory (products only)
+  bool fp32_orth = false;  // mm_orth sums in fp32
   template <class F> __device__ void each(int n, F&& f) const {
     for (int e = threadIdx.x; e < n; e += blockDim.x) f(e);
   }
@@ -350,30 +352,43 @@ struct BlockExec {
     }
   }
   __device__ void sync() const { __syncthreads(); }
-  __device__ void mm(const double* __restrict__ A, const double* __restrict__ B,
-                     double* __restrict__ Cm, int D) const {
-    double* As = tile;                     // [kTile][kTileLdA]: A(i0 + r, k0 + k)
-    double* Bs = tile + kTile * kTileLdA;  // [kTileK][kTile]:   B(k0 + k, j0 + c)
+  __device__ void mm(const double* A, const double* B, double* Cm, int D) const {
+    mm_tiled<double>(A, B, Cm, D);
+  }
+  __device__ void mm_orth(const double* A, const double* B, double* Cm, int D) const {
+    if (fp32_orth)
+      mm_tiled<float>(A, B, Cm, D);
+    else
+      mm_tiled<double>(A, B, Cm, D);
+  }
+  // S: the type the tiles are staged and the products summed in.
+  template <typename S>
+  __device__ void mm_tiled(const double* __restrict__ A, const double* __restrict__ B,
+                           double* __restrict__ Cm, int D) const {
+    S* As = reinterpret_cast<S*>(tile);  // [kTile][kTileLdA]: A(i0 + r, k0 + k)
+    S* Bs = As + kTile * kTileLdA;       // [kTileK][kTile]:   B(k0 + k, j0 + c)
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     for (int i0 = 0; i0 < D; i0 += kTile)
       for (int j0 = 0; j0 < D; j0 += kTile) {
-        double acc[4][4];
+        S acc[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)
 #pragma unroll
-          for (int c = 0; c < 4; ++c) acc[r][c] = 0.0;
+          for (int c = 0; c < 4; ++c) acc[r][c] = S(0);
         for (int k0 = 0; k0 < D; k0 += kTileK) {
           __syncthreads();  // the previous panel is no longer read
           for (int e = threadIdx.x; e < kTile * kTileK; e += blockDim.x) {
             const int r = e / kTileK, k = e - r * kTileK;  // A: consecutive threads along k
-            As[r * kTileLdA + k] = (i0 + r < D && k0 + k < D) ? A[(i0 + r) * D + k0 + k] : 0.0;
+            As[r * kTileLdA + k] =
+                (i0 + r < D && k0 + k < D) ? static_cast<S>(A[(i0 + r) * D + k0 + k]) : S(0);
             const int kb = e / kTile, c = e - kb * kTile;  // B: along j
-            Bs[kb * kTile + c] = (k0 + kb < D && j0 + c < D) ? B[(k0 + kb) * D + j0 + c] : 0.0;
+            Bs[kb * kTile + c] =
+                (k0 + kb < D && j0 + c < D) ? static_cast<S>(B[(k0 + kb) * D + j0 + c]) : S(0);
           }
           __syncthreads();
           const int kc = D - k0 < kTileK ? D - k0 : kTileK;
           for (int k = 0; k < kc; ++k) {
-            double a[4], b[4];
+            S a[4], b[4];
 #pragma unroll
             for (int r = 0; r < 4; ++r) a[r] = As[(ty + 16 * r) * kTileLdA + k];
 #pragma unroll
@@ -389,7 +404,7 @@ struct BlockExec {
 #pragma unroll
           for (int c = 0; c < 4; ++c) {
             const int i = i0 + ty + 16 * r, j = j0 + tx + 16 * c;
-            if (i < D && j < D) Cm[i * D + j] = acc[r][c];
+            if (i < D && j < D) Cm[i * D + j] = static_cast<double>(acc[r][c]);
           }
       }
     __syncthreads();
@@ -576,7 +591,7 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
   int* s_p = reinterpret_cast<int*>(smem + L.pq);
   int* s_q = s_p + (D + 1) / 2;
   double* mats = reinterpret_cast<double*>(smem + L.mats);
-  const BlockExec ex{mats};
+  const BlockExec ex{mats, sizeof(A) == sizeof(float)};
   const int64_t g = blockIdx.x;
   const int DD = D * D;
   double* Am = scratch + g * scratch_per_group;     // Sigma (workspace paths), then U^T
@@ -667,7 +682,7 @@ bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double 
                  int T, int64_t scratch_per_group, int stage) {
   __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD], s_gam[kMaxD], s_dgam[kMaxD];
   extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec::mm's tiles
-  const BlockExec ex{reinterpret_cast<double*>(smem)};
+  const BlockExec ex{reinterpret_cast<double*>(smem), sizeof(A) == sizeof(float)};
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
   const bool iter = wh == DbnWhitening::kIterNorm;

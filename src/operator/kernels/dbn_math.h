@@ -119,8 +119,13 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
 //   ex.sync()            what each()/each_ij() wrote is visible to all (host: nothing;
 //                        device: __syncthreads())
 //   ex.mm(A, B, C, D)    C = A B for D x D row-major fp64 matrices, inputs already visible,
-//                        C visible on return (host: dbn_small::dmm_nn; device: block dot products
-//                        + __syncthreads())
+//                        C visible on return (host: dbn_small::dmm_nn; device: shared-memory
+//                        tiles + __syncthreads()), summed in fp64
+//   ex.mm_orth(A, B, C, D)  the same for a product with an orthogonal factor (U or U^T) whose C
+//                        ends in the data's accumulation type: its normwise error is <= D u ||C||
+//                        in any precision u (an orthogonal factor keeps norms), so an executor may
+//                        sum it in fp32 when that type is fp32 (the device does, dbn.h; the host
+//                        runs mm)
 // No step writes what another thread of the same each() reads, so the host's serial order and the
 // device's parallel one compute the same values (sums run over k in ascending order in both).
 
@@ -145,7 +150,7 @@ GN_HOST_DEVICE void dbn_symmetrize(Ex& ex, double* B, int D, double scale) {
 // caller, each together with other work): W = V Ut, symmetrized (its rounding is not). Ends synced.
 template <class Ex>
 GN_HOST_DEVICE void dbn_inv_sqrt(Ex& ex, const double* V, const double* Ut, int D, double* W) {
-  ex.mm(V, Ut, W, D);
+  ex.mm_orth(V, Ut, W, D);
   dbn_symmetrize(ex, W, D, 1.0);
 }
 
@@ -258,8 +263,8 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, doub
   ex.mm(Ut, T, H, D);  // H = U^T sym(GW) U
   ex.each_ij(D, [&](int i, int j) { H[i * D + j] *= dbn_inv_sqrt_divdiff(s.sq[i], s.sq[j]); });
   ex.sync();
-  ex.mm(U, H, T, D);   // T = U (K o H)
-  ex.mm(T, Ut, B, D);  // B = T U^T
+  ex.mm_orth(U, H, T, D);   // T = U (K o H)
+  ex.mm_orth(T, Ut, B, D);  // B = T U^T
   dbn_symmetrize(ex, B, D, 2.0 / m);
 }
 
