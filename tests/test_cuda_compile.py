@@ -62,6 +62,11 @@ def test_cuda_sources_compile():
         pytest.skip(r.stdout.strip())
     assert r.returncode == 0, out[-6000:]
     assert "cuda_compile_check: OK" in r.stdout
+    # cuSOLVER (the DBN eigensolver for large groups) is dlopen'ed on first use, never linked.
+    needed = subprocess.run(["readelf", "-d", os.path.join(ROOT, "build", "cuda-check", "lib",
+                                                           "libgn_mx.so")],
+                            capture_output=True, text=True).stdout
+    assert "NEEDED" in needed and "cusolver" not in needed, needed
     # A toolkit newer than the CUDA of MXNet's wheels (11.2) is pointed out at configure time.
     m = re.search(r"release (\d+)\.(\d+)", subprocess.run([_nvcc(), "--version"], capture_output=True,
                                                           text=True).stdout)

@@ -81,6 +81,6 @@ if [[ -n "$why" ]]; then
   echo "build.sh: ${why}: one nvcc command on the sources in src/operator/kernels/cuda_sources.txt," \
        "$NVCC arch=${ARCH} -> $OUT/libgn_harness.so" >&2
   "$NVCC" -std=c++17 -O3 -shared -Xcompiler -fPIC,-fvisibility=hidden -DGNMX_WITH_CUDA \
-    -I"$ROOT/src/operator" "${GENCODE[@]}" "${SRCS[@]}" -o "$OUT/libgn_harness.so.tmp"
+    -I"$ROOT/src/operator" "${GENCODE[@]}" "${SRCS[@]}" -ldl -o "$OUT/libgn_harness.so.tmp"
 fi
 mv "$OUT/libgn_harness.so.tmp" "$OUT/libgn_harness.so"

@@ -51,16 +51,38 @@
  * Eigensolver, CPU and CUDA differ on purpose: the CPU uses cyclic Jacobi (dbn_math.h) for D <= 8
  * and Householder tridiagonalization + implicit QL (dbn_small_cpu.h) above, because QL costs
  * O(D^3) once where Jacobi costs O(D^3) per sweep (~8 sweeps), and beats OpenBLAS dsyevd 3-6x at
- * D = 16..64 (dsyevd stays as a fallback); the CUDA kernel keeps one Jacobi solver per group (a
- * block-parallel sweep maps well onto threads, QL's rotation chain is sequential). Both return
+ * D = 16..64 (dsyevd stays as a fallback); the CUDA forward runs a block-parallel Jacobi per group
+ * with A and U^T in shared memory while 2 D (D + 1) doubles fit the GPU's opt-in shared memory per
+ * block (D <= 53 on sm_50/60/61 (48 KB), 62 on sm_75 (64 KB), 76 on sm_70, 78 on sm_86/89, 100 on
+ * sm_80, 118 on sm_90), and cuSOLVER's dsyevd per group above (loaded at run time on first use,
+ * cusolver_loader.h; a clear error when it is missing); GNMX_DBN_CUDA_EIG=auto|shared|global|
+ * cusolver forces a path (global: the same Jacobi in the workspace, slow; docs/dbn.md). All return
  * ascending eigenvalues with orthonormal eigenvectors to fp64 rounding, so the outputs agree to
  * rounding; eigenvector signs (and bases of repeated eigenvalues) may differ, which leaves W,
- * y and dx unchanged (they depend on U only through U f(l) U^T).
+ * y and dx unchanged (they depend on U only through U f(l) U^T). A cuSOLVER failure (info != 0)
+ * gives NaN outputs for that group, like a non-finite Sigma (no host round trip to report it).
+ *
+ * Precision of the CUDA D x D products (dbn_cuda.cu's BlockExec, shared-memory tiles, every entry
+ * summed over k in ascending order as on the CPU):
+ *   fp32 accumulation (fp16/fp32 data only) in the products with an orthogonal factor whose result
+ *     is stored in fp32 anyway (dbn_math.h's ex.mm_orth): W = (U diag(l^-1/2)) U^T (forward and
+ *     backward), U (K o H) and (U (K o H)) U^T (backward). Multiplying by an orthogonal U keeps
+ *     norms, so the error is <= D 2^-24 ||C|| normwise (<= 3e-5 at D = 512, ~sqrt(D) 2^-24 in
+ *     practice), below the fp32 outputs' own. On slow-fp64 GPUs (T4/L4: fp64 = 1/32-1/64 of
+ *     fp32) this takes 3 of the ZCA backward's 5 products and the forward's one off the fp64
+ *     pipes (~40 ms each at D = 512 on a T4 in fp64; estimates, docs/dbn.md "GPU").
+ *   fp64 where it must be: U^T sym(G_W) U in the backward (its entries are then scaled by
+ *     K_ij ~ l^-3/2, up to cond(Sigma)^{3/2} times the largest: a normwise fp32 error there is
+ *     amplified), IterNorm's Newton iterations and their backward (rounding grows with
+ *     cond(Sigma) per iteration, see kDbnMaxIterations), and every product for fp64 data.
+ * So for fp64 data the CUDA and CPU W / B agree to FMA contraction, for fp16/fp32 data to fp32
+ * rounding (normwise); the CPU sums every product in fp64.
  * Every D x D step after the eigensolver (clamp, W = U diag(l^-1/2) U^T, running statistics,
  * the backward's W and B) is written once, in dbn_math.h, over an executor: the CPU runs it with
  * plain loops and dbn_small_cpu.h's register-blocked AVX2 product (CpuExec), the CUDA kernels with
  * one thread block per group (dbn_cuda.cu's BlockExec). Both sum every product in the same order,
- * so the same U, l give the same W and B up to FMA contraction. The Jacobi rotation, scaling and
+ * so the same U, l give the same W and B up to FMA contraction (fp64 data; fp16/fp32 data: the
+ * precision paragraph above). The Jacobi rotation, scaling and
  * stopping rule (kDbnJacobiTol, kDbnJacobiMaxSweeps) are dbn_math.h's too; only the order of the
  * rotations differs (serial cyclic on the CPU, round-robin parallel on the GPU).
  *
@@ -165,8 +187,10 @@ const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a);
 
 // ---- Limits and validation shared by the adapter, the CPU and the CUDA kernels ---------------
 // Largest group size D = C/num_groups per device. CPU: the D x D eigendecomposition per group
-// (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group pair and eigenvalue arrays
-// in static shared memory. The adapter checks the CPU limit at shape inference (lib_api shape
+// (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group arrays in static shared
+// memory (bwd_small_kernel) and the time of one block per group (estimated on an H200 at D = 512:
+// ~2 ms per D x D product, ~10 ms for the ZCA backward's small kernel, at most ~66 ms for one of
+// IterNorm's launches (T = 10); docs/dbn.md "GPU"). The adapter checks the CPU limit at shape inference (lib_api shape
 // inference does not know the device); the GPU path checks the CUDA limit before any launch.
 constexpr int64_t kDbnMaxGroupSizeCpu = 4096;
 constexpr int64_t kDbnMaxGroupSizeCuda = 512;

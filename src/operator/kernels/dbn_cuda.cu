@@ -11,8 +11,10 @@
  *           registers (panel products from shared memory), partials written as fp64
  *           eig kernel, one block per group: Sigma = sum(partials)/m + eps I (fp64), parallel
  *           cyclic Jacobi (round-robin ordering: D/2 disjoint rotations per step, all threads
- *           applying them), ascending sort, then dbn_math.h's dbn_whitening_matrix (clamp,
- *           W = U diag(l^-1/2) U^T) and dbn_update_running run by BlockExec
+ *           applying them) on A and U^T in shared memory, ascending sort, then dbn_math.h's
+ *           dbn_whitening_matrix (clamp, W = U diag(l^-1/2) U^T) and dbn_update_running run by
+ *           BlockExec; for D beyond shared memory, the eig kernel in two halves around
+ *           cusolverDnDsyevd per group (EigPath below, GNMX_DBN_CUDA_EIG)
  *           apply kernel, grid (G, column blocks): y = W (x - mu) panel by panel
  * Backward: gram kernel with dY: G_W = dY Xc^T and sum(dY)  -> fp64 partials
  *           small kernel, one block per group: dbn_math.h's dbn_bwd_small run by BlockExec
@@ -27,8 +29,9 @@
  * backward adds the gram kernel on (dy, x - r_mean) and affine_grad_kernel.
  * No host round trip, no per-group launch: the whole op is 3-4 launches on `stream`.
  *
- * Matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64); the
- * CUDA path supports D = C/G <= 512. Every launch is followed by cudaGetLastError.
+ * D x D matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64;
+ * Jacobi's two in shared memory), their products go through shared-memory tiles (BlockExec::mm);
+ * the CUDA path supports D = C/G <= 512. Every launch is followed by cudaGetLastError.
  */
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -36,12 +39,17 @@
 #include <algorithm>
 #include <climits>
 #include <cstdint>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <initializer_list>
+#include <mutex>
 
 #include "dbn.h"
 #include "dbn_math.h"
 #include "../common/carver.h"
 #include "cuda_common.cuh"
+#include "cusolver_loader.h"
 #include "../common/dispatch.h"
 
 namespace gn_mx {
@@ -106,11 +114,33 @@ using Carver = WorkspaceCarver<kAlign>;
 constexpr int kFwdScratchMats = 3;  // eig_kernel's D x D fp64 matrices per group (ZCA)
 constexpr int kBwdScratchMats = 6;  // bwd_small_kernel's (ZCA)
 
+// ------------------------------------------------------------------------------------------------
+// The ZCA forward's eigensolver (eig_kernel), by group size and GNMX_DBN_CUDA_EIG (docs/dbn.md):
+//   kShared:   block-parallel Jacobi with A and U^T in shared memory (padded rows), the default
+//              while eig_smem(D, true) fits the device's opt-in shared memory per block (D <= 53
+//              .. 118 by architecture: the list is in dbn.h);
+//   kCusolver: cusolverDnDsyevd per group (cusolver_loader.h), the default above that;
+//   kGlobal:   the same Jacobi on matrices in the workspace (only when asked for: O(D^3) global
+//              traffic per sweep, seconds at D = 512).
+// IterNorm needs no eigensolver (its path is kGlobal: products only).
+enum class EigPath : int { kShared = 0, kGlobal = 1, kCusolver = 2 };
+// What an eig_kernel launch does: the whole forward step (Jacobi), or cuSOLVER's two halves
+// around the library call (Sigma into the workspace; then sort, W, outputs).
+enum class EigPhase : int { kAll = 0, kPrepare = 1, kFinish = 2 };
+
+struct EigPlan {
+  EigPath path = EigPath::kGlobal;
+  size_t smem = 0;  // eig_kernel's dynamic shared memory
+  int lwork = 0;    // cusolverDnDsyevd's workspace (doubles)
+};
+
 // fp64 scratch doubles per group of the forward / backward small kernels, IterNorm included
 // (eig_kernel with IterNorm: Sigma, W + dbn_iternorm_whitening's 5 D x D + 1; bwd_small_kernel:
 // GW, H, T (unused), Sigma, W + dbn_iternorm_bwd_scratch). T is clamped so that an invalid count (rejected before any launch) sizes nothing odd.
-int64_t fwd_scratch(int64_t D, DbnWhitening w) {
-  return w == DbnWhitening::kIterNorm ? 7 * D * D + 1 : kFwdScratchMats * D * D;
+// The cuSOLVER path adds one double per group: whether Sigma was finite.
+int64_t fwd_scratch(int64_t D, DbnWhitening w, EigPath path) {
+  if (w == DbnWhitening::kIterNorm) return 7 * D * D + 1;
+  return kFwdScratchMats * D * D + (path == EigPath::kCusolver ? 1 : 0);
 }
 int64_t bwd_scratch(int64_t D, DbnWhitening w, int T) {
   if (w != DbnWhitening::kIterNorm) return kBwdScratchMats * D * D;
@@ -123,16 +153,24 @@ struct FwdWs {
   double* part;     // G x chunks x DD
   A* W;             // G x DD (diag(gamma) W with the affine)
   A* bias;          // C, beta in AccT (affine)
-  double* scratch;  // G x kFwdScratchMats x DD
+  double* scratch;  // G x fwd_scratch
+  // cuSOLVER path only (empty otherwise):
+  double* evals;    // G x D eigenvalues
+  int* info;        // G, cuSOLVER's info
+  double* work;     // lwork
 };
 template <typename A>
-FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh) {
+FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, const EigPlan& ep) {
   const size_t DD = q.D * q.D;
+  const bool cus = wh == DbnWhitening::kZca && ep.path == EigPath::kCusolver;
   FwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * DD);
   w.W = c->take<A>(q.G * DD);
   w.bias = c->take<A>(q.C);
-  w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh));
+  w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh, ep.path));
+  w.evals = c->take<double>(cus ? q.G * q.D : 0);
+  w.info = c->take<int>(cus ? q.G : 0);
+  w.work = c->take<double>(cus ? ep.lwork : 0);
   return w;
 }
 
@@ -284,9 +322,20 @@ gram_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean, const T* 
 }
 
 // The device executor of dbn_math.h's D x D steps: the thread block of one group strides over
-// every range; mm is C = A B by one dot product per entry (k ascending, as dmm_nn), threads of a
-// warp on consecutive j (B and C accesses coalesced, A's row broadcast).
+// every range. mm is C = A B tiled through shared memory (`tile`, kTileBytes of the kernel's
+// dynamic shared memory): 64 x 64 output tiles, k-panels of 16 columns of A / rows of B staged
+// in shared memory (coalesced global reads), each of the 16 x 16 threads keeping a 4 x 4 block of
+// outputs in registers (rows ty + 16 r, columns tx + 16 c: B reads consecutive, A reads broadcast).
+// Every output is summed over k in ascending order, one multiply-add per k: in fp64 as the CPU's
+// dmm_nn (the same values up to FMA contraction), or, for mm_orth with `fp32_orth` (fp16/fp32
+// data), staged and summed in fp32 (dbn_math.h's executor contract, dbn.h "Precision").
+constexpr int kTile = 64, kTileK = 16, kTileLdA = kTileK + 1;
+constexpr size_t kTileBytes = size_t(kTile * kTileLdA + kTileK * kTile) * sizeof(double);
+static_assert(kBlock == 256, "BlockExec::mm maps 16 x 16 threads onto 4 x 4 outputs each");
+
 struct BlockExec {
+  double* tile = nullptr;  // kTileBytes of shared memory (products only)
+  bool fp32_orth = false;  // mm_orth sums in fp32
   template <class F> __device__ void each(int n, F&& f) const {
     for (int e = threadIdx.x; e < n; e += blockDim.x) f(e);
   }
@@ -304,12 +353,60 @@ struct BlockExec {
   }
   __device__ void sync() const { __syncthreads(); }
   __device__ void mm(const double* A, const double* B, double* Cm, int D) const {
-    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
-      const int i = e / D, j = e - i * D;
-      double s = 0.0;
-      for (int k = 0; k < D; ++k) s += A[i * D + k] * B[k * D + j];
-      Cm[e] = s;
-    }
+    mm_tiled<double>(A, B, Cm, D);
+  }
+  __device__ void mm_orth(const double* A, const double* B, double* Cm, int D) const {
+    if (fp32_orth)
+      mm_tiled<float>(A, B, Cm, D);
+    else
+      mm_tiled<double>(A, B, Cm, D);
+  }
+  // S: the type the tiles are staged and the products summed in.
+  template <typename S>
+  __device__ void mm_tiled(const double* __restrict__ A, const double* __restrict__ B,
+                           double* __restrict__ Cm, int D) const {
+    S* As = reinterpret_cast<S*>(tile);  // [kTile][kTileLdA]: A(i0 + r, k0 + k)
+    S* Bs = As + kTile * kTileLdA;       // [kTileK][kTile]:   B(k0 + k, j0 + c)
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int i0 = 0; i0 < D; i0 += kTile)
+      for (int j0 = 0; j0 < D; j0 += kTile) {
+        S acc[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) acc[r][c] = S(0);
+        for (int k0 = 0; k0 < D; k0 += kTileK) {
+          __syncthreads();  // the previous panel is no longer read
+          for (int e = threadIdx.x; e < kTile * kTileK; e += blockDim.x) {
+            const int r = e / kTileK, k = e - r * kTileK;  // A: consecutive threads along k
+            As[r * kTileLdA + k] =
+                (i0 + r < D && k0 + k < D) ? static_cast<S>(A[(i0 + r) * D + k0 + k]) : S(0);
+            const int kb = e / kTile, c = e - kb * kTile;  // B: along j
+            Bs[kb * kTile + c] =
+                (k0 + kb < D && j0 + c < D) ? static_cast<S>(B[(k0 + kb) * D + j0 + c]) : S(0);
+          }
+          __syncthreads();
+          const int kc = D - k0 < kTileK ? D - k0 : kTileK;
+          for (int k = 0; k < kc; ++k) {
+            S a[4], b[4];
+#pragma unroll
+            for (int r = 0; r < 4; ++r) a[r] = As[(ty + 16 * r) * kTileLdA + k];
+#pragma unroll
+            for (int c = 0; c < 4; ++c) b[c] = Bs[k * kTile + tx + 16 * c];
+#pragma unroll
+            for (int r = 0; r < 4; ++r)
+#pragma unroll
+              for (int c = 0; c < 4; ++c) acc[r][c] += a[r] * b[c];
+          }
+        }
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int i = i0 + ty + 16 * r, j = j0 + tx + 16 * c;
+            if (i < D && j < D) Cm[i * D + j] = static_cast<double>(acc[r][c]);
+          }
+      }
     __syncthreads();
   }
 };
@@ -323,29 +420,72 @@ __device__ __forceinline__ void rr_pair(int k, int r, int Dp, int* p, int* q) {
   *q = a < b ? b : a;
 }
 
-// Parallel cyclic Jacobi on the block: A (destroyed) -> eigenvalues diag(A), eigenvectors U
-// (columns). Same rotation formula, stopping rule and sweep limit as dbn_jacobi_eigh; only the
-// order of the rotations differs (D/2 disjoint rotations at a time).
+// Leading dimension of a D x D matrix in shared memory: odd, so that the 16 doubles a half-warp
+// reads down a column (consecutive rows) fall into 16 different bank pairs.
+__host__ __device__ inline int smem_ld(int D) { return (D + 1) | 1; }
+
+// eig_kernel's dynamic shared memory (byte offsets): the per-group vectors (a round's rotations
+// c, s; eigenvalues, sorted eigenvalues, their ranks), then `mats`: Jacobi's A and U^T
+// (smem_ld(D) each row) on the shared path, or BlockExec::mm's tiles, which reuse the same bytes
+// there (the products start after Jacobi's matrices are copied out).
+struct EigSmem {
+  size_t c, s, l, ls, rank, pq, mats, bytes;
+};
+__host__ __device__ inline EigSmem eig_smem(int D, bool shared_mats) {
+  EigSmem o;
+  const size_t npairs = size_t(D + 1) / 2, d8 = size_t(D) * sizeof(double);
+  o.c = 0;
+  o.s = npairs * sizeof(double);
+  o.l = o.s + npairs * sizeof(double);
+  o.ls = o.l + d8;
+  o.rank = o.ls + d8;
+  o.pq = o.rank + size_t(D) * sizeof(int);  // a round's pairs p[k], q[k]
+  o.mats = (o.pq + 2 * npairs * sizeof(int) + 15) / 16 * 16;
+  const size_t mats = shared_mats ? 2 * size_t(D) * smem_ld(D) * sizeof(double) : 0;
+  o.bytes = o.mats + (mats > kTileBytes ? mats : kTileBytes);
+  return o;
+}
+
+// Parallel cyclic Jacobi on the block: A (lda; destroyed) -> eigenvalues diag(A), eigenvectors as
+// the ROWS of Ut (ldu; row k = eigenvector k = column k of U). Same rotation formula, stopping
+// rule and sweep limit as dbn_jacobi_eigh; only the order of the rotations differs (D/2 disjoint
+// rotations at a time, round-robin). U <- U J is Ut <- J^T Ut: rows p, q, contiguous.
 // Like dbn_jacobi_eigh, A is scaled by 2^-e (max|A_ij| in [0.5, 1)) first and diag(A) scaled back
 // at the end, so the stopping rule holds for entries up to the float64 range.
-__device__ void block_jacobi(double* A, double* U, int D) {
-  __shared__ double s_c[kMaxD / 2], s_s[kMaxD / 2];
-  for (int e = threadIdx.x; e < D * D; e += blockDim.x) U[e] = (e / D == e % D) ? 1.0 : 0.0;
+// s_c, s_s (doubles), s_p, s_q (ints): (D + 1) / 2 each of shared memory, a round's rotations.
+// A and Ut live in shared memory (the default path, lda = ldu = smem_ld(D): conflict-free
+// columns) or in the workspace (lda = ldu = D).
+__device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, double* s_c,
+                             double* s_s, int* s_p, int* s_q) {
+  const int DD = D * D;
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    Ut[i * ldu + j] = i == j ? 1.0 : 0.0;
+  }
   double part = 0.0;
-  for (int e = threadIdx.x; e < D * D; e += blockDim.x) part = fmax(part, fabs(A[e]));
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    part = fmax(part, fabs(A[i * lda + j]));
+  }
   const int ex = dbn_jacobi_scale_exponent(block_max<kBlock>(part));  // also syncs A
   if (ex != 0)
-    for (int e = threadIdx.x; e < D * D; e += blockDim.x) A[e] = ldexp(A[e], -ex);
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+      const int i = e / D, j = e - i * D;
+      A[i * lda + j] = ldexp(A[i * lda + j], -ex);
+    }
   __syncthreads();
   part = 0.0;
-  for (int e = threadIdx.x; e < D * D; e += blockDim.x) part += A[e] * A[e];
-  const double fro2 = block_sum<kBlock>(part);  // also syncs U / A
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    const int i = e / D, j = e - i * D;
+    part += A[i * lda + j] * A[i * lda + j];
+  }
+  const double fro2 = block_sum<kBlock>(part);  // also syncs Ut / A
   const int Dp = D + (D & 1), npairs = Dp / 2;
   for (int sweep = 0; sweep < kDbnJacobiMaxSweeps; ++sweep) {
     part = 0.0;
-    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
       const int i = e / D, j = e - i * D;
-      if (i < j) part += A[e] * A[e];
+      if (i < j) part += A[i * lda + j] * A[i * lda + j];
     }
     const double off = block_sum<kBlock>(part);
     if (dbn_jacobi_converged(off, fro2)) break;
@@ -355,43 +495,42 @@ __device__ void block_jacobi(double* A, double* U, int D) {
         rr_pair(k, r, Dp, &p, &q);
         double c = 1.0, s = 0.0;
         if (q < D) {
-          const double apq = A[p * D + q];
-          if (apq != 0.0) dbn_jacobi_rotation(A[p * D + p], A[q * D + q], apq, &c, &s);
+          const double apq = A[p * lda + q];
+          if (apq != 0.0) dbn_jacobi_rotation(A[p * lda + p], A[q * lda + q], apq, &c, &s);
         }
         s_c[k] = c;
         s_s[k] = s;
+        s_p[k] = p;
+        s_q[k] = q;
       }
       __syncthreads();
       // f(p, q, c, s, i) for every rotation of the round that is not the identity and every
-      // row / column i, spread over the block.
+      // row / column i, spread over the block (consecutive threads: consecutive i).
       auto each_rotation = [&](auto f) {
         for (int idx = threadIdx.x; idx < npairs * D; idx += blockDim.x) {
           const int k = idx / D;
           if (s_s[k] == 0.0) continue;
-          int p, q;
-          rr_pair(k, r, Dp, &p, &q);
-          f(p, q, s_c[k], s_s[k], idx - k * D);
+          f(s_p[k], s_q[k], s_c[k], s_s[k], idx - k * D);
         }
         __syncthreads();
       };
       each_rotation([&](int p, int q, double c, double s, int i) {  // A <- A J, U <- U J
-        dbn_rotate(&A[i * D + p], &A[i * D + q], c, s);
-        dbn_rotate(&U[i * D + p], &U[i * D + q], c, s);
+        dbn_rotate(&A[i * lda + p], &A[i * lda + q], c, s);
+        dbn_rotate(&Ut[p * ldu + i], &Ut[q * ldu + i], c, s);
       });
       each_rotation([&](int p, int q, double c, double s, int i) {  // A <- J^T A
-        dbn_rotate(&A[p * D + i], &A[q * D + i], c, s);
+        dbn_rotate(&A[p * lda + i], &A[q * lda + i], c, s);
       });
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {
         if (s_s[k] == 0.0) continue;
-        int p, q;
-        rr_pair(k, r, Dp, &p, &q);
-        A[p * D + q] = A[q * D + p] = 0.0;
+        const int p = s_p[k], q = s_q[k];
+        A[p * lda + q] = A[q * lda + p] = 0.0;
       }
       __syncthreads();
     }
   }
   if (ex != 0) {
-    for (int e = threadIdx.x; e < D * D; e += blockDim.x) A[e] = ldexp(A[e], ex);
+    for (int i = threadIdx.x; i < D; i += blockDim.x) A[i * lda + i] = ldexp(A[i * lda + i], ex);
     __syncthreads();
   }
 }
@@ -426,8 +565,12 @@ __device__ void eig_iternorm(const BlockExec& ex, double* Am, int finite, int D,
   dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
 }
 
-// One block per group: Sigma -> eigh (block_jacobi, stable ascending rank sort) ->
-// dbn_whitening_matrix (clamp, W), outputs and dbn_update_running.
+// One block per group, dynamic shared memory eig_smem(D, path == kShared). ZCA: Sigma -> eigh
+// (block_jacobi in shared memory or the workspace; or, in two launches around
+// cusolver_syevd_batch, Sigma into the workspace (kPrepare: a non-finite Sigma is replaced by I
+// for the library and flagged) and the library's eigenpairs back (kFinish)) -> stable ascending
+// rank sort -> dbn_whitening_matrix (clamp, W), outputs and dbn_update_running. A non-finite
+// Sigma, or cuSOLVER's info != 0, gives NaN eigenpairs and outputs.
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
 eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, double eps,
@@ -435,34 +578,63 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
            A* __restrict__ eigval, A* __restrict__ Wout, double* __restrict__ scratch,
            DType stat_dtype, void* running_mean, void* running_proj, DType param_dtype,
            const void* gamma, const void* beta, A* __restrict__ bias, DbnWhitening wh, int T,
-           int64_t scratch_per_group) {
-  __shared__ double s_l[kMaxD], s_ls[kMaxD];
-  __shared__ int s_rank[kMaxD];
-  const BlockExec ex;
+           int64_t scratch_per_group, EigPath path, EigPhase phase,
+           const double* __restrict__ evals, const int* __restrict__ info) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  const bool in_smem = wh == DbnWhitening::kZca && path == EigPath::kShared;
+  const EigSmem L = eig_smem(D, in_smem);
+  double* s_c = reinterpret_cast<double*>(smem + L.c);
+  double* s_s = reinterpret_cast<double*>(smem + L.s);
+  double* s_l = reinterpret_cast<double*>(smem + L.l);
+  double* s_ls = reinterpret_cast<double*>(smem + L.ls);
+  int* s_rank = reinterpret_cast<int*>(smem + L.rank);
+  int* s_p = reinterpret_cast<int*>(smem + L.pq);
+  int* s_q = s_p + (D + 1) / 2;
+  double* mats = reinterpret_cast<double*>(smem + L.mats);
+  const BlockExec ex{mats, sizeof(A) == sizeof(float)};
   const int64_t g = blockIdx.x;
   const int DD = D * D;
-  double* Am = scratch + g * scratch_per_group;     // Sigma, destroyed by Jacobi, then U^T
-  double* U = Am + DD;                              // Jacobi's U, then V = U diag(l^-1/2)
+  double* Am = scratch + g * scratch_per_group;     // Sigma (workspace paths), then U^T
+  double* U = Am + DD;                              // Jacobi's U^T (kGlobal), then V
   double* Us = U + DD;                              // sorted U, then W
+  double* flag = Us + DD;                           // kCusolver: Sigma finite (1) or not (0)
+  // Where the solver's matrices are: A (lda; Sigma in, diagonal out) and U^T (ldu).
+  const int ld = in_smem ? smem_ld(D) : D;
+  double* Aw = in_smem ? mats : Am;
+  double* Ut = in_smem ? mats + D * ld : (path == EigPath::kCusolver ? Am : U);
   int finite = 1;
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * DD + e];
-    s /= m;
-    if (e / D == e % D) s += eps;
-    Am[e] = s;
-    finite &= isfinite(s) ? 1 : 0;
+  if (phase == EigPhase::kFinish) {
+    finite = (flag[0] != 0.0 && info[g] == 0) ? 1 : 0;  // uniform over the block
+    for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = evals[g * D + i];
+  } else {
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+      double s = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * DD + e];
+      s /= m;
+      const int i = e / D, j = e - i * D;
+      if (i == j) s += eps;
+      Aw[i * ld + j] = s;
+      finite &= isfinite(s) ? 1 : 0;
+    }
+    finite = __syncthreads_and(finite);
+    if (wh == DbnWhitening::kIterNorm) {
+      eig_iternorm(ex, Am, finite, D, T, g, momentum, mean, eigvec, eigval, Wout, stat_dtype,
+                   running_mean, running_proj, param_dtype, gamma, beta, bias);
+      return;
+    }
+    if (phase == EigPhase::kPrepare) {
+      if (!finite)
+        for (int e = threadIdx.x; e < DD; e += blockDim.x) Am[e] = (e / D == e % D) ? 1.0 : 0.0;
+      if (threadIdx.x == 0) flag[0] = finite ? 1.0 : 0.0;
+      return;
+    }
+    if (finite) {
+      block_jacobi(Aw, ld, Ut, ld, D, s_c, s_s, s_p, s_q);
+      for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = Aw[i * ld + i];
+    }
   }
-  finite = __syncthreads_and(finite);
-  if (wh == DbnWhitening::kIterNorm) {
-    eig_iternorm(ex, Am, finite, D, T, g, momentum, mean, eigvec, eigval, Wout, stat_dtype,
-                 running_mean, running_proj, param_dtype, gamma, beta, bias);
-    return;
-  }
+  __syncthreads();
   if (finite) {
-    block_jacobi(Am, U, D);
-    for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = Am[i * D + i];
-    __syncthreads();
     for (int i = threadIdx.x; i < D; i += blockDim.x) {  // stable ascending rank
       int r = 0;
       for (int j = 0; j < D; ++j) r += (s_l[j] < s_l[i] || (s_l[j] == s_l[i] && j < i)) ? 1 : 0;
@@ -470,9 +642,9 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
       s_ls[r] = s_l[i];
     }
     __syncthreads();
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-      const int i = e / D, k = e - i * D;
-      Us[i * D + s_rank[k]] = U[e];
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // Us[i][rank k] = U[i][k] = Ut[k][i]
+      const int k = e / D, i = e - k * D;
+      Us[i * D + s_rank[k]] = Ut[k * ld + i];
     }
   } else {
     const double nan = __longlong_as_double(0x7ff8000000000000LL);
@@ -480,7 +652,8 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     for (int i = threadIdx.x; i < D; i += blockDim.x) s_ls[i] = nan;
   }
   __syncthreads();
-  // eigvec is written before dbn_whitening_matrix's first barrier, so W may overwrite Us.
+  // eigvec is written before dbn_whitening_matrix's first barrier, so W may overwrite Us; the
+  // products' tiles may overwrite the shared-memory matrices (copied out above).
   for (int e = threadIdx.x; e < DD; e += blockDim.x) eigvec[g * DD + e] = static_cast<A>(Us[e]);
   dbn_whitening_matrix(ex, Us, s_ls, D, eps, /*W=*/Us, /*Ut=*/Am, /*V=*/U, /*r=*/s_l);
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
@@ -494,53 +667,73 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
   dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, Us, mean, momentum);
 }
 
-// One block per group: dbn_bwd_small (W, B = (2/m) G_S) on the summed gram partials.
+// One block per group, dynamic shared memory kTileBytes. ZCA (one launch, stage 0): dbn_bwd_small
+// (W, B = (2/m) G_S) on the summed gram partials. IterNorm: T + 2 launches, so that no launch runs
+// all of its ~12 T D x D products (at D = 512 on an H200 ~1.5-2 ms each: over 100 ms for T >= 5
+// in one launch): stage 0 sums the partials and runs dbn_bwd_iternorm_head (and writes dgamma),
+// stage s = 1..T the back step k = T - s, stage T + 1 dbn_bwd_iternorm_tail and the outputs; the
+// state between them lives in the group's scratch (dbn_iternorm_bwd_layout).
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
                  A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch,
                  DType param_dtype, const void* gamma, void* dgamma, void* dbeta, DbnWhitening wh,
-                 int T, int64_t scratch_per_group) {
+                 int T, int64_t scratch_per_group, int stage) {
   __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD], s_gam[kMaxD], s_dgam[kMaxD];
-  const BlockExec ex;
+  extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec::mm's tiles
+  const BlockExec ex{reinterpret_cast<double*>(smem), sizeof(A) == sizeof(float)};
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
+  const bool iter = wh == DbnWhitening::kIterNorm;
   double* GW = scratch + g * scratch_per_group;     // G_W, then B
   double* H = GW + DD;
   double* Tm = H + DD;
   double* U = Tm + DD;                              // U (ZCA) or Sigma (IterNorm)
   double* Ut = U + DD;                              // IterNorm: W, then its scratch
-  double* W = Ut + DD;
-  for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
-    if (e < DD) {
-      GW[e] = s;
-      U[e] = static_cast<double>(eigvec[g * DD + e]);
-    } else {
-      dymean[g * D + (e - DD)] = static_cast<A>(s / m);
-      if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
+  double* W = iter ? Ut : Ut + DD;
+  if (stage == 0)
+    for (int e = threadIdx.x; e < E; e += blockDim.x) {
+      double s = 0.0;
+      for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+      if (e < DD) {
+        GW[e] = s;
+        U[e] = static_cast<double>(eigvec[g * DD + e]);
+      } else {
+        dymean[g * D + (e - DD)] = static_cast<A>(s / m);
+        if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
+      }
     }
-  }
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     s_l[i] = static_cast<double>(eigval[g * D + i]);
     if (gamma) s_gam[i] = dbn_load_stat(param_dtype, gamma, g * D + i);
   }
   __syncthreads();
-  if (wh == DbnWhitening::kIterNorm)  // U holds the forward's Sigma; H on: the iterations' scratch
-    dbn_bwd_iternorm(ex, U, GW, D, T, m, gamma ? s_gam : nullptr, s_dgam, Ut, /*B=*/GW, Ut + DD);
-  else
+  if (iter) {  // U holds the forward's Sigma
+    const DbnIterBwdScratch L = dbn_iternorm_bwd_layout(Ut + DD, D, T);
+    if (stage == 0) {
+      dbn_bwd_iternorm_head(ex, U, GW, D, T, gamma ? s_gam : nullptr, s_dgam, W, L);
+      if (gamma)
+        for (int i = threadIdx.x; i < D; i += blockDim.x)
+          dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
+      return;
+    }
+    if (stage <= T) {
+      dbn_bwd_iternorm_step(ex, D, T - stage, L);
+      return;
+    }
+    dbn_bwd_iternorm_tail(ex, U, D, m, /*B=*/GW, L);
+  } else {
     dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
                   DbnBwdScratch{H, Tm, Ut, s_sq, s_r});
-  if (wh == DbnWhitening::kIterNorm) W = Ut;
+    if (gamma)
+      for (int i = threadIdx.x; i < D; i += blockDim.x)
+        dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
+  }
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     Bout[g * DD + e] = static_cast<A>(GW[e]);
     Wout[g * DD + e] = static_cast<A>(gamma ? W[e] * s_gam[e % D] : W[e]);
   }
-  if (gamma)
-    for (int i = threadIdx.x; i < D; i += blockDim.x)
-      dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
 }
 
 // Affine inference backward, one block per group: dgamma = dbn_affine_dgamma(P, sum dy (x -
@@ -551,7 +744,7 @@ affine_grad_kernel(const double* __restrict__ part, int64_t chunks, int D, DType
                    const void* running_proj, DType param_dtype, void* dgamma, void* dbeta,
                    double* __restrict__ scratch) {
   __shared__ double s_dg[kMaxD];
-  const BlockExec ex;
+  const BlockExec ex;  // no products
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
   double* P = scratch + g * 2 * DD;
@@ -688,6 +881,78 @@ const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {
                            apply_kernel<T, false>, q);
 }
 
+// ---- The eigensolver's plan (EigPath above) ----------------------------------------------------
+
+// GNMX_DBN_CUDA_EIG: unset, "" or "auto" -> -1; "shared" / "global" / "cusolver" -> the EigPath;
+// anything else -> -2.
+int eig_path_env() {
+  const char* v = std::getenv("GNMX_DBN_CUDA_EIG");
+  if (!v || !*v || std::strcmp(v, "auto") == 0) return -1;
+  if (std::strcmp(v, "shared") == 0) return static_cast<int>(EigPath::kShared);
+  if (std::strcmp(v, "global") == 0) return static_cast<int>(EigPath::kGlobal);
+  if (std::strcmp(v, "cusolver") == 0) return static_cast<int>(EigPath::kCusolver);
+  return -2;
+}
+constexpr const char* kEigEnvError =
+    "GNMX_DBN_CUDA_EIG must be auto, shared, global or cusolver (docs/dbn.md)";
+
+// Dynamic shared memory eig_kernel<A> may use on the current device: the opt-in maximum per block
+// (48 KB on sm_50/60/61, 64 KB on sm_75, up to 227 KB on sm_90) less the kernel's static shared
+// memory. The kernel's cudaFuncAttributeMaxDynamicSharedMemorySize is raised to it once per device
+// (needed above 48 KB; always this one value, so concurrent launches with different D never race
+// on it).
+template <typename A>
+const char* eig_smem_limit(size_t* out) {
+  constexpr int kDevs = 64;
+  static std::mutex mu;
+  static size_t set_to[kDevs] = {};
+  int dev = 0, optin = 0;
+  if (const char* e = cuda_error(cudaGetDevice(&dev))) return e;
+  if (const char* e = cuda_error(
+          cudaDeviceGetAttribute(&optin, cudaDevAttrMaxSharedMemoryPerBlockOptin, dev)))
+    return e;
+  cudaFuncAttributes fa;
+  if (const char* e = cuda_error(cudaFuncGetAttributes(&fa, eig_kernel<A>))) return e;
+  const size_t limit = size_t(optin) > fa.sharedSizeBytes ? size_t(optin) - fa.sharedSizeBytes : 0;
+  std::lock_guard<std::mutex> lock(mu);
+  if (dev < 0 || dev >= kDevs || set_to[dev] != limit) {
+    if (const char* e = cuda_error(cudaFuncSetAttribute(
+            eig_kernel<A>, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(limit))))
+      return e;
+    if (dev >= 0 && dev < kDevs) set_to[dev] = limit;
+  }
+  *out = limit;
+  return nullptr;
+}
+
+// The eigensolver of a forward with group size D (EigPath), its shared memory and cuSOLVER's
+// workspace; nullptr or the error (bad GNMX_DBN_CUDA_EIG, "shared" asked for a D that does not
+// fit, cuSOLVER missing).
+template <typename A>
+const char* eig_plan(int D, DbnWhitening wh, EigPlan* ep) {
+  *ep = EigPlan{};
+  ep->smem = eig_smem(D, false).bytes;
+  if (wh == DbnWhitening::kIterNorm) return nullptr;  // products only
+  const int want = eig_path_env();
+  if (want == -2) return kEigEnvError;
+  size_t limit = 0;
+  if (const char* e = eig_smem_limit<A>(&limit)) return e;
+  const size_t need = eig_smem(D, true).bytes;
+  ep->path = want >= 0 ? static_cast<EigPath>(want)
+                       : (need <= limit ? EigPath::kShared : EigPath::kCusolver);
+  if (ep->path == EigPath::kShared && need > limit) {
+    thread_local char buf[200];
+    std::snprintf(buf, sizeof(buf),
+                  "GNMX_DBN_CUDA_EIG=shared: group size %d needs %zu bytes of shared memory per "
+                  "block, this GPU allows %zu",
+                  D, need, limit);
+    return buf;
+  }
+  ep->smem = eig_smem(D, ep->path == EigPath::kShared).bytes;
+  if (ep->path == EigPath::kCusolver) return cusolver_syevd_lwork(D, &ep->lwork);
+  return nullptr;
+}
+
 template <typename T, bool kTwo>
 const char* launch_apply(const DbnCudaPlan& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
                          const T* in2, const AccT<T>* shift2, const AccT<T>* M2,
@@ -707,7 +972,9 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   DbnCudaPlan q;
   if (const char* e = plan_for<T>(a, &q)) return e;
   Carver cv{static_cast<char*>(a.workspace)};
-  const FwdWs<A> w = fwd_ws<A>(&cv, q, a.whitening);
+  EigPlan ep;
+  if (const char* e = eig_plan<A>(static_cast<int>(q.D), a.whitening, &ep)) return e;
+  const FwdWs<A> w = fwd_ws<A>(&cv, q, a.whitening, ep);
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
@@ -717,12 +984,25 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
                           kBlock, smem_bytes(D, q.K, 1, sizeof(A)), st>>>(
       x, mean, nullptr, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
   GN_CUDA_CHECK_LAUNCH();
-  eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
-      w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
-      static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
-      a.running_mean, a.running_proj, a.param_dtype, a.gamma, a.beta, w.bias, a.whitening,
-      a.iterations, fwd_scratch(q.D, a.whitening));
-  GN_CUDA_CHECK_LAUNCH();
+  const int64_t spg = fwd_scratch(q.D, a.whitening, ep.path);
+  auto eig = [&](EigPhase phase) -> const char* {
+    eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, ep.smem, st>>>(
+        w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
+        static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
+        a.running_mean, a.running_proj, a.param_dtype, a.gamma, a.beta, w.bias, a.whitening,
+        a.iterations, spg, ep.path, phase, w.evals, w.info);
+    GN_CUDA_CHECK_LAUNCH();
+    return nullptr;
+  };
+  if (a.whitening == DbnWhitening::kZca && ep.path == EigPath::kCusolver) {
+    if (const char* e = eig(EigPhase::kPrepare)) return e;
+    if (const char* e = cusolver_syevd_batch(st, w.scratch, spg, D, static_cast<int>(q.G),
+                                             w.evals, w.info, w.work, ep.lwork))
+      return e;
+    if (const char* e = eig(EigPhase::kFinish)) return e;
+  } else if (const char* e = eig(EigPhase::kAll)) {
+    return e;
+  }
   return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr,
                                 a.gamma ? w.bias : nullptr, static_cast<T*>(a.y), st);
 }
@@ -742,11 +1022,16 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
                          kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
       x, mean, dy, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
   GN_CUDA_CHECK_LAUNCH();
-  bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
-      w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
-      static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
-      a.dgamma, a.dbeta, a.whitening, a.iterations, bwd_scratch(q.D, a.whitening, a.iterations));
-  GN_CUDA_CHECK_LAUNCH();
+  // ZCA: one launch; IterNorm: T + 2 (bwd_small_kernel's stages)
+  const int stages = a.whitening == DbnWhitening::kIterNorm ? a.iterations + 2 : 1;
+  for (int stage = 0; stage < stages; ++stage) {
+    bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, kTileBytes, st>>>(
+        w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
+        static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
+        a.dgamma, a.dbeta, a.whitening, a.iterations,
+        bwd_scratch(q.D, a.whitening, a.iterations), stage);
+    GN_CUDA_CHECK_LAUNCH();
+  }
   return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, nullptr, static_cast<T*>(a.dx),
                                st);
 }
@@ -819,7 +1104,10 @@ const char* checked_run(const Args& a, std::initializer_list<const char*> errors
 
 size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
   return ws_size(a, [&a](auto tag, Carver* c, const DbnCudaPlan& q) {
-    fwd_ws<AccT<decltype(tag)>>(c, q, a.whitening);
+    using A = AccT<decltype(tag)>;
+    EigPlan ep;  // on an error the forward fails before using the workspace: size without it
+    if (eig_plan<A>(static_cast<int>(q.D), a.whitening, &ep)) ep = EigPlan{};
+    fwd_ws<A>(c, q, a.whitening, ep);
   });
 }
 

@@ -119,8 +119,13 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
 //   ex.sync()            what each()/each_ij() wrote is visible to all (host: nothing;
 //                        device: __syncthreads())
 //   ex.mm(A, B, C, D)    C = A B for D x D row-major fp64 matrices, inputs already visible,
-//                        C visible on return (host: dbn_small::dmm_nn; device: block dot products
-//                        + __syncthreads())
+//                        C visible on return (host: dbn_small::dmm_nn; device: shared-memory
+//                        tiles + __syncthreads()), summed in fp64
+//   ex.mm_orth(A, B, C, D)  the same for a product with an orthogonal factor (U or U^T) whose C
+//                        ends in the data's accumulation type: its normwise error is <= D u ||C||
+//                        in any precision u (an orthogonal factor keeps norms), so an executor may
+//                        sum it in fp32 when that type is fp32 (the device does, dbn.h; the host
+//                        runs mm)
 // No step writes what another thread of the same each() reads, so the host's serial order and the
 // device's parallel one compute the same values (sums run over k in ascending order in both).
 
@@ -145,7 +150,7 @@ GN_HOST_DEVICE void dbn_symmetrize(Ex& ex, double* B, int D, double scale) {
 // caller, each together with other work): W = V Ut, symmetrized (its rounding is not). Ends synced.
 template <class Ex>
 GN_HOST_DEVICE void dbn_inv_sqrt(Ex& ex, const double* V, const double* Ut, int D, double* W) {
-  ex.mm(V, Ut, W, D);
+  ex.mm_orth(V, Ut, W, D);
   dbn_symmetrize(ex, W, D, 1.0);
 }
 
@@ -258,8 +263,8 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, doub
   ex.mm(Ut, T, H, D);  // H = U^T sym(GW) U
   ex.each_ij(D, [&](int i, int j) { H[i * D + j] *= dbn_inv_sqrt_divdiff(s.sq[i], s.sq[j]); });
   ex.sync();
-  ex.mm(U, H, T, D);   // T = U (K o H)
-  ex.mm(T, Ut, B, D);  // B = T U^T
+  ex.mm_orth(U, H, T, D);   // T = U (K o H)
+  ex.mm_orth(T, Ut, B, D);  // B = T U^T
   dbn_symmetrize(ex, B, D, 2.0 / m);
 }
 
@@ -371,7 +376,28 @@ GN_HOST_DEVICE void dbn_iternorm_back_step(Ex& ex, const double* M, const double
 
 // Doubles of dbn_bwd_iternorm's scratch.
 GN_HOST_DEVICE inline int64_t dbn_iternorm_bwd_scratch(int D, int T) {
-  return int64_t(T + 1 + 9) * D * D + 1;
+  return int64_t(T + 1 + 9) * D * D + 2;
+}
+
+// dbn_bwd_iternorm's scratch: P_0 .. P_T, Sn, G = dL/dP_k, dSn, the back steps' six matrices, and
+// two doubles: tr(Sigma), then dL/dtr through W's 1/sqrt(tr) (kept between the stages).
+struct DbnIterBwdScratch {
+  double *P, *Sn, *G, *dSn;
+  DbnIterBackScratch step;
+  double *tr, *dtr;
+};
+GN_HOST_DEVICE inline DbnIterBwdScratch dbn_iternorm_bwd_layout(double* scratch, int D, int T) {
+  const int64_t DD = int64_t(D) * D;
+  DbnIterBwdScratch L;
+  L.P = scratch;  // (T + 1) x DD
+  L.Sn = L.P + (T + 1) * DD;
+  L.G = L.Sn + DD;
+  L.dSn = L.G + DD;
+  double* q = L.dSn + DD;
+  L.step = DbnIterBackScratch{q, q + DD, q + 2 * DD, q + 3 * DD, q + 4 * DD, q + 5 * DD};
+  L.tr = q + 6 * DD;
+  L.dtr = L.tr + 1;
+  return L;
 }
 
 // IterNorm backward of one group, through the iterations written out (the paper's eqs.): from
@@ -383,25 +409,17 @@ GN_HOST_DEVICE inline int64_t dbn_iternorm_bwd_scratch(int D, int T) {
 // and B = (2/m) sym(dL/dSigma), W = P_T / sqrt(tr) (symmetrized), so that dX = W (dY - mean(dY))
 // + B Xc as for ZCA (dbn_cpu.cc's derivation, steps 1, 3, 4). Fused affine as dbn_bwd_small.
 // B may alias GW; W must not alias the scratch. Ends synced.
+// In three stages that keep all their state in the scratch (so that a device may run each in its
+// own launch, dbn_cuda.cu): head (the iterations, W, dgamma, G, dSn = 0), one back step per k =
+// T-1 .. 0, tail (B). dbn_bwd_iternorm runs them in order.
 template <class Ex>
-GN_HOST_DEVICE void dbn_bwd_iternorm(Ex& ex, const double* Sigma, double* GW, int D, int T,
-                                     double m, const double* gamma, double* dgamma, double* W,
-                                     double* B, double* scratch) {
+GN_HOST_DEVICE void dbn_bwd_iternorm_head(Ex& ex, const double* Sigma, double* GW, int D, int T,
+                                          const double* gamma, double* dgamma, double* W,
+                                          const DbnIterBwdScratch& L) {
   const int DD = D * D;
-  double* P = scratch;                 // (T + 1) x DD: P_0 .. P_T
-  double* Sn = P + (T + 1) * DD;
-  double* G = Sn + DD;                 // dL/dP_k
-  double* dSn = G + DD;
-  double* M2 = dSn + DD;
-  double* M3 = M2 + DD;
-  double* X = M3 + DD;                 // products
-  double* Y = X + DD;
-  double* Z = Y + DD;
-  double* Zt = Z + DD;
-  double* tr = Zt + DD;                // one double
-  dbn_iternorm_iterate(ex, Sigma, D, T, true, Sn, P, X, Y, tr);
-  const double trv = *tr, rs = 1.0 / sqrt(trv);
-  const double* PT = P + T * DD;
+  dbn_iternorm_iterate(ex, Sigma, D, T, true, L.Sn, L.P, L.step.X, L.step.Y, L.tr);
+  const double trv = *L.tr, rs = 1.0 / sqrt(trv);
+  const double* PT = L.P + T * DD;
   ex.each_ij(D, [&](int i, int j) { W[i * D + j] = PT[i * D + j] * rs; });
   ex.sync();
   dbn_symmetrize(ex, W, D, 1.0);
@@ -411,32 +429,52 @@ GN_HOST_DEVICE void dbn_bwd_iternorm(Ex& ex, const double* Sigma, double* GW, in
     ex.sync();
   }
   // dL/dtr through W's 1/sqrt(tr), by one thread; G = GW / sqrt(tr); dSn = 0.
-  double* dtr = Zt;  // Zt's first entry, until the loop needs Zt
+  double* dtr = L.dtr;
   ex.each(1, [&](int) {
     double s = 0.0;
     for (int e = 0; e < DD; ++e) s += GW[e] * PT[e];
     *dtr = -0.5 * rs * rs * rs * s;
   });
   ex.each_ij(D, [&](int i, int j) {
-    G[i * D + j] = GW[i * D + j] * rs;
-    dSn[i * D + j] = 0.0;
+    L.G[i * D + j] = GW[i * D + j] * rs;
+    L.dSn[i * D + j] = 0.0;
   });
   ex.sync();
-  const double dtr_w = *dtr;
-  ex.sync();
-  for (int k = T - 1; k >= 0; --k)
-    dbn_iternorm_back_step(ex, P + k * DD, Sn, D, G, dSn, DbnIterBackScratch{M2, M3, X, Y, Z, Zt});
-  // dL/dSigma = dSn / tr + (dtr_w - <dSn, Sigma> / tr^2) I; B = (2/m) sym(dL/dSigma).
+}
+
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterBwdScratch& L) {
+  dbn_iternorm_back_step(ex, L.P + int64_t(k) * D * D, L.Sn, D, L.G, L.dSn, L.step);
+}
+
+// dL/dSigma = dSn / tr + (dtr_w - <dSn, Sigma> / tr^2) I; B = (2/m) sym(dL/dSigma).
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_iternorm_tail(Ex& ex, const double* Sigma, int D, double m, double* B,
+                                          const DbnIterBwdScratch& L) {
+  const int DD = D * D;
+  const double trv = *L.tr, dtr_w = *L.dtr;
+  const double* dSn = L.dSn;
+  ex.sync();  // every thread has read tr before it is overwritten
   ex.each(1, [&](int) {
     double s = 0.0;
     for (int e = 0; e < DD; ++e) s += dSn[e] * Sigma[e];
-    *tr = dtr_w - s / (trv * trv);
+    *L.tr = dtr_w - s / (trv * trv);
   });
   ex.sync();
-  const double diag = *tr;
+  const double diag = *L.tr;
   ex.each_ij(D, [&](int i, int j) { B[i * D + j] = dSn[i * D + j] / trv + (i == j ? diag : 0.0); });
   ex.sync();
   dbn_symmetrize(ex, B, D, 2.0 / m);
+}
+
+template <class Ex>
+GN_HOST_DEVICE void dbn_bwd_iternorm(Ex& ex, const double* Sigma, double* GW, int D, int T,
+                                     double m, const double* gamma, double* dgamma, double* W,
+                                     double* B, double* scratch) {
+  const DbnIterBwdScratch L = dbn_iternorm_bwd_layout(scratch, D, T);
+  dbn_bwd_iternorm_head(ex, Sigma, GW, D, T, gamma, dgamma, W, L);
+  for (int k = T - 1; k >= 0; --k) dbn_bwd_iternorm_step(ex, D, k, L);
+  dbn_bwd_iternorm_tail(ex, Sigma, D, m, B, L);
 }
 
 }  // namespace gn_mx

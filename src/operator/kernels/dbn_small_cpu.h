@@ -97,6 +97,7 @@ struct CpuExec {
   void mm(const double* A, const double* B, double* C, int D) const {
     dmm_nn(A, D, B, D, C, D, D, D, D);
   }
+  void mm_orth(const double* A, const double* B, double* C, int D) const { mm(A, B, C, D); }
 };
 
 // ---- Symmetric eigensolver: Householder tridiagonalization + implicit QL -------------------------

@@ -119,6 +119,27 @@ def build_harness(out=DEFAULT_OUT):
     return lib
 
 
+FAKE_CUSOLVER = os.path.join(HERE, "fake_cusolver.cc")
+
+
+def build_fake_cusolver(out=DEFAULT_OUT):
+    """libfake_cusolver.so (fake_cusolver.cc: cusolverDnDsyevd on host memory) in `out`, for
+    GNMX_CUSOLVER_LIBRARY under the emulator; returns its path."""
+    lib = os.path.join(out, "libfake_cusolver.so")
+    key = _inputs_hash([FAKE_CUSOLVER])
+    stamp = lib + ".inputs"
+    if os.path.exists(lib) and os.path.exists(stamp) and open(stamp).read() == key:
+        return lib
+    os.makedirs(out, exist_ok=True)
+    tmp = lib + f".{os.getpid()}.tmp"
+    _run(["g++", "-std=c++17", "-O1", "-fPIC", "-shared", "-I", os.path.join(ROOT, "src", "operator"),
+          "-o", tmp, FAKE_CUSOLVER])
+    os.replace(tmp, lib)
+    with open(stamp, "w") as f:
+        f.write(key)
+    return lib
+
+
 def main():
     out = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_OUT
     print(build_harness(out), file=sys.stderr)

@@ -47,6 +47,11 @@ enum cudaDeviceAttr {
   cudaDevAttrMultiProcessorCount = 16,
   cudaDevAttrComputeCapabilityMajor = 75,
   cudaDevAttrComputeCapabilityMinor = 76,
+  cudaDevAttrMaxSharedMemoryPerBlockOptin = 97,
+};
+enum cudaFuncAttribute { cudaFuncAttributeMaxDynamicSharedMemorySize = 8 };
+struct cudaFuncAttributes {  // the fields the kernels read
+  size_t sharedSizeBytes = 0;
 };
 
 namespace emu {
@@ -130,6 +135,8 @@ inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
   if (a == cudaDevAttrComputeCapabilityMajor) *v = emu_env_int("GNMX_EMU_CC", 90) / 10;
   else if (a == cudaDevAttrComputeCapabilityMinor) *v = emu_env_int("GNMX_EMU_CC", 90) % 10;
+  else if (a == cudaDevAttrMaxSharedMemoryPerBlockOptin)
+    *v = emu_env_int("GNMX_EMU_SMEM_OPTIN", 232448);  // sm_90's 227 KB; 49152 on sm_50/60
   else *v = emu_env_int("GNMX_EMU_SMS", 4);
   return cudaSuccess;
 }
@@ -148,6 +155,16 @@ inline cudaError_t cudaOccupancyMaxActiveBlocksPerMultiprocessor(int* n, const v
   if (*n < 1) *n = 1;
   return cudaSuccess;
 }
+// Static shared memory: GNMX_EMU_STATIC_SMEM bytes (default 1024) for every kernel (the emulator
+// cannot measure it; the real figure is ptxas's). The opt-in attribute is recorded nowhere: blocks
+// get whatever dynamic shared memory their launch asks for.
+template <typename K>
+inline cudaError_t cudaFuncGetAttributes(cudaFuncAttributes* a, K*) {
+  a->sharedSizeBytes = static_cast<size_t>(emu_env_int("GNMX_EMU_STATIC_SMEM", 1024));
+  return cudaSuccess;
+}
+template <typename K>
+inline cudaError_t cudaFuncSetAttribute(K*, cudaFuncAttribute, int) { return cudaSuccess; }
 inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
   if (cudaError_t e = emu_injected_error()) return e;
   std::memset(p, v, n);
