@@ -73,12 +73,16 @@ inline int tile_for(int64_t D) { return D <= 16 ? 16 : D <= 32 ? 32 : 64; }
 // The shape plus the launch plan of the mean, gram and apply kernels; the CPU's PanelGeo is the
 // same shape with its own panel plan.
 struct DbnCudaPlan : DbnShape {
-  // gram_kernel: grid (G * gram_pairs, gram_chunks); chunks of gram_cols columns (a multiple of
-  // the panel width), each writing its own fp64 partials (summed by the small kernels).
+  // gram_kernel: grid (G * gram_pairs, gram_splits); splits of gram_cols columns (a multiple of
+  // the panel width), each writing its own fp64 partials. gram_chunks: the partials per group that
+  // the small kernels sum (part[(g*gram_chunks + chunk)*E + e]): gram_splits, or 1 when
+  // gram_reduce_kernel has summed the splits first (G below the SM count: the small kernels'
+  // one block per group would read every split at one SM's bandwidth).
   int gram_tile = 64;
   int gram_tiles = 1;        // ceil(D / gram_tile)
   int64_t gram_pairs = 1;    // tile pairs per group (upper triangle in the forward)
   int64_t gram_cols = 1;
+  int64_t gram_splits = 1;
   int64_t gram_chunks = 1;
   int gram_lsh = 0;          // log2 of the tile order's run length (dbn_gemm_cuda.cuh)
   // apply_kernel: grid (G * apply_tiles, apply_blocks), apply_cols columns per block.
@@ -108,6 +112,7 @@ struct DbnWaves {
   int64_t gram[3] = {1, 1, 1};
   int64_t apply[3] = {1, 1, 1};
   int64_t mean = 1;
+  int64_t sms = 1;
 };
 
 inline int tile_index(int tt) { return tt == 16 ? 0 : tt == 32 ? 1 : 2; }
@@ -140,12 +145,13 @@ const char* make_plan(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram,
         q.gram_tiles = static_cast<int>(tiles);
         q.gram_pairs = pairs;
         q.gram_cols = cols;
-        q.gram_chunks = chunks;
+        q.gram_splits = chunks;
         q.gram_lsh = dbn_tiles::log2_pow2(dbn_tiles::run_length(S, bk));
       }
       if (blocks >= wave) break;
     }
     if (G * q.gram_pairs > INT_MAX) return "tensor too large";
+    q.gram_chunks = (q.gram_splits > 1 && G < wv.sms) ? 1 : q.gram_splits;
   }
   q.apply_tile = tile_for(q.D);
   const int bn = apply_bn(q.apply_tile);
@@ -186,6 +192,11 @@ int64_t bwd_scratch(int64_t D, DbnWhitening w, int T) {
   return 5 * D * D + dbn_iternorm_bwd_scratch(static_cast<int>(D), T);
 }
 
+// Doubles of the gram kernel's split partials before gram_reduce_kernel (0 without it).
+int64_t split_doubles(const DbnCudaPlan& q, int64_t E) {
+  return q.gram_chunks != q.gram_splits ? q.G * q.gram_splits * E : 0;
+}
+
 template <typename A>
 struct FwdWs {
   double* part;     // G x chunks x DD
@@ -193,6 +204,7 @@ struct FwdWs {
   A* bias;          // C, beta in AccT (affine)
   double* scratch;  // G x kFwdScratchMats x DD
   double* msum;     // mean_chunks x C channel sums (only with mean_chunks > 1)
+  double* split;    // G x gram_splits x DD (only when gram_reduce_kernel runs)
 };
 template <typename A>
 FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh) {
@@ -203,6 +215,7 @@ FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh) {
   w.bias = c->take<A>(q.C);
   w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh));
   w.msum = c->take<double>(q.mean_chunks > 1 ? q.mean_chunks * q.C : 0);
+  w.split = c->take<double>(split_doubles(q, DD));
   return w;
 }
 
@@ -213,6 +226,7 @@ struct BwdWs {
   A* B;             // G x DD
   A* dymean;        // C
   double* scratch;  // G x kBwdScratchMats x DD
+  double* split;    // G x gram_splits x (DD + D) (only when gram_reduce_kernel runs)
 };
 template <typename A>
 BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, int T) {
@@ -223,6 +237,7 @@ BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, int T) {
   w.B = c->take<A>(q.G * DD);
   w.dymean = c->take<A>(q.C);
   w.scratch = c->take<double>(q.G * bwd_scratch(q.D, wh, T));
+  w.split = c->take<double>(split_doubles(q, DD + q.D));
   return w;
 }
 
@@ -234,6 +249,7 @@ struct InfWs {
   // affine backward only (empty otherwise):
   double* part;     // G x chunks x (DD + D): dy (x - r_mean)^T and sum(dy)
   double* scratch;  // G x 2 x DD, affine_grad_kernel's P and summed partials
+  double* split;    // G x gram_splits x (DD + D) (affine backward, gram_reduce_kernel only)
 };
 template <typename A>
 InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q, bool grads) {
@@ -243,6 +259,7 @@ InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q, bool grads) {
   w.bias = c->take<A>(q.C);
   w.part = c->take<double>(grads ? q.G * q.gram_chunks * (q.D * q.D + q.D) : 0);
   w.scratch = c->take<double>(grads ? q.G * 2 * q.D * q.D : 0);
+  w.split = c->take<double>(grads ? split_doubles(q, q.D * q.D + q.D) : 0);
   return w;
 }
 
@@ -734,6 +751,19 @@ inference_prep_kernel(DType stat_dtype, const void* running_proj, const void* ru
   }
 }
 
+// part[g*E + e] = sum over splits, in order, of split[(g*splits + c)*E + e].
+__global__ void __launch_bounds__(kBlock)
+gram_reduce_kernel(const double* __restrict__ split, int64_t splits, int64_t E, int64_t total,
+                   double* __restrict__ part) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = i / E, e = i - g * E;
+    double t = 0.0;
+    for (int64_t c = 0; c < splits; ++c) t += split[(g * splits + c) * E + e];
+    part[i] = t;
+  }
+}
+
 template <int TT>
 size_t apply_smem(size_t acc) {
   constexpr int bn = apply_bn(TT), ldx = bn + dbn_tiles::kPad;
@@ -833,7 +863,10 @@ const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram, 
   if (!e) e = wave_blocks(apply_kernel<T, kTwo, 32>, kBlock, apply_smem<32>(sizeof(A)), &wv.apply[1]);
   if (!e) e = wave_blocks(apply_kernel<T, kTwo, 64>, kBlock, apply_smem<64>(sizeof(A)), &wv.apply[2]);
   if (!e) e = wave_blocks(channel_sum_kernel<T>, kBlock, 0, &wv.mean);
+  int sms = 1;
+  if (!e) e = sm_count(&sms);
   if (e) return e;
+  wv.sms = sms;
   return make_plan(N, C, G, S, has_gram, kBwd, wv, q);
 }
 template <typename T>
@@ -868,27 +901,36 @@ const char* launch_mean(const DbnCudaPlan& q, const T* x, AccT<T>* mean, double*
   return nullptr;
 }
 
-// The gram kernel of the plan's tile: fp64 partials into part (G x gram_chunks x E).
+// The gram kernel of the plan's tile: fp64 partials into part (G x gram_chunks x E), through
+// split (G x gram_splits x E) and gram_reduce_kernel when the plan sums the splits first.
 template <typename T, bool kBwd>
 const char* launch_gram(const DbnCudaPlan& q, const T* x, const AccT<T>* mean, const T* dy,
-                        double* part, cudaStream_t st) {
+                        double* part, double* split, cudaStream_t st) {
   using A = AccT<T>;
-  const dim3 grid(static_cast<unsigned>(q.G * q.gram_pairs), static_cast<unsigned>(q.gram_chunks));
+  const bool reduce = q.gram_chunks != q.gram_splits;
+  double* out = reduce ? split : part;
+  const dim3 grid(static_cast<unsigned>(q.G * q.gram_pairs), static_cast<unsigned>(q.gram_splits));
   const int D = static_cast<int>(q.D);
   switch (q.gram_tile) {
     case 16:
       gram_kernel<T, kBwd, 16><<<grid, kBlock, gram_smem<16>(sizeof(A)), st>>>(
-          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, part);
+          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, out);
       break;
     case 32:
       gram_kernel<T, kBwd, 32><<<grid, kBlock, gram_smem<32>(sizeof(A)), st>>>(
-          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, part);
+          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, out);
       break;
     default:
       gram_kernel<T, kBwd, 64><<<grid, kBlock, gram_smem<64>(sizeof(A)), st>>>(
-          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, part);
+          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, out);
   }
   GN_CUDA_CHECK_LAUNCH();
+  if (reduce) {
+    const int64_t E = q.D * q.D + (kBwd ? q.D : 0), total = q.G * E;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, kBlock), 4096));
+    gram_reduce_kernel<<<blocks, kBlock, 0, st>>>(split, q.gram_splits, E, total, part);
+    GN_CUDA_CHECK_LAUNCH();
+  }
   return nullptr;
 }
 
@@ -930,7 +972,7 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
   if (const char* e = launch_mean<T>(q, x, mean, w.msum, st)) return e;
-  if (const char* e = launch_gram<T, false>(q, x, mean, nullptr, w.part, st)) return e;
+  if (const char* e = launch_gram<T, false>(q, x, mean, nullptr, w.part, w.split, st)) return e;
   eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
       static_cast<A*>(a.eigvec), static_cast<A*>(a.eigval), w.W, w.scratch, a.stat_dtype,
@@ -952,7 +994,7 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   const T* dy = static_cast<const T*>(a.dy);
   const A* mean = static_cast<const A*>(a.mean);
   const int D = static_cast<int>(q.D);
-  if (const char* e = launch_gram<T, true>(q, x, mean, dy, w.part, st)) return e;
+  if (const char* e = launch_gram<T, true>(q, x, mean, dy, w.part, w.split, st)) return e;
   bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
       w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
       static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
@@ -981,7 +1023,7 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
   GN_CUDA_CHECK_LAUNCH();
   if (grads) {
     if (const char* e = launch_gram<T, true>(q, static_cast<const T*>(a.data), w.shift,
-                                             static_cast<const T*>(a.x), w.part, st))
+                                             static_cast<const T*>(a.x), w.part, w.split, st))
       return e;
     affine_grad_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
         w.part, q.gram_chunks, D, a.stat_dtype, a.running_proj, a.param_dtype, a.dgamma, a.dbeta,
