@@ -23,7 +23,8 @@ FWD_CASES = [  # (shape, G)
     ((2, 16, 8, 4), 2),    # S = 32: runs along s
     ((5, 96, 4), 1),       # S = 4 (whole samples per panel), D = 96: two 64-tiles, one partial
     ((3, 80, 7, 3), 1),    # S = 21, D = 80
-    ((64, 32, 33), 2),     # m = 2112: many column chunks in every kernel (splits summed first)
+    ((64, 32, 33), 2),     # m = 2112: many column chunks in every kernel
+    ((16, 64, 64), 1),     # G = 1, D = 64, m = 1024: large split partials, gram_reduce_kernel
     ((32, 64, 40), 8),     # G = 8 with several chunks (the small kernels sum the splits)
     ((80, 72), 1),         # S = 1, D = 72: a full and a partial 64-tile
 ]
@@ -71,6 +72,7 @@ BWD_CASES = [  # (shape, G): eigenpairs given, so no eigensolver runs
     ((45, 63), 3),
     ((3, 36, 5), 2),
     ((64, 32, 33), 2),
+    ((16, 64, 64), 1),
     ((32, 64, 40), 8),
     ((70, 256), 1),        # S = 1, N = 70
 ]

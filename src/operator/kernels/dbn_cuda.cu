@@ -56,6 +56,9 @@ constexpr int kApplyTileElems = 4096;  // outputs per apply panel: TT x BN, 16 p
 constexpr int kApplyKStep = 16;        // apply kernel: rows of M / the data panel per step
 constexpr int kMeanRows = kBlock / 32; // channel_sum_kernel: warps, each a row of columns
 constexpr int64_t kMaxMeanChunks = 64;
+// gram_reduce_kernel runs for G below the SM count when a group's split partials reach this many
+// doubles (512 KiB: below it, one block reads them in about the reduction's launch time).
+constexpr int64_t kReduceMinDoubles = int64_t(1) << 16;
 static_assert(kBlock == dbn_tiles::kThreads, "the tile helpers assume kBlock threads");
 
 // Gram tile TT in {16, 32, 64}: TT x TT outputs per block, 4 x 4 per thread, so KS = 4096 / TT^2
@@ -76,8 +79,8 @@ struct DbnCudaPlan : DbnShape {
   // gram_kernel: grid (G * gram_pairs, gram_splits); splits of gram_cols columns (a multiple of
   // the panel width), each writing its own fp64 partials. gram_chunks: the partials per group that
   // the small kernels sum (part[(g*gram_chunks + chunk)*E + e]): gram_splits, or 1 when
-  // gram_reduce_kernel has summed the splits first (G below the SM count: the small kernels'
-  // one block per group would read every split at one SM's bandwidth).
+  // gram_reduce_kernel has summed the splits first (G below the SM count and large partials: the
+  // small kernels' one block per group would read every split at one SM's bandwidth).
   int gram_tile = 64;
   int gram_tiles = 1;        // ceil(D / gram_tile)
   int64_t gram_pairs = 1;    // tile pairs per group (upper triangle in the forward)
@@ -151,7 +154,8 @@ const char* make_plan(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram,
       if (blocks >= wave) break;
     }
     if (G * q.gram_pairs > INT_MAX) return "tensor too large";
-    q.gram_chunks = (q.gram_splits > 1 && G < wv.sms) ? 1 : q.gram_splits;
+    const bool reduce = q.gram_splits > 1 && G < wv.sms && q.gram_splits * E >= kReduceMinDoubles;
+    q.gram_chunks = reduce ? 1 : q.gram_splits;
   }
   q.apply_tile = tile_for(q.D);
   const int bn = apply_bn(q.apply_tile);
