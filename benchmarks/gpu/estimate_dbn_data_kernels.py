@@ -21,7 +21,8 @@ Model (per kernel): t = launch + max(compute, L2 traffic, DRAM traffic, latency 
                 channels) moves only useful bytes; L2 at 10 TB/s, DRAM at 4.8 TB/s (x once when it
                 fits in the 50 MB L2, else once per re-read);
   latency     = waves x serial steps per block x 0.6 us (a panel's global round trip + barriers;
-                the apply kernel's D/16 steps per column panel at 0.3 us, L2 hits);
+                the apply kernel's D/32 (D/16 for D <= 32) steps per column panel at 0.3 us:
+                L2 hits);
   launch      = 3 us per kernel (the new split reduction is one more launch when it runs).
 """
 import argparse
@@ -155,15 +156,16 @@ def new_apply(G, D, m, S, two):
     bn = 4096 // tt
     tiles = cdiv(D, tt)
     ldx = bn + 4
-    smem = bn * 8 + max(16 * (tt + 4 + ldx), tt * ldx) * 4
+    ks = 32 if tt == 64 else 16
+    smem = bn * 8 + max(ks * (tt + 4 + ldx), tt * ldx) * 4
     wave = SMS * bps(NEW_REGS[("apply", two, tt)], smem)
     ab = max(1, cdiv(2 * wave, G * tiles))
     ab = min(ab, cdiv(m, bn), 65535)
     cols = cdiv(cdiv(m, ab), bn) * bn
     blocks = G * tiles * cdiv(m, cols)
     prods = 2 if two else 1
-    steps = cdiv(D, 16) * prods
-    fma_block = tt * bn * 16 * steps * cdiv(cols, bn)
+    steps = cdiv(D, ks) * prods
+    fma_block = tt * bn * ks * steps * cdiv(cols, bn)
     per_sm = cdiv(blocks, SMS)
     compute = per_sm * fma_block / (0.6 * FMA_PER_CLK) / CLK
     l2 = G * tiles * (D * m * prods + cdiv(m, bn) * tt * D * prods) * 4 / L2_BW

@@ -3,17 +3,20 @@
  * backward derivation above BwdLayout in dbn_cpu.cc, D x D formulas in dbn_math.h).
  *
  * Group g is a D x m matrix (m = N*S columns j = n*S + s); column j of group g lives at
- * x + (n*C + g*D)*S + s with row stride S, so panels of K columns are gathered straight from NCHW
- * (consecutive threads read consecutive s: coalesced) into shared memory, widened to AccT.
+ * x + (n*C + g*D)*S + s with row stride S, so tiles are gathered straight from NCHW into shared
+ * memory, widened to AccT, in dbn_gemm_cuda.cuh's tile order (consecutive threads along channels
+ * for small S, S = 1 included; along s for large S) and multiplied with 4 x 4 register blocks.
  *
- * Forward:  mean kernel (per channel, fp64 sums)            -> mean (C,)
- *           gram kernel, grid (G, chunks): each block sums Xc Xc^T over its columns in AccT
- *           registers (panel products from shared memory), partials written as fp64
+ * Forward:  channel sums (channel tiles x column chunks, fp64; a finalize kernel sums the
+ *           chunks in order)                                -> mean (C,)
+ *           gram kernel, grid (G x tile pairs, column splits): each block sums one TT x TT tile
+ *           of Xc Xc^T (upper-triangle pairs, mirrored) over its columns in AccT registers,
+ *           partials written as fp64 (summed first by gram_reduce_kernel when G is small)
  *           eig kernel, one block per group: Sigma = sum(partials)/m + eps I (fp64), parallel
  *           cyclic Jacobi (round-robin ordering: D/2 disjoint rotations per step, all threads
  *           applying them), ascending sort, then dbn_math.h's dbn_whitening_matrix (clamp,
  *           W = U diag(l^-1/2) U^T) and dbn_update_running run by BlockExec
- *           apply kernel, grid (G, column blocks): y = W (x - mu) panel by panel
+ *           apply kernel, grid (G x row tiles, column blocks): y = W (x - mu), tiled product
  * Backward: gram kernel with dY: G_W = dY Xc^T and sum(dY)  -> fp64 partials
  *           small kernel, one block per group: dbn_math.h's dbn_bwd_small run by BlockExec
  *           (W, B = (2/m) G_S)
@@ -53,7 +56,6 @@ constexpr int kMaxD = static_cast<int>(kDbnMaxGroupSizeCuda);  // static shared-
 constexpr size_t kAlign = 256;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
 constexpr int kApplyTileElems = 4096;  // outputs per apply panel: TT x BN, 16 per thread
-constexpr int kApplyKStep = 16;        // apply kernel: rows of M / the data panel per step
 constexpr int kMeanRows = kBlock / 32; // channel_sum_kernel: warps, each a row of columns
 constexpr int64_t kMaxMeanChunks = 64;
 // gram_reduce_kernel runs for G below the SM count when a group's split partials reach this many
@@ -65,8 +67,10 @@ static_assert(kBlock == dbn_tiles::kThreads, "the tile helpers assume kBlock thr
 // slices of threads split each panel's columns; panel width BK = 1024 / TT columns.
 __host__ __device__ constexpr int gram_bk(int tt) { return 1024 / tt; }
 __host__ __device__ constexpr int gram_slices(int tt) { return 4096 / (tt * tt); }
-// Apply tile: TT output channels x BN = 4096 / TT columns.
+// Apply tile: TT output channels x BN = 4096 / TT columns; per step, apply_kstep(TT) columns of M
+// and rows of the data panel (32 for the 64-tile: two L2 round trips per 1024 FMAs per thread).
 __host__ __device__ constexpr int apply_bn(int tt) { return kApplyTileElems / tt; }
+__host__ __device__ constexpr int apply_kstep(int tt) { return tt == 64 ? 32 : 16; }
 // The smallest tile that covers D (64 above).
 inline int tile_for(int64_t D) { return D <= 16 ? 16 : D <= 32 ? 32 : 64; }
 
@@ -107,7 +111,9 @@ const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   return nullptr;
 }
 
-int64_t gram_pairs_of(int64_t tiles, bool bwd) { return bwd ? tiles * tiles : tiles * (tiles + 1) / 2; }
+int64_t gram_pairs_of(int64_t tiles, bool bwd) {
+  return bwd ? tiles * tiles : tiles * (tiles + 1) / 2;
+}
 
 // Blocks of each kernel that fill the GPU once (SMs x resident blocks): gram[i] / apply[i] for
 // tile 16 << i; gram unused when the call runs no gram kernel (has_gram false).
@@ -160,7 +166,8 @@ const char* make_plan(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram,
   q.apply_tile = tile_for(q.D);
   const int bn = apply_bn(q.apply_tile);
   q.apply_tiles = static_cast<int>(ceil_div(q.D, q.apply_tile));
-  int64_t ab = std::max<int64_t>(1, ceil_div(2 * wv.apply[tile_index(q.apply_tile)], G * q.apply_tiles));
+  const int64_t apply_wave = wv.apply[tile_index(q.apply_tile)];
+  int64_t ab = std::max<int64_t>(1, ceil_div(2 * apply_wave, G * q.apply_tiles));
   ab = std::min<int64_t>(std::min(ab, ceil_div(q.m, bn)), 65535);
   q.apply_cols = ceil_div(ceil_div(q.m, ab), bn) * bn;
   q.apply_blocks = ceil_div(q.m, q.apply_cols);
@@ -771,14 +778,15 @@ gram_reduce_kernel(const double* __restrict__ split, int64_t splits, int64_t E, 
 template <int TT>
 size_t apply_smem(size_t acc) {
   constexpr int bn = apply_bn(TT), ldx = bn + dbn_tiles::kPad;
-  const size_t panels = size_t(kApplyKStep) * (TT + dbn_tiles::kPad + ldx), staged = size_t(TT) * ldx;
+  const size_t panels = size_t(apply_kstep(TT)) * (TT + dbn_tiles::kPad + ldx);
+  const size_t staged = size_t(TT) * ldx;
   return bn * sizeof(int64_t) + (panels > staged ? panels : staged) * acc;
 }
 
 // Grid (G * tiles, blocks): output rows r0 .. r0 + TT - 1 of group g over the block's columns, in
 // panels of BN: out[:, j] = M1[g] (in1[:, j] - shift1) (+ M2[g] (in2[:, j] - shift2))
-// (+ bias[g*D:], the affine's beta; may be null). A tiled product: per step, kApplyKStep columns of
-// M (transposed into shared memory) times kApplyKStep rows of the data panel, 4 x 4 outputs per
+// (+ bias[g*D:], the affine's beta; may be null). A tiled product: per step, BKd columns of
+// M (transposed into shared memory) times BKd rows of the data panel, 4 x 4 outputs per
 // thread in AccT; the output tile is staged in shared memory and stored in the tile order
 // (channel-contiguous for small S, dbn_gemm_cuda.cuh).
 template <typename T, bool kTwo, int TT>
@@ -789,7 +797,7 @@ apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
              const AccT<T>* __restrict__ bias, T* __restrict__ out, int64_t C, int64_t S, int D,
              int64_t m, int64_t cols, int tiles, int lsh) {
   using A = AccT<T>;
-  constexpr int BN = apply_bn(TT), BKd = kApplyKStep;
+  constexpr int BN = apply_bn(TT), BKd = apply_kstep(TT);
   constexpr int LDM = TT + dbn_tiles::kPad, LDX = BN + dbn_tiles::kPad, TW = BN / 4;
   extern __shared__ __align__(16) unsigned char smem[];
   int64_t* colbase = reinterpret_cast<int64_t*>(smem);
@@ -852,20 +860,20 @@ const char* dispatch(DType t, F&& f) {
 }
 
 // Occupancy waves of the kernels a plan chooses between, as launched (kBlock threads, their
-// dynamic shared memory): the gram kernel `kBwd` (when has_gram), apply kernel `kTwo`, channel sums.
+// dynamic shared memory): gram kernel `kBwd` (when has_gram), apply kernel `kTwo`, channel sums.
 template <typename T, bool kBwd, bool kTwo>
 const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram, DbnCudaPlan* q) {
-  using A = AccT<T>;
+  const size_t A_ = sizeof(AccT<T>);
   DbnWaves wv;
   const char* e = nullptr;
   if (has_gram) {
-    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 16>, kBlock, gram_smem<16>(sizeof(A)), &wv.gram[0]);
-    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 32>, kBlock, gram_smem<32>(sizeof(A)), &wv.gram[1]);
-    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 64>, kBlock, gram_smem<64>(sizeof(A)), &wv.gram[2]);
+    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 16>, kBlock, gram_smem<16>(A_), &wv.gram[0]);
+    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 32>, kBlock, gram_smem<32>(A_), &wv.gram[1]);
+    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 64>, kBlock, gram_smem<64>(A_), &wv.gram[2]);
   }
-  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 16>, kBlock, apply_smem<16>(sizeof(A)), &wv.apply[0]);
-  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 32>, kBlock, apply_smem<32>(sizeof(A)), &wv.apply[1]);
-  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 64>, kBlock, apply_smem<64>(sizeof(A)), &wv.apply[2]);
+  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 16>, kBlock, apply_smem<16>(A_), &wv.apply[0]);
+  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 32>, kBlock, apply_smem<32>(A_), &wv.apply[1]);
+  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 64>, kBlock, apply_smem<64>(A_), &wv.apply[2]);
   if (!e) e = wave_blocks(channel_sum_kernel<T>, kBlock, 0, &wv.mean);
   int sms = 1;
   if (!e) e = sm_count(&sms);
@@ -943,7 +951,8 @@ const char* launch_apply(const DbnCudaPlan& q, const T* in1, const AccT<T>* shif
                          const T* in2, const AccT<T>* shift2, const AccT<T>* M2,
                          const AccT<T>* bias, T* out, cudaStream_t st) {
   using A = AccT<T>;
-  const dim3 grid(static_cast<unsigned>(q.G * q.apply_tiles), static_cast<unsigned>(q.apply_blocks));
+  const dim3 grid(static_cast<unsigned>(q.G * q.apply_tiles),
+                  static_cast<unsigned>(q.apply_blocks));
   const int D = static_cast<int>(q.D);
   switch (q.apply_tile) {
     case 16:

@@ -6,7 +6,8 @@
  * Element (d, k) of a tile (row d = channel row0 + d of the group, column k = flattened
  * j = j0 + k = n*S + s) lives at src[colbase[k] + (row0 + d)*S], colbase[k] = n*C*S + s.
  * Tile order with run length L (a power of two, L <= S, L divides the panel width, panels start
- * at multiples of the panel width): idx -> kl = idx % L, d = (idx / L) % R, k = (idx / (L*R))*L + kl.
+ * at multiples of the panel width):
+ *   idx -> kl = idx % L, d = (idx / L) % R, k = (idx / (L*R))*L + kl.
  * A warp then reads L consecutive columns (contiguous in memory within one sample when L <= S)
  * of 32/L consecutive channels:
  *   S = 1 (fully connected, N x C data): L = 1, consecutive threads along channels (contiguous);
@@ -75,9 +76,9 @@ __device__ __forceinline__ void load_tile(const T* __restrict__ src, const int64
 // dst(d, k) = O[d*ld + k] for d < rows, k < kc of an R x K tile, in the tile order (the stores of
 // a warp contiguous as the loads above).
 template <int R, int K, typename T, typename A>
-__device__ __forceinline__ void store_tile(T* __restrict__ dst, const int64_t* colbase, int64_t row0,
-                                           int64_t S, int rows, int kc, const A* O, int ld,
-                                           int lsh) {
+__device__ __forceinline__ void store_tile(T* __restrict__ dst, const int64_t* colbase,
+                                           int64_t row0, int64_t S, int rows, int kc, const A* O,
+                                           int ld, int lsh) {
   const int lmask = (1 << lsh) - 1;
   for (int idx = threadIdx.x; idx < R * K; idx += kThreads) {
     const int r = idx >> lsh, d = r % R, k = ((r / R) << lsh) + (idx & lmask);
