@@ -40,7 +40,7 @@ OLD_REGS = {"gram": 48, "apply": 32}
 NEW_REGS = {("gram", False, 16): 48, ("gram", False, 32): 50, ("gram", False, 64): 64,
             ("gram", True, 16): 64, ("gram", True, 32): 59, ("gram", True, 64): 48,
             ("apply", False, 16): 80, ("apply", False, 32): 80, ("apply", False, 64): 94,
-            ("apply", True, 16): 64, ("apply", True, 32): 64, ("apply", True, 64): 64}
+            ("apply", True, 16): 79, ("apply", True, 32): 61, ("apply", True, 64): 59}
 
 
 def cdiv(a, b):

@@ -820,6 +820,7 @@ apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
     for (int i = 0; i < 4; ++i)
 #pragma unroll
       for (int j = 0; j < 4; ++j) acc[i][j] = A(0);
+#pragma unroll
     for (int pr = 0; pr < (kTwo ? 2 : 1); ++pr) {
       const T* in = pr ? in2 : in1;
       const A* Mg = (pr ? M2 : M1) + g * DD + int64_t(r0) * D;
