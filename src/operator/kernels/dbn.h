@@ -42,7 +42,7 @@
  * i.e. 13 / 16 / 4 / 11% of the forward, for bench_dbn.py's four fp32 shapes at 1 thread (Zen 4,
  * load ~1.3; tensors 2-8 MB, more when x is not cache-resident). The CUDA forward keeps the
  * mean kernel followed by a gram kernel on x - mu: its gram blocks accumulate matrix entries in
- * AccT registers spread over the threads (kMaxE per thread) and over column chunks, so with a
+ * AccT registers spread over the threads (4 x 4 tiles per thread) and over column chunks, so with a
  * known mean the chunk partials merge by a plain fp64 sum in eig_kernel; the CPU's per-panel
  * centring would need every panel's mean in shared memory, a rank-one correction per entry and
  * (count, mean) partials merged with Chan's update. Whether that pays on a GPU (where the mean

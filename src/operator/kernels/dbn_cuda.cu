@@ -3,19 +3,22 @@
  * backward derivation above BwdLayout in dbn_cpu.cc, D x D formulas in dbn_math.h).
  *
  * Group g is a D x m matrix (m = N*S columns j = n*S + s); column j of group g lives at
- * x + (n*C + g*D)*S + s with row stride S, so panels of K columns are gathered straight from NCHW
- * (consecutive threads read consecutive s: coalesced) into shared memory, widened to AccT.
+ * x + (n*C + g*D)*S + s with row stride S, so tiles are gathered straight from NCHW into shared
+ * memory, widened to AccT, in dbn_gemm_cuda.cuh's tile order (consecutive threads along channels
+ * for small S, S = 1 included; along s for large S) and multiplied with 4 x 4 register blocks.
  *
- * Forward:  mean kernel (per channel, fp64 sums)            -> mean (C,)
- *           gram kernel, grid (G, chunks): each block sums Xc Xc^T over its columns in AccT
- *           registers (panel products from shared memory), partials written as fp64
+ * Forward:  channel sums (channel tiles x column chunks, fp64; a finalize kernel sums the
+ *           chunks in order)                                -> mean (C,)
+ *           gram kernel, grid (G x tile pairs, column splits): each block sums one TT x TT tile
+ *           of Xc Xc^T (upper-triangle pairs, mirrored) over its columns in AccT registers,
+ *           partials written as fp64 (summed first by gram_reduce_kernel when G is small)
  *           eig kernel, one block per group: Sigma = sum(partials)/m + eps I (fp64), parallel
  *           cyclic Jacobi (round-robin ordering: D/2 disjoint rotations per step, all threads
  *           applying them) on A and U^T in shared memory, ascending sort, then dbn_math.h's
  *           dbn_whitening_matrix (clamp, W = U diag(l^-1/2) U^T) and dbn_update_running run by
  *           BlockExec; for D beyond shared memory, the eig kernel in two halves around
  *           cusolverDnDsyevd per group (EigPath below, GNMX_DBN_CUDA_EIG)
- *           apply kernel, grid (G, column blocks): y = W (x - mu) panel by panel
+ *           apply kernel, grid (G x row tiles, column blocks): y = W (x - mu), tiled product
  * Backward: gram kernel with dY: G_W = dY Xc^T and sum(dY)  -> fp64 partials
  *           small kernel, one block per group: dbn_math.h's dbn_bwd_small run by BlockExec
  *           (W, B = (2/m) G_S)
@@ -27,7 +30,9 @@
  * apply kernel adds beta; the backward's small kernel scales G_W's rows and W's columns by gamma
  * and writes dgamma (dbn_affine_dgamma) and dbeta from the sums it already has; the inference
  * backward adds the gram kernel on (dy, x - r_mean) and affine_grad_kernel.
- * No host round trip, no per-group launch: the whole op is 3-4 launches on `stream`.
+ * Everything runs on `stream` with no host round trip: 3-6 launches (the mean finalize and
+ * gram_reduce_kernel only when columns are split), plus per group one cusolverDnDsyevd on the
+ * cuSOLVER path and T + 2 bwd_small_kernel launches for the IterNorm backward.
  *
  * D x D matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64;
  * Jacobi's two in shared memory), their products go through shared-memory tiles (BlockExec::mm);
@@ -51,28 +56,63 @@
 #include "cuda_common.cuh"
 #include "cusolver_loader.h"
 #include "../common/dispatch.h"
+#include "dbn_gemm_cuda.cuh"
 
 namespace gn_mx {
 namespace {
 
 constexpr int kBlock = 256;
-constexpr int kMaxE = 16;          // gram entries per thread per pass over the columns
 constexpr int kMaxD = static_cast<int>(kDbnMaxGroupSizeCuda);  // static shared-memory arrays
 constexpr size_t kAlign = 256;
-constexpr size_t kPanelBytes = 40 * 1024;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
+constexpr int kApplyTileElems = 4096;  // outputs per apply panel: TT x BN, 16 per thread
+constexpr int kMeanRows = kBlock / 32; // channel_sum_kernel: warps, each a row of columns
+constexpr int64_t kMaxMeanChunks = 64;
+// gram_reduce_kernel runs for G below the SM count when a group's split partials reach this many
+// doubles (512 KiB: below it, one block reads them in about the reduction's launch time).
+constexpr int64_t kReduceMinDoubles = int64_t(1) << 16;
+static_assert(kBlock == dbn_tiles::kThreads, "the tile helpers assume kBlock threads");
+
+// Gram tile TT in {16, 32, 64}: TT x TT outputs per block, 4 x 4 per thread, so KS = 4096 / TT^2
+// slices of threads split each panel's columns; panel width BK = 1024 / TT columns.
+__host__ __device__ constexpr int gram_bk(int tt) { return 1024 / tt; }
+__host__ __device__ constexpr int gram_slices(int tt) { return 4096 / (tt * tt); }
+// Apply tile: TT output channels x BN = 4096 / TT columns; per step, apply_kstep(TT) columns of M
+// and rows of the data panel (32 for the 64-tile: two L2 round trips per 1024 FMAs per thread).
+__host__ __device__ constexpr int apply_bn(int tt) { return kApplyTileElems / tt; }
+__host__ __device__ constexpr int apply_kstep(int tt) { return tt == 64 ? 32 : 16; }
+// The smallest tile that covers D (64 above).
+inline int tile_for(int64_t D) { return D <= 16 ? 16 : D <= 32 ? 32 : 64; }
 
 // ------------------------------------------------------------------------------------------------
 // Launch plan and workspace
 
-// The shape plus the launch plan of the gram and apply kernels (grid sizes, columns per block);
-// the CPU's PanelGeo is the same shape with its own panel plan.
+// The shape plus the launch plan of the mean, gram and apply kernels; the CPU's PanelGeo is the
+// same shape with its own panel plan.
 struct DbnCudaPlan : DbnShape {
-  int K = 1;                 // panel columns
-  int64_t gram_cols = 1;     // columns per gram block
-  int64_t gram_chunks = 1;   // gram blocks per group
-  int64_t apply_cols = 1;    // columns per apply block
-  int64_t apply_blocks = 1;  // apply blocks per group
+  // gram_kernel: grid (G * gram_pairs, gram_splits); splits of gram_cols columns (a multiple of
+  // the panel width), each writing its own fp64 partials. gram_chunks: the partials per group that
+  // the small kernels sum (part[(g*gram_chunks + chunk)*E + e]): gram_splits, or 1 when
+  // gram_reduce_kernel has summed the splits first (G below the SM count and large partials: the
+  // small kernels' one block per group would read every split at one SM's bandwidth).
+  int gram_tile = 64;
+  int gram_tiles = 1;        // ceil(D / gram_tile)
+  int64_t gram_pairs = 1;    // tile pairs per group (upper triangle in the forward)
+  int64_t gram_cols = 1;
+  int64_t gram_splits = 1;
+  int64_t gram_chunks = 1;
+  int gram_lsh = 0;          // log2 of the tile order's run length (dbn_gemm_cuda.cuh)
+  // apply_kernel: grid (G * apply_tiles, apply_blocks), apply_cols columns per block.
+  int apply_tile = 64;
+  int apply_tiles = 1;
+  int64_t apply_cols = 1;
+  int64_t apply_blocks = 1;
+  int apply_lsh = 0;
+  // channel_sum_kernel: grid (ceil(C / mean_tc), mean_chunks), mean_cols columns per chunk.
+  int mean_lsh = 0;
+  int mean_tc = 32;
+  int64_t mean_cols = 1;
+  int64_t mean_chunks = 1;
 };
 
 const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
@@ -81,32 +121,79 @@ const char* check_geo(int64_t N, int64_t C, int64_t G, int64_t S) {
   return nullptr;
 }
 
-// Panel columns K: the largest power of two <= 64 whose `panels` D x (K+1) AccT panels fit.
-int panel_k(int64_t D, int panels, size_t acc_size) {
-  int K = 64;
-  while (K > 1 && size_t(panels) * D * (K + 1) * acc_size + K * sizeof(int64_t) > kPanelBytes)
-    K /= 2;
-  return K;
+int64_t gram_pairs_of(int64_t tiles, bool bwd) {
+  return bwd ? tiles * tiles : tiles * (tiles + 1) / 2;
 }
 
-// gram_wave / apply_wave: blocks of the gram / apply kernel that fill the GPU once.
-DbnCudaPlan make_plan(int64_t N, int64_t C, int64_t G, int64_t S, int panels, size_t acc_size,
-                      int64_t gram_entries, int64_t gram_wave, int64_t apply_wave) {
+// Blocks of each kernel that fill the GPU once (SMs x resident blocks): gram[i] / apply[i] for
+// tile 16 << i; gram unused when the call runs no gram kernel (has_gram false).
+struct DbnWaves {
+  int64_t gram[3] = {1, 1, 1};
+  int64_t apply[3] = {1, 1, 1};
+  int64_t mean = 1;
+  int64_t sms = 1;
+};
+
+inline int tile_index(int tt) { return tt == 16 ? 0 : tt == 32 ? 1 : 2; }
+
+// Gram: for tiles from the smallest covering D down to 16, the column chunks that make about one
+// wave of blocks (at least two panels per chunk, at most kMaxPartialDoubles partials); the first
+// tile whose grid fills a wave, else the one with the most blocks (small tiles trade L2 reads of x
+// for blocks: G = 1, D = 512 gets 36 pairs of 64-tiles or 136 of 32-tiles per chunk).
+// Apply: the tile covering D, columns for two waves. Mean: channel blocks x chunks for two waves.
+const char* make_plan(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram, bool bwd,
+                      const DbnWaves& wv, DbnCudaPlan* out) {
   DbnCudaPlan q;
   static_cast<DbnShape&>(q) = dbn_shape(N, C, G, S);
-  q.K = panel_k(q.D, panels, acc_size);
-  int64_t want = std::max<int64_t>(1, ceil_div(gram_wave, G));
-  want = std::min(want, std::max<int64_t>(1, q.m / (4 * q.K)));
-  if (gram_entries > 0)
-    want = std::min(want, std::max<int64_t>(1, kMaxPartialDoubles / (G * gram_entries)));
-  q.gram_cols = ceil_div(q.m, want);
-  q.gram_chunks = ceil_div(q.m, q.gram_cols);
-  int64_t ab = std::max<int64_t>(1, ceil_div(2 * apply_wave, G));
-  ab = std::min(ab, std::max<int64_t>(1, ceil_div(q.m, q.K)));
-  ab = std::min<int64_t>(ab, 65535);
-  q.apply_cols = ceil_div(q.m, ab);
+  if (has_gram) {
+    const int64_t E = q.D * q.D + (bwd ? q.D : 0);
+    int64_t best = -1;
+    for (int tt = tile_for(q.D); tt >= 16; tt /= 2) {
+      const int bk = gram_bk(tt);
+      const int64_t tiles = ceil_div(q.D, tt), pairs = gram_pairs_of(tiles, bwd);
+      const int64_t wave = wv.gram[tile_index(tt)];
+      int64_t want = std::max<int64_t>(1, ceil_div(wave, G * pairs));
+      want = std::min(want, std::max<int64_t>(1, q.m / (2 * bk)));
+      want = std::min(want, std::max<int64_t>(1, kMaxPartialDoubles / (G * E)));
+      want = std::min<int64_t>(want, 65535);
+      const int64_t cols = ceil_div(ceil_div(q.m, want), bk) * bk;
+      const int64_t chunks = ceil_div(q.m, cols), blocks = G * pairs * chunks;
+      if (blocks > best) {
+        best = blocks;
+        q.gram_tile = tt;
+        q.gram_tiles = static_cast<int>(tiles);
+        q.gram_pairs = pairs;
+        q.gram_cols = cols;
+        q.gram_splits = chunks;
+        q.gram_lsh = dbn_tiles::log2_pow2(dbn_tiles::run_length(S, bk));
+      }
+      if (blocks >= wave) break;
+    }
+    if (G * q.gram_pairs > INT_MAX) return "tensor too large";
+    const bool reduce = q.gram_splits > 1 && G < wv.sms && q.gram_splits * E >= kReduceMinDoubles;
+    q.gram_chunks = reduce ? 1 : q.gram_splits;
+  }
+  q.apply_tile = tile_for(q.D);
+  const int bn = apply_bn(q.apply_tile);
+  q.apply_tiles = static_cast<int>(ceil_div(q.D, q.apply_tile));
+  const int64_t apply_wave = wv.apply[tile_index(q.apply_tile)];
+  int64_t ab = std::max<int64_t>(1, ceil_div(2 * apply_wave, G * q.apply_tiles));
+  ab = std::min<int64_t>(std::min(ab, ceil_div(q.m, bn)), 65535);
+  q.apply_cols = ceil_div(ceil_div(q.m, ab), bn) * bn;
   q.apply_blocks = ceil_div(q.m, q.apply_cols);
-  return q;
+  q.apply_lsh = dbn_tiles::log2_pow2(dbn_tiles::run_length(S, bn));
+  if (G * q.apply_tiles > INT_MAX) return "tensor too large";
+  const int L = dbn_tiles::run_length(S, 32);
+  q.mean_lsh = dbn_tiles::log2_pow2(L);
+  q.mean_tc = 32 / L;
+  const int64_t cblocks = ceil_div(C, q.mean_tc), row = int64_t(kMeanRows) * L;
+  if (cblocks > INT_MAX) return "tensor too large";
+  int64_t mc = std::max<int64_t>(1, ceil_div(2 * wv.mean, cblocks));
+  mc = std::min(std::min(mc, kMaxMeanChunks), std::max<int64_t>(1, q.m / (8 * row)));
+  q.mean_cols = ceil_div(ceil_div(q.m, mc), row) * row;
+  q.mean_chunks = ceil_div(q.m, q.mean_cols);
+  *out = q;
+  return nullptr;
 }
 
 using Carver = WorkspaceCarver<kAlign>;
@@ -148,6 +235,11 @@ int64_t bwd_scratch(int64_t D, DbnWhitening w, int T) {
   return 5 * D * D + dbn_iternorm_bwd_scratch(static_cast<int>(D), T);
 }
 
+// Doubles of the gram kernel's split partials before gram_reduce_kernel (0 without it).
+int64_t split_doubles(const DbnCudaPlan& q, int64_t E) {
+  return q.gram_chunks != q.gram_splits ? q.G * q.gram_splits * E : 0;
+}
+
 template <typename A>
 struct FwdWs {
   double* part;     // G x chunks x DD
@@ -158,6 +250,8 @@ struct FwdWs {
   double* evals;    // G x D eigenvalues
   int* info;        // G, cuSOLVER's info
   double* work;     // lwork
+  double* msum;     // mean_chunks x C channel sums (only with mean_chunks > 1)
+  double* split;    // G x gram_splits x DD (only when gram_reduce_kernel runs)
 };
 template <typename A>
 FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, const EigPlan& ep) {
@@ -171,6 +265,8 @@ FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, const EigPlan&
   w.evals = c->take<double>(cus ? q.G * q.D : 0);
   w.info = c->take<int>(cus ? q.G : 0);
   w.work = c->take<double>(cus ? ep.lwork : 0);
+  w.msum = c->take<double>(q.mean_chunks > 1 ? q.mean_chunks * q.C : 0);
+  w.split = c->take<double>(split_doubles(q, DD));
   return w;
 }
 
@@ -181,6 +277,7 @@ struct BwdWs {
   A* B;             // G x DD
   A* dymean;        // C
   double* scratch;  // G x kBwdScratchMats x DD
+  double* split;    // G x gram_splits x (DD + D) (only when gram_reduce_kernel runs)
 };
 template <typename A>
 BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, int T) {
@@ -191,6 +288,7 @@ BwdWs<A> bwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, int T) {
   w.B = c->take<A>(q.G * DD);
   w.dymean = c->take<A>(q.C);
   w.scratch = c->take<double>(q.G * bwd_scratch(q.D, wh, T));
+  w.split = c->take<double>(split_doubles(q, DD + q.D));
   return w;
 }
 
@@ -202,6 +300,7 @@ struct InfWs {
   // affine backward only (empty otherwise):
   double* part;     // G x chunks x (DD + D): dy (x - r_mean)^T and sum(dy)
   double* scratch;  // G x 2 x DD, affine_grad_kernel's P and summed partials
+  double* split;    // G x gram_splits x (DD + D) (affine backward, gram_reduce_kernel only)
 };
 template <typename A>
 InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q, bool grads) {
@@ -211,113 +310,182 @@ InfWs<A> inf_ws(Carver* c, const DbnCudaPlan& q, bool grads) {
   w.bias = c->take<A>(q.C);
   w.part = c->take<double>(grads ? q.G * q.gram_chunks * (q.D * q.D + q.D) : 0);
   w.scratch = c->take<double>(grads ? q.G * 2 * q.D * q.D : 0);
+  w.split = c->take<double>(grads ? split_doubles(q, q.D * q.D + q.D) : 0);
   return w;
-}
-
-// ------------------------------------------------------------------------------------------------
-// Device helpers
-
-// Offsets of panel columns j0..j0+kc of the flattened (n, s) index: n*C*S + s.
-__device__ __forceinline__ void panel_columns(int64_t* colbase, int64_t j0, int kc, int64_t C,
-                                              int64_t S) {
-  for (int k = threadIdx.x; k < kc; k += blockDim.x) {
-    const int64_t j = j0 + k, n = j / S;
-    colbase[k] = n * C * S + (j - n * S);
-  }
-}
-
-// P[d*ld + k] = src[colbase[k] + (g*D + d)*S] - shift[g*D + d]   (shift may be null)
-template <typename T, typename A>
-__device__ __forceinline__ void gather_panel(const T* __restrict__ src, const int64_t* colbase,
-                                             int64_t rowoff0, int64_t S, int D, int kc,
-                                             const A* __restrict__ shift, A* P, int ld) {
-  for (int idx = threadIdx.x; idx < D * kc; idx += blockDim.x) {
-    const int d = idx / kc, k = idx - d * kc;
-    const A v = to_acc(src[colbase[k] + (rowoff0 + d) * S]);
-    P[d * ld + k] = shift ? v - shift[d] : v;
-  }
 }
 
 // ------------------------------------------------------------------------------------------------
 // Kernels
 
-// mean[c] = (1/m) sum_{n,s} x[n, c, s], summed in fp64.
+// Grid (ceil(C / tc), chunks), tc = 32 >> lsh channels per block: lane = (channel d, kl < L =
+// 1 << lsh), warp kh; a thread sums x[c, j] in fp64 over j = j_begin + kh*L + kl + i*kMeanRows*L
+// (a warp reads L consecutive columns of 32/L consecutive channels: contiguous for S = 1 and for
+// power-of-two S <= 32; runs of 32 along s above). (n, s) advance incrementally: no division per
+// element. One chunk: mean[c] = sum / m; else psum[chunk*C + c] = the chunk's sum.
 template <typename T>
 __global__ void __launch_bounds__(kBlock)
-channel_mean_kernel(const T* __restrict__ x, int64_t N, int64_t C, int64_t S,
-                    AccT<T>* __restrict__ mean) {
-  const int64_t c = blockIdx.x;
-  double s = 0.0;
-  const int64_t m = N * S;
-  if (S >= kBlock) {
-    for (int64_t n = 0; n < N; ++n) {
-      const T* row = x + (n * C + c) * S;
-      for (int64_t i = threadIdx.x; i < S; i += kBlock) s += static_cast<double>(to_acc(row[i]));
-    }
-  } else {
-    for (int64_t j = threadIdx.x; j < m; j += kBlock) {
-      const int64_t n = j / S;
-      s += static_cast<double>(to_acc(x[(n * C + c) * S + (j - n * S)]));
-    }
-  }
-  s = block_sum<kBlock>(s);
-  if (threadIdx.x == 0) mean[c] = static_cast<AccT<T>>(s / static_cast<double>(m));
-}
-
-// Grid (G, chunks). Forward (kBwd = false): part[g][chunk][i*D + j] = sum_cols Xc_i Xc_j.
-// Backward (kBwd = true): entries i*D + j = sum dY_i Xc_j (G_W), entries DD + i = sum dY_i.
-template <typename T, bool kBwd>
-__global__ void __launch_bounds__(kBlock)
-gram_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean, const T* __restrict__ dy,
-            int64_t C, int64_t S, int D, int64_t m, int K, int64_t cols, double* __restrict__ part) {
-  using A = AccT<T>;
-  extern __shared__ __align__(16) unsigned char smem[];
-  const int ld = K + 1;
-  int64_t* colbase = reinterpret_cast<int64_t*>(smem);
-  A* Px = reinterpret_cast<A*>(smem + ((K * sizeof(int64_t) + 15) / 16) * 16);
-  A* Pd = Px + D * ld;
-  const int64_t g = blockIdx.x, chunk = blockIdx.y, chunks = gridDim.y;
-  const int64_t j_begin = chunk * cols;
+channel_sum_kernel(const T* __restrict__ x, int64_t C, int64_t S, int64_t m, int64_t cols, int lsh,
+                   double* __restrict__ psum, AccT<T>* __restrict__ mean) {
+  __shared__ double red[kMeanRows][32];
+  const int L = 1 << lsh, tc = 32 >> lsh;
+  const int lane = threadIdx.x & 31, kh = threadIdx.x >> 5;
+  const int64_t c = int64_t(blockIdx.x) * tc + (lane >> lsh);
+  const int64_t j_begin = blockIdx.y * cols;
   const int64_t j_end = j_begin + cols < m ? j_begin + cols : m;
-  const int DD = D * D;
-  const int E = DD + (kBwd ? D : 0);
-  const A* sh = mean + g * D;
-  for (int e0 = 0; e0 < E; e0 += kBlock * kMaxE) {
-    A acc[kMaxE];
-#pragma unroll
-    for (int t = 0; t < kMaxE; ++t) acc[t] = A(0);
-    for (int64_t j0 = j_begin; j0 < j_end; j0 += K) {
-      const int kc = static_cast<int>(j_end - j0 < K ? j_end - j0 : K);
-      __syncthreads();
-      panel_columns(colbase, j0, kc, C, S);
-      __syncthreads();
-      gather_panel(x, colbase, g * D, S, D, kc, sh, Px, ld);
-      if (kBwd) gather_panel(dy, colbase, g * D, S, D, kc, static_cast<const A*>(nullptr), Pd, ld);
-      __syncthreads();
-#pragma unroll
-      for (int t = 0; t < kMaxE; ++t) {
-        const int e = e0 + t * kBlock + threadIdx.x;
-        if (e < DD) {
-          const int i = e / D, jj = e - i * D;
-          const A* a = (kBwd ? Pd : Px) + i * ld;
-          const A* b = Px + jj * ld;
-          A s = 0;
-          for (int k = 0; k < kc; ++k) s += a[k] * b[k];
-          acc[t] += s;
-        } else if (kBwd && e < E) {
-          const A* a = Pd + (e - DD) * ld;
-          A s = 0;
-          for (int k = 0; k < kc; ++k) s += a[k];
-          acc[t] += s;
-        }
+  double sum = 0.0;
+  int64_t j = j_begin + (int64_t(kh) << lsh) + (lane & (L - 1));
+  if (c < C && j < j_end) {
+    const int64_t CS = C * S, step = int64_t(kMeanRows) << lsh, dn = step / S, ds = step - dn * S;
+    int64_t n = j / S, s = j - n * S, off = n * CS + c * S + s;
+    for (; j < j_end; j += step) {
+      sum += static_cast<double>(to_acc(x[off]));
+      s += ds;
+      off += dn * CS + ds;
+      if (s >= S) {
+        s -= S;
+        off += CS - S;
       }
     }
-    double* out = part + (g * chunks + chunk) * E;
-#pragma unroll
-    for (int t = 0; t < kMaxE; ++t) {
-      const int e = e0 + t * kBlock + threadIdx.x;
-      if (e < E) out[e] = static_cast<double>(acc[t]);
+  }
+  red[kh][lane] = sum;
+  __syncthreads();
+  if (threadIdx.x < tc) {
+    const int64_t cc = int64_t(blockIdx.x) * tc + threadIdx.x;
+    double t = 0.0;
+    for (int r = 0; r < kMeanRows; ++r)
+      for (int k = 0; k < L; ++k) t += red[r][(threadIdx.x << lsh) + k];
+    if (cc < C) {
+      if (gridDim.y == 1) mean[cc] = static_cast<AccT<T>>(t / static_cast<double>(m));
+      else psum[blockIdx.y * C + cc] = t;
     }
+  }
+}
+
+// mean[c] = (sum over chunks, in order, of psum[chunk*C + c]) / m.
+template <typename A>
+__global__ void __launch_bounds__(kBlock)
+mean_finalize_kernel(const double* __restrict__ psum, int64_t chunks, int64_t C, double m,
+                     A* __restrict__ mean) {
+  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < C;
+       c += int64_t(gridDim.x) * blockDim.x) {
+    double t = 0.0;
+    for (int64_t k = 0; k < chunks; ++k) t += psum[k * C + c];
+    mean[c] = static_cast<A>(t / m);
+  }
+}
+
+template <int TT>
+size_t gram_smem(size_t acc) {
+  constexpr int bk = gram_bk(TT);
+  return bk * sizeof(int64_t) + 2 * size_t(bk) * (TT + dbn_tiles::kPad) * acc;
+}
+
+// Grid (G * pairs, chunks): block (g, tile pair (ti, tj), chunk) sums the TT x TT output tile over
+// the chunk's columns, panel by panel (BK columns gathered into shared memory, k-major, widened to
+// AccT), 4 x 4 outputs per thread in AccT registers; KS > 1 slices of threads take every KS-th
+// column of a panel and are summed in slice order at the end. Partials go out as fp64:
+// Forward (kBwd = false): part[g][chunk][i*D + j] = sum_cols Xc_i Xc_j, upper-triangle tile pairs
+// (ti <= tj), each off-diagonal tile written to both (i, j) and (j, i).
+// Backward (kBwd = true): entries i*D + j = sum dY_i Xc_j (G_W, every tile pair), entries DD + i
+// = sum dY_i (by the tj = 0 blocks).
+template <typename T, bool kBwd, int TT>
+__global__ void __launch_bounds__(kBlock)
+gram_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean, const T* __restrict__ dy,
+            int64_t C, int64_t S, int D, int64_t m, int64_t cols, int tiles, int lsh,
+            double* __restrict__ part) {
+  using A = AccT<T>;
+  constexpr int BK = gram_bk(TT), KS = gram_slices(TT), LD = TT + dbn_tiles::kPad;
+  constexpr int kPerSlice = kBlock / KS, TW = TT / 4;
+  extern __shared__ __align__(16) unsigned char smem[];
+  int64_t* colbase = reinterpret_cast<int64_t*>(smem);
+  A* Pa = reinterpret_cast<A*>(smem + BK * sizeof(int64_t));
+  A* Pb = Pa + BK * LD;
+  const int pairs = kBwd ? tiles * tiles : tiles * (tiles + 1) / 2;
+  const int64_t g = blockIdx.x / pairs;
+  int p = static_cast<int>(blockIdx.x - g * pairs), ti = 0, tj = 0;
+  if (kBwd) {
+    ti = p / tiles;
+    tj = p - ti * tiles;
+  } else {
+    while (p >= tiles - ti) {
+      p -= tiles - ti;
+      ++ti;
+    }
+    tj = ti + p;
+  }
+  const int r0 = ti * TT, c0 = tj * TT;
+  const int rows_a = D - r0 < TT ? D - r0 : TT, rows_b = D - c0 < TT ? D - c0 : TT;
+  const bool same = !kBwd && ti == tj;
+  const bool sums = kBwd && tj == 0;
+  const int slice = threadIdx.x / kPerSlice, lt = threadIdx.x - slice * kPerSlice;
+  const int ty = lt / TW, tx = lt - ty * TW;
+  const int64_t chunk = blockIdx.y, chunks = gridDim.y;
+  const int64_t j_begin = chunk * cols;
+  const int64_t j_end = j_begin + cols < m ? j_begin + cols : m;
+  const int64_t row0 = g * D;
+  const A* sh = mean + row0;
+  A acc[4][4], rs[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    rs[i] = A(0);
+#pragma unroll
+    for (int j = 0; j < 4; ++j) acc[i][j] = A(0);
+  }
+  for (int64_t j0 = j_begin; j0 < j_end; j0 += BK) {
+    const int kc = static_cast<int>(j_end - j0 < BK ? j_end - j0 : BK);
+    __syncthreads();
+    dbn_tiles::panel_columns(colbase, j0, kc, C, S);
+    __syncthreads();
+    if (kBwd)
+      dbn_tiles::load_tile<TT, BK>(dy, colbase, row0 + r0, S, rows_a, kc,
+                                   static_cast<const A*>(nullptr), Pa, 1, LD, lsh);
+    else
+      dbn_tiles::load_tile<TT, BK>(x, colbase, row0 + r0, S, rows_a, kc, sh + r0, Pa, 1, LD, lsh);
+    if (!same)
+      dbn_tiles::load_tile<TT, BK>(x, colbase, row0 + c0, S, rows_b, kc, sh + c0, Pb, 1, LD, lsh);
+    __syncthreads();
+    dbn_tiles::mma4x4<KS>(Pa + 4 * ty, LD, (same ? Pa : Pb) + 4 * tx, LD, slice, BK, acc);
+    if (sums && tx == 0)
+      for (int k = slice; k < BK; k += KS)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) rs[i] += Pa[k * LD + 4 * ty + i];
+  }
+  if (KS > 1) {  // slice s > 0 hands its sums to slice 0, one slice at a time (fixed order)
+    A* red = Pa;  // kPerSlice x 20 values, within the panels
+    for (int s = 1; s < KS; ++s) {
+      __syncthreads();
+      if (slice == s)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          red[lt * 20 + 16 + i] = rs[i];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) red[lt * 20 + 4 * i + j] = acc[i][j];
+        }
+      __syncthreads();
+      if (slice == 0)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          rs[i] += red[lt * 20 + 16 + i];
+#pragma unroll
+          for (int j = 0; j < 4; ++j) acc[i][j] += red[lt * 20 + 4 * i + j];
+        }
+    }
+  }
+  if (slice != 0) return;
+  const int DD = D * D;
+  double* out = part + (g * chunks + chunk) * (DD + (kBwd ? D : 0));
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const int r = r0 + 4 * ty + i;
+    if (r >= D) continue;
+#pragma unroll
+    for (int j = 0; j < 4; ++j) {
+      const int c = c0 + 4 * tx + j;
+      if (c >= D) continue;
+      out[r * D + c] = static_cast<double>(acc[i][j]);
+      if (!kBwd && !same) out[c * D + r] = static_cast<double>(acc[i][j]);
+    }
+    if (sums && tx == 0) out[DD + r] = static_cast<double>(rs[i]);
   }
 }
 
@@ -789,45 +957,93 @@ inference_prep_kernel(DType stat_dtype, const void* running_proj, const void* ru
   }
 }
 
-// Grid (G, blocks): out[:, j] = M1[g] (in1[:, j] - shift1) (+ M2[g] (in2[:, j] - shift2))
-// (+ bias[g*D:], the affine's beta; may be null).
-template <typename T, bool kTwo>
+// part[g*E + e] = sum over splits, in order, of split[(g*splits + c)*E + e].
+__global__ void __launch_bounds__(kBlock)
+gram_reduce_kernel(const double* __restrict__ split, int64_t splits, int64_t E, int64_t total,
+                   double* __restrict__ part) {
+  for (int64_t i = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; i < total;
+       i += int64_t(gridDim.x) * blockDim.x) {
+    const int64_t g = i / E, e = i - g * E;
+    double t = 0.0;
+    for (int64_t c = 0; c < splits; ++c) t += split[(g * splits + c) * E + e];
+    part[i] = t;
+  }
+}
+
+template <int TT>
+size_t apply_smem(size_t acc) {
+  constexpr int bn = apply_bn(TT), ldx = bn + dbn_tiles::kPad;
+  const size_t panels = size_t(apply_kstep(TT)) * (TT + dbn_tiles::kPad + ldx);
+  const size_t staged = size_t(TT) * ldx;
+  return bn * sizeof(int64_t) + (panels > staged ? panels : staged) * acc;
+}
+
+// Grid (G * tiles, blocks): output rows r0 .. r0 + TT - 1 of group g over the block's columns, in
+// panels of BN: out[:, j] = M1[g] (in1[:, j] - shift1) (+ M2[g] (in2[:, j] - shift2))
+// (+ bias[g*D:], the affine's beta; may be null). A tiled product: per step, BKd columns of
+// M (transposed into shared memory) times BKd rows of the data panel, 4 x 4 outputs per
+// thread in AccT; the output tile is staged in shared memory and stored in the tile order
+// (channel-contiguous for small S, dbn_gemm_cuda.cuh).
+template <typename T, bool kTwo, int TT>
 __global__ void __launch_bounds__(kBlock)
 apply_kernel(const T* __restrict__ in1, const AccT<T>* __restrict__ shift1,
              const AccT<T>* __restrict__ M1, const T* __restrict__ in2,
              const AccT<T>* __restrict__ shift2, const AccT<T>* __restrict__ M2,
              const AccT<T>* __restrict__ bias, T* __restrict__ out, int64_t C, int64_t S, int D,
-             int64_t m, int K, int64_t cols) {
+             int64_t m, int64_t cols, int tiles, int lsh) {
   using A = AccT<T>;
+  constexpr int BN = apply_bn(TT), BKd = apply_kstep(TT);
+  constexpr int LDM = TT + dbn_tiles::kPad, LDX = BN + dbn_tiles::kPad, TW = BN / 4;
   extern __shared__ __align__(16) unsigned char smem[];
-  const int ld = K + 1;
   int64_t* colbase = reinterpret_cast<int64_t*>(smem);
-  A* P1 = reinterpret_cast<A*>(smem + ((K * sizeof(int64_t) + 15) / 16) * 16);
-  A* P2 = P1 + D * ld;
-  const int64_t g = blockIdx.x;
+  A* Ms = reinterpret_cast<A*>(smem + BN * sizeof(int64_t));  // BKd x LDM: M^T step
+  A* Xs = Ms + BKd * LDM;                                        // BKd x LDX: data step
+  A* O = Ms;                                                     // TT x LDX: staged output
+  const int64_t g = blockIdx.x / tiles;
+  const int r0 = static_cast<int>(blockIdx.x - g * tiles) * TT;
+  const int rows = D - r0 < TT ? D - r0 : TT;
+  const int ty = threadIdx.x / TW, tx = threadIdx.x - ty * TW;
   const int64_t j_begin = blockIdx.y * cols;
   const int64_t j_end = j_begin + cols < m ? j_begin + cols : m;
-  const int64_t DD = int64_t(D) * D;
-  const A* m1 = M1 + g * DD;
-  const A* m2 = kTwo ? M2 + g * DD : nullptr;
-  const A* s1 = shift1 ? shift1 + g * D : nullptr;
-  const A* s2 = (kTwo && shift2) ? shift2 + g * D : nullptr;
-  for (int64_t j0 = j_begin; j0 < j_end; j0 += K) {
-    const int kc = static_cast<int>(j_end - j0 < K ? j_end - j0 : K);
+  const int64_t row0 = g * D, DD = int64_t(D) * D;
+  for (int64_t jb = j_begin; jb < j_end; jb += BN) {
+    const int kc = static_cast<int>(j_end - jb < BN ? j_end - jb : BN);
     __syncthreads();
-    panel_columns(colbase, j0, kc, C, S);
-    __syncthreads();
-    gather_panel(in1, colbase, g * D, S, D, kc, s1, P1, ld);
-    if (kTwo) gather_panel(in2, colbase, g * D, S, D, kc, s2, P2, ld);
-    __syncthreads();
-    for (int idx = threadIdx.x; idx < D * kc; idx += blockDim.x) {
-      const int d = idx / kc, k = idx - d * kc;
-      A o = bias ? bias[g * D + d] : A(0);
-      for (int t = 0; t < D; ++t) o += m1[d * D + t] * P1[t * ld + k];
-      if (kTwo)
-        for (int t = 0; t < D; ++t) o += m2[d * D + t] * P2[t * ld + k];
-      out[colbase[k] + (g * D + d) * S] = from_acc<T>(o);
+    dbn_tiles::panel_columns(colbase, jb, kc, C, S);
+    A acc[4][4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+#pragma unroll
+      for (int j = 0; j < 4; ++j) acc[i][j] = A(0);
+#pragma unroll
+    for (int pr = 0; pr < (kTwo ? 2 : 1); ++pr) {
+      const T* in = pr ? in2 : in1;
+      const A* Mg = (pr ? M2 : M1) + g * DD + int64_t(r0) * D;
+      const A* sh = pr ? shift2 : shift1;
+      if (sh) sh += row0;
+      for (int t0 = 0; t0 < D; t0 += BKd) {
+        const int tk = D - t0 < BKd ? D - t0 : BKd;
+        __syncthreads();
+        for (int idx = threadIdx.x; idx < TT * BKd; idx += kBlock) {
+          const int d = idx / BKd, t = idx - d * BKd;  // threads along M's rows: coalesced
+          Ms[t * LDM + d] = (d < rows && t < tk) ? Mg[d * D + t0 + t] : A(0);
+        }
+        dbn_tiles::load_tile<BKd, BN>(in, colbase, row0 + t0, S, tk, kc, sh ? sh + t0 : nullptr,
+                                      Xs, LDX, 1, lsh);
+        __syncthreads();
+        dbn_tiles::mma4x4<1>(Ms + 4 * ty, LDM, Xs + 4 * tx, LDX, 0, BKd, acc);
+      }
     }
+    __syncthreads();
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      const int r = 4 * ty + i;
+      const A b = (bias && r < rows) ? bias[row0 + r0 + r] : A(0);
+#pragma unroll
+      for (int j = 0; j < 4; ++j) O[r * LDX + 4 * tx + j] = acc[i][j] + b;
+    }
+    __syncthreads();
+    dbn_tiles::store_tile<TT, BN>(out, colbase, row0 + r0, S, rows, kc, O, LDX, lsh);
   }
 }
 
@@ -839,46 +1055,91 @@ const char* dispatch(DType t, F&& f) {
   return dispatch_data(t, f, "unsupported dtype");
 }
 
-size_t smem_bytes(int D, int K, int panels, size_t acc) {
-  return (K * sizeof(int64_t) + 15) / 16 * 16 + size_t(panels) * D * (K + 1) * acc;
-}
-
-// Geometry with waves from the occupancy of the gram kernel `gk` and apply kernel `ak` as launched
-// (kBlock threads, the panels' dynamic shared memory).
-template <typename A, typename GK, typename AK>
-const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, int panels, int64_t gram_entries,
-                     GK* gk, AK* ak, DbnCudaPlan* q) {
-  const int64_t D = C / G;
-  const size_t sm = smem_bytes(static_cast<int>(D), panel_k(D, panels, sizeof(A)), panels, sizeof(A));
-  int64_t gram_wave = 1, apply_wave = 1;
-  if (const char* e = wave_blocks(gk, kBlock, sm, &gram_wave)) return e;
-  if (const char* e = wave_blocks(ak, kBlock, sm, &apply_wave)) return e;
-  *q = make_plan(N, C, G, S, panels, sizeof(A), gram_entries, gram_wave, apply_wave);
-  return nullptr;
+// Occupancy waves of the kernels a plan chooses between, as launched (kBlock threads, their
+// dynamic shared memory): gram kernel `kBwd` (when has_gram), apply kernel `kTwo`, channel sums.
+template <typename T, bool kBwd, bool kTwo>
+const char* plan_geo(int64_t N, int64_t C, int64_t G, int64_t S, bool has_gram, DbnCudaPlan* q) {
+  const size_t A_ = sizeof(AccT<T>);
+  DbnWaves wv;
+  const char* e = nullptr;
+  if (has_gram) {
+    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 16>, kBlock, gram_smem<16>(A_), &wv.gram[0]);
+    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 32>, kBlock, gram_smem<32>(A_), &wv.gram[1]);
+    if (!e) e = wave_blocks(gram_kernel<T, kBwd, 64>, kBlock, gram_smem<64>(A_), &wv.gram[2]);
+  }
+  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 16>, kBlock, apply_smem<16>(A_), &wv.apply[0]);
+  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 32>, kBlock, apply_smem<32>(A_), &wv.apply[1]);
+  if (!e) e = wave_blocks(apply_kernel<T, kTwo, 64>, kBlock, apply_smem<64>(A_), &wv.apply[2]);
+  if (!e) e = wave_blocks(channel_sum_kernel<T>, kBlock, 0, &wv.mean);
+  int sms = 1;
+  if (!e) e = sm_count(&sms);
+  if (e) return e;
+  wv.sms = sms;
+  return make_plan(N, C, G, S, has_gram, kBwd, wv, q);
 }
 template <typename T>
 const char* plan_for(const DbnFwdArgs& a, DbnCudaPlan* q) {
-  const int64_t D = a.dims.C / a.dims.G;
-  return plan_geo<AccT<T>>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, 1, D * D, gram_kernel<T, false>,
-                           apply_kernel<T, false>, q);
+  return plan_geo<T, false, false>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, true, q);
 }
 template <typename T>
 const char* plan_for(const DbnBwdArgs& a, DbnCudaPlan* q) {
-  const int64_t D = a.dims.C / a.dims.G;
-  return plan_geo<AccT<T>>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, 2, D * D + D, gram_kernel<T, true>,
-                           apply_kernel<T, true>, q);
+  return plan_geo<T, true, true>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, true, q);
 }
 template <typename T>
 const char* plan_for(const DbnInferenceArgs& a, DbnCudaPlan* q) {
-  if (a.dgamma) {  // the affine backward runs the training backward's gram kernel: its plan
-    DbnBwdArgs b;
-    b.dtype = a.dtype;
-    b.dims = a.dims;
-    return plan_for<T>(b, q);
+  // the affine backward runs the training backward's gram kernel; otherwise no gram kernel
+  return plan_geo<T, true, false>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, a.dgamma != nullptr, q);
+}
+
+// mean = channel means of x (channel_sum_kernel; mean_finalize_kernel when chunked).
+template <typename T>
+const char* launch_mean(const DbnCudaPlan& q, const T* x, AccT<T>* mean, double* msum,
+                        cudaStream_t st) {
+  const dim3 grid(static_cast<unsigned>(ceil_div(q.C, q.mean_tc)),
+                  static_cast<unsigned>(q.mean_chunks));
+  channel_sum_kernel<T><<<grid, kBlock, 0, st>>>(x, q.C, q.S, q.m, q.mean_cols, q.mean_lsh, msum,
+                                                 mean);
+  GN_CUDA_CHECK_LAUNCH();
+  if (q.mean_chunks > 1) {
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(q.C, kBlock), 4096));
+    mean_finalize_kernel<AccT<T>><<<blocks, kBlock, 0, st>>>(msum, q.mean_chunks, q.C,
+                                                             static_cast<double>(q.m), mean);
+    GN_CUDA_CHECK_LAUNCH();
   }
-  // no gram kernel: its plan is unused
-  return plan_geo<AccT<T>>(a.dims.N, a.dims.C, a.dims.G, a.dims.S, 1, 0, apply_kernel<T, false>,
-                           apply_kernel<T, false>, q);
+  return nullptr;
+}
+
+// The gram kernel of the plan's tile: fp64 partials into part (G x gram_chunks x E), through
+// split (G x gram_splits x E) and gram_reduce_kernel when the plan sums the splits first.
+template <typename T, bool kBwd>
+const char* launch_gram(const DbnCudaPlan& q, const T* x, const AccT<T>* mean, const T* dy,
+                        double* part, double* split, cudaStream_t st) {
+  using A = AccT<T>;
+  const bool reduce = q.gram_chunks != q.gram_splits;
+  double* out = reduce ? split : part;
+  const dim3 grid(static_cast<unsigned>(q.G * q.gram_pairs), static_cast<unsigned>(q.gram_splits));
+  const int D = static_cast<int>(q.D);
+  switch (q.gram_tile) {
+    case 16:
+      gram_kernel<T, kBwd, 16><<<grid, kBlock, gram_smem<16>(sizeof(A)), st>>>(
+          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, out);
+      break;
+    case 32:
+      gram_kernel<T, kBwd, 32><<<grid, kBlock, gram_smem<32>(sizeof(A)), st>>>(
+          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, out);
+      break;
+    default:
+      gram_kernel<T, kBwd, 64><<<grid, kBlock, gram_smem<64>(sizeof(A)), st>>>(
+          x, mean, dy, q.C, q.S, D, q.m, q.gram_cols, q.gram_tiles, q.gram_lsh, out);
+  }
+  GN_CUDA_CHECK_LAUNCH();
+  if (reduce) {
+    const int64_t E = q.D * q.D + (kBwd ? q.D : 0), total = q.G * E;
+    const unsigned blocks = static_cast<unsigned>(std::min<int64_t>(ceil_div(total, kBlock), 4096));
+    gram_reduce_kernel<<<blocks, kBlock, 0, st>>>(split, q.gram_splits, E, total, part);
+    GN_CUDA_CHECK_LAUNCH();
+  }
+  return nullptr;
 }
 
 // ---- The eigensolver's plan (EigPath above) ----------------------------------------------------
@@ -957,11 +1218,26 @@ template <typename T, bool kTwo>
 const char* launch_apply(const DbnCudaPlan& q, const T* in1, const AccT<T>* shift1, const AccT<T>* M1,
                          const T* in2, const AccT<T>* shift2, const AccT<T>* M2,
                          const AccT<T>* bias, T* out, cudaStream_t st) {
-  const dim3 grid(static_cast<unsigned>(q.G), static_cast<unsigned>(q.apply_blocks));
-  const size_t sm = smem_bytes(static_cast<int>(q.D), q.K, kTwo ? 2 : 1, sizeof(AccT<T>));
-  apply_kernel<T, kTwo><<<grid, kBlock, sm, st>>>(in1, shift1, M1, in2, shift2, M2, bias, out,
-                                                 q.C, q.S, static_cast<int>(q.D), q.m, q.K,
-                                                 q.apply_cols);
+  using A = AccT<T>;
+  const dim3 grid(static_cast<unsigned>(q.G * q.apply_tiles),
+                  static_cast<unsigned>(q.apply_blocks));
+  const int D = static_cast<int>(q.D);
+  switch (q.apply_tile) {
+    case 16:
+      apply_kernel<T, kTwo, 16><<<grid, kBlock, apply_smem<16>(sizeof(A)), st>>>(
+          in1, shift1, M1, in2, shift2, M2, bias, out, q.C, q.S, D, q.m, q.apply_cols,
+          q.apply_tiles, q.apply_lsh);
+      break;
+    case 32:
+      apply_kernel<T, kTwo, 32><<<grid, kBlock, apply_smem<32>(sizeof(A)), st>>>(
+          in1, shift1, M1, in2, shift2, M2, bias, out, q.C, q.S, D, q.m, q.apply_cols,
+          q.apply_tiles, q.apply_lsh);
+      break;
+    default:
+      apply_kernel<T, kTwo, 64><<<grid, kBlock, apply_smem<64>(sizeof(A)), st>>>(
+          in1, shift1, M1, in2, shift2, M2, bias, out, q.C, q.S, D, q.m, q.apply_cols,
+          q.apply_tiles, q.apply_lsh);
+  }
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -978,12 +1254,8 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
-  channel_mean_kernel<T><<<static_cast<unsigned>(q.C), kBlock, 0, st>>>(x, q.N, q.C, q.S, mean);
-  GN_CUDA_CHECK_LAUNCH();
-  gram_kernel<T, false><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
-                          kBlock, smem_bytes(D, q.K, 1, sizeof(A)), st>>>(
-      x, mean, nullptr, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
-  GN_CUDA_CHECK_LAUNCH();
+  if (const char* e = launch_mean<T>(q, x, mean, w.msum, st)) return e;
+  if (const char* e = launch_gram<T, false>(q, x, mean, nullptr, w.part, w.split, st)) return e;
   const int64_t spg = fwd_scratch(q.D, a.whitening, ep.path);
   auto eig = [&](EigPhase phase) -> const char* {
     eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, ep.smem, st>>>(
@@ -1018,10 +1290,7 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   const T* dy = static_cast<const T*>(a.dy);
   const A* mean = static_cast<const A*>(a.mean);
   const int D = static_cast<int>(q.D);
-  gram_kernel<T, true><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
-                         kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
-      x, mean, dy, q.C, q.S, D, q.m, q.K, q.gram_cols, w.part);
-  GN_CUDA_CHECK_LAUNCH();
+  if (const char* e = launch_gram<T, true>(q, x, mean, dy, w.part, w.split, st)) return e;
   // ZCA: one launch; IterNorm: T + 2 (bwd_small_kernel's stages)
   const int stages = a.whitening == DbnWhitening::kIterNorm ? a.iterations + 2 : 1;
   for (int stage = 0; stage < stages; ++stage) {
@@ -1054,11 +1323,9 @@ const char* inference_impl(const DbnInferenceArgs& a, bool backward, cudaStream_
       backward, w.P, w.shift, a.param_dtype, a.gamma, beta, w.bias);
   GN_CUDA_CHECK_LAUNCH();
   if (grads) {
-    gram_kernel<T, true><<<dim3(static_cast<unsigned>(q.G), static_cast<unsigned>(q.gram_chunks)),
-                           kBlock, smem_bytes(D, q.K, 2, sizeof(A)), st>>>(
-        static_cast<const T*>(a.data), w.shift, static_cast<const T*>(a.x), q.C, q.S, D, q.m, q.K,
-        q.gram_cols, w.part);
-    GN_CUDA_CHECK_LAUNCH();
+    if (const char* e = launch_gram<T, true>(q, static_cast<const T*>(a.data), w.shift,
+                                             static_cast<const T*>(a.x), w.part, w.split, st))
+      return e;
     affine_grad_kernel<A><<<static_cast<unsigned>(q.G), kBlock, 0, st>>>(
         w.part, q.gram_chunks, D, a.stat_dtype, a.running_proj, a.param_dtype, a.dgamma, a.dbeta,
         w.scratch);
