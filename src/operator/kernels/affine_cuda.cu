@@ -152,6 +152,7 @@ affine_bwd_tile_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   const int64_t n1 = imin<int64_t>(N, n0 + chunk_rows);
   if (active) {
     const int64_t base = (c0 * S) / V + p, row = (C * S) / V;  // in vectors (exact: see the plan)
+#pragma unroll 2
     for (int64_t n = n0 + lane; n < n1; n += lanes) {
       const int64_t u = n * row + base;
       const VT d = reinterpret_cast<const VT*>(dy)[u];

@@ -705,10 +705,11 @@ bwd_param_kernel(const AccT<T>* __restrict__ part, int rsplits, const AccT<T>* _
   Pair<A> s{A(0), A(0)};
   if (c < C) {
     const int64_t g = c / D;  // once per thread
+#pragma unroll 2
     for (int64_t n = n0 + threadIdx.x / kParamTile; n < n1; n += kParamLanes) {
       const A* p = part + (n * C + c) * rsplits * kRowPart;
-      A ds = 0, db = 0;
-      for (int k = 0; k < rsplits; ++k) {
+      A ds = p[0], db = p[1];
+      for (int k = 1; k < rsplits; ++k) {
         ds += p[kRowPart * k];
         db += p[kRowPart * k + 1];
       }
