@@ -80,6 +80,9 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
     for op in ("gn_dbn affine", "gn_dbn_inference affine", "gn_dbn iternorm"):  # newer paths
         for dt in ("f32", "f16", "f64"):
             assert any(l.startswith(f"PASS {op} {dt}") and "gpu runs" in l for l in passed), (op, dt)
+    for label in ("gn_group_norm N=150", "gn_channel_affine N=300", "gn_channel_affine N=150 S=33",
+                  "_backward_gn_group_norm N=150"):  # parameter gradients over chunks of N
+        assert f"PASS {label} gpu runs" in passed, label
     assert any("exceeds the gpu limit 512" in l for l in passed)
     assert any("unsupported context 'opencl'" in l for l in passed)
     assert any("gpu grad2: all zeros" in l for l in passed)

@@ -55,7 +55,8 @@ _SIGS = {
                           + [c_vp]),
     # per-channel affine (src/operator/kernels/affine_cuda.cu)
     "gnh_affine_fwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 4 + [c_i64] * 3 + [c_vp]),
-    "gnh_affine_bwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 6 + [c_i64] * 3 + [c_vp]),
+    "gnh_affine_bwd_workspace": (c_size, [c_int, c_int] + [c_i64] * 3),
+    "gnh_affine_bwd": (ctypes.c_char_p, [c_int, c_int] + [c_vp] * 7 + [c_i64] * 3 + [c_vp]),
 }
 
 
@@ -293,11 +294,16 @@ def affine_fwd(x, gamma, beta):
     return y
 
 
-def affine_bwd(dy, x, gamma, param_grads=True):
+def affine_bwd(dy, x, gamma, param_grads=True, use_workspace=True):
+    """(dx, dgamma, dbeta); use_workspace=False runs the kernels without their workspace."""
+    lib = load()
     dx = torch.empty_like(x)
     dgamma = torch.empty_like(gamma) if param_grads else None
     dbeta = torch.empty_like(gamma) if param_grads else None
-    _check(load().gnh_affine_bwd(DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype], _p(dy), _p(x),
-                                 _p(gamma), _p(dx), _p(dgamma), _p(dbeta), *_ncs(x), _stream()),
-           "gnh_affine_bwd")
+    codes = (DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype])
+    ws = None
+    if use_workspace:
+        ws = workspace(lib.gnh_affine_bwd_workspace(*codes, *_ncs(x)), x.device)
+    _check(lib.gnh_affine_bwd(*codes, _p(dy), _p(x), _p(gamma), _p(dx), _p(dgamma), _p(dbeta),
+                              _p(ws), *_ncs(x), _stream()), "gnh_affine_bwd")
     return dx, dgamma, dbeta

@@ -241,13 +241,25 @@ GNH_API const char* gnh_affine_fwd(int dtype, int param_dtype, const void* x, co
   return affine_fwd_cuda(a, stream);
 }
 
+GNH_API size_t gnh_affine_bwd_workspace(int dtype, int param_dtype, int64_t N, int64_t C,
+                                        int64_t S) {
+  AffineBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.dims = group_dims(N, C, 1, S);
+  return affine_bwd_workspace_cuda(a);
+}
+
+// workspace: gnh_affine_bwd_workspace() bytes, or nullptr (the kernels then do without).
 GNH_API const char* gnh_affine_bwd(int dtype, int param_dtype, const void* dy, const void* x,
                                    const void* gamma, void* dx, void* dgamma, void* dbeta,
-                                   int64_t N, int64_t C, int64_t S, void* stream) {
+                                   void* workspace, int64_t N, int64_t C, int64_t S,
+                                   void* stream) {
   AffineBwdArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.param_dtype = static_cast<DType>(param_dtype);
   a.dy = dy; a.x = x; a.gamma = gamma; a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta;
+  a.workspace = workspace;
   a.dims = group_dims(N, C, 1, S);
   return affine_bwd_cuda(a, stream);
 }

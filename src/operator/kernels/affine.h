@@ -6,9 +6,12 @@
  * with fp16 data (multi-precision), so no broadcast ops and no dtype casts appear in the graph.
  *
  * Backward: dx = dy * gamma[c], dgamma[c] = sum_{n,s} dy * x, dbeta[c] = sum_{n,s} dy
- * (dgamma/dbeta in param dtype, accumulated in AccT; either may be nullptr).
+ * (dgamma/dbeta in param dtype, accumulated in AccT; either may be nullptr). The CUDA backward takes
+ * an optional workspace of affine_bwd_workspace_cuda() bytes (16-byte aligned) for its partial sums
+ * over chunks of N; without one it still runs, parallel over channels only.
  */
 #pragma once
+#include <cstddef>
 #include <cstdint>
 
 #include "../common/acc_type.h"
@@ -35,6 +38,7 @@ struct AffineBwdArgs {
   void* dx = nullptr;                   // (N, C, S)
   void* dgamma = nullptr;               // (C,) or nullptr
   void* dbeta = nullptr;                // (C,) or nullptr
+  void* workspace = nullptr;            // CUDA: affine_bwd_workspace_cuda() bytes (or nullptr)
   GroupDims dims;                       // (N, C, S) data; G = 1, D = C (no groups)
 };
 
@@ -43,6 +47,7 @@ const char* affine_bwd_cpu(const AffineBwdArgs& a);
 
 #if defined(GNMX_WITH_CUDA)
 const char* affine_fwd_cuda(const AffineArgs& a, void* stream);
+size_t affine_bwd_workspace_cuda(const AffineBwdArgs& a);
 const char* affine_bwd_cuda(const AffineBwdArgs& a, void* stream);
 #endif
 

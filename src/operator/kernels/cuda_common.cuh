@@ -5,9 +5,10 @@
  *                            no kernel for the GPU: a message saying what is needed);
  *   GN_CUDA_CHECK_LAUNCH()   after a launch: return cudaGetLastError()'s string on failure;
  *   ceil_div, aligned16      launch-plan arithmetic;
- *   sm_count, wave_blocks    the GPU's size: SMs (cached per device) times the resident blocks per
- *                            SM that the occupancy API reports for the kernel actually launched
- *                            (cached per kernel, device, block size and dynamic shared memory), so
+ *   sm_count, wave_blocks    the GPU's size: SMs (cached per device, thread-safe) times the
+ *                            resident blocks per SM that the occupancy API reports for the
+ *                            kernel actually launched (cached per kernel, device, block size and
+ *                            dynamic shared memory, under a mutex), so
  *                            "one wave" plans follow the kernels' real register/shared-memory use;
  *   warp_reduce / block_reduce and their sum, max and Welford (count, mean, M2) forms.
  * Block reductions return the result to every thread, need every thread of the block (blockDim.x a
@@ -17,6 +18,7 @@
 #pragma once
 #include <cuda_runtime.h>
 
+#include <atomic>
 #include <cstdint>
 #include <mutex>
 #include <vector>
@@ -53,21 +55,28 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
-// SM count of the current device into *out; nullptr or the CUDA error string.
+// SM count of the current device into *out; nullptr or the CUDA error string. Cached per device
+// (the first 64) in relaxed atomics: threads that race on a first query all store the same value,
+// and no thread ever reads a torn or unsynchronized one.
 inline const char* sm_count(int* out) {
-  static int cache[64] = {0};
+  constexpr int kCachedDevices = 64;
+  static std::atomic<int> cache[kCachedDevices];  // static storage: zeros, "not yet known"
   int dev = 0;
   cudaError_t e = cudaGetDevice(&dev);
   if (e != cudaSuccess) return cuda_error(e);
-  if (dev >= 0 && dev < 64 && cache[dev] > 0) {
-    *out = cache[dev];
-    return nullptr;
+  const bool cached = dev >= 0 && dev < kCachedDevices;
+  if (cached) {
+    const int n = cache[dev].load(std::memory_order_relaxed);
+    if (n > 0) {
+      *out = n;
+      return nullptr;
+    }
   }
   int n = 0;
   e = cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, dev);
   if (e != cudaSuccess) return cuda_error(e);
   if (n <= 0) n = 1;
-  if (dev >= 0 && dev < 64) cache[dev] = n;
+  if (cached) cache[dev].store(n, std::memory_order_relaxed);
   *out = n;
   return nullptr;
 }

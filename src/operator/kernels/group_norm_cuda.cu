@@ -31,8 +31,10 @@
  * Backward: kernel 1 reduces each row (n, c) to dsc = sum dy (x - mu) and db = sum dy (a row split
  * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one set of
  * blocks per group that fold gamma into the group sums A, B (cheap: D * splits values), then write
- * dx = c1_c dy + c2 (x - mu) + c3 over their chunk, and C/256 extra blocks that reduce dgamma/dbeta
- * over n from the same row sums. Two launches.
+ * dx = c1_c dy + c2 (x - mu) + c3 over their chunk. dgamma/dbeta (when asked for) reduce the same
+ * row sums over n in parallel: bwd_param_kernel over (channel tile, n chunk) blocks, then, with
+ * several chunks, param_finalize_kernel sums the chunks (param_reduce.cuh: fixed order, chunking
+ * from N alone). Two launches, two more for the parameter gradients.
  *
  * Exactly recomputed groups (gn_exact_group: 1-4 elements; fp16/fp32 statistics that overflowed or
  * are not finite, rstd < 1e-12, |mean| rstd > 2^24): their float64 mean/rstd are the outputs
@@ -64,6 +66,7 @@
 #include "group_norm.h"
 #include "group_norm_math.h"
 #include "cuda_common.cuh"
+#include "param_reduce.cuh"
 #include "../common/carver.h"
 #include "../common/dispatch.h"
 #include "../common/welford.h"
@@ -637,46 +640,21 @@ struct BwdOp {
   }
 };
 
-// Backward kernel 2. Grid (param_blocks + N*G, chunks): blocks x < param_blocks (y == 0 only) reduce
-// dgamma/dbeta for kBlock channels each; the others write dx for a chunk of their group (exactly
-// recomputed groups: exact_bwd_range, from x and dy alone).
+// Backward kernel 2. Grid (N*G, chunks): each block writes dx for a chunk of its group (exactly
+// recomputed groups: exact_bwd_range, from x and dy alone). dgamma/dbeta: bwd_param_kernel.
 template <typename T, typename P, int V, Act ACT>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
               const AccT<T>* __restrict__ rstd, const AccT<T>* __restrict__ dmean_o,
               const AccT<T>* __restrict__ drstd_o, const P* __restrict__ gamma,
               const P* __restrict__ beta,
-              const AccT<T>* __restrict__ part, int rsplits, T* __restrict__ dx,
-              P* __restrict__ dgamma, P* __restrict__ dbeta, int64_t N, int64_t C, int64_t G,
-              uint32_t D, uint32_t S, uint32_t chunk, double eps) {
+              const AccT<T>* __restrict__ part, int rsplits, T* __restrict__ dx, int64_t N,
+              int64_t G, uint32_t D, uint32_t S, uint32_t chunk, double eps) {
   using A = AccT<T>;
   const int64_t L = int64_t(D) * S;
   const int64_t NG = N * G;
-  const int64_t pblocks = int64_t(gridDim.x) - NG;
-  if (int64_t(blockIdx.x) < pblocks) {
-    if (blockIdx.y != 0) return;
-    const int64_t c = int64_t(blockIdx.x) * kBlock + threadIdx.x;
-    if (c >= C) return;
-    const int64_t g = c / D;
-    A sg = 0, sb = 0;
-    for (int64_t n = 0; n < N; ++n) {
-      const A* p = part + (n * C + c) * rsplits * kRowPart;
-      A ds = 0, db = 0;
-      for (int k = 0; k < rsplits; ++k) {
-        ds += p[kRowPart * k];
-        db += p[kRowPart * k + 1];
-      }
-      // exactly recomputed groups' rows already hold sum g xhat (see bwd_row_sums_kernel)
-      const A r = rstd[n * G + g];
-      sg += gn_exact_group<T>(mean[n * G + g], r, L) ? ds : ds * r;
-      sb += db;
-    }
-    if (dgamma) dgamma[c] = from_acc<P>(sg);
-    if (dbeta) dbeta[c] = from_acc<P>(sb);
-    return;
-  }
   // Groups in reverse of the row-sum kernel's order: the first blocks find dy and x in L2.
-  const int64_t ng = NG - 1 - (int64_t(blockIdx.x) - pblocks);
+  const int64_t ng = NG - 1 - int64_t(blockIdx.x);
   const int64_t g = ng % G;
   const int64_t row0 = ng * D;  // (n*C + g*D)
   const P* gg = gamma + g * D;
@@ -708,6 +686,41 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   op.r = rstd[ng];
   gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_g, drstd_g, &op.c2, &op.c3);
   map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
+}
+
+// Backward parameter gradients, stage 1 of param_reduce.cuh's two-stage reduction over n (stage 2:
+// param_finalize_kernel). Grid (ceil(C / kParamTile), chunks); block (t, k) sums channels
+// [t*kParamTile, ...) over rows [k*chunk_rows, ...): dgamma_c = sum_n rstd_ng dsc_nc and
+// dbeta_c = sum_n db_nc from the row sums in `part` (each row's rsplits pieces summed first).
+// Exactly recomputed groups' rows already hold sum g xhat (see bwd_row_sums_kernel): no rstd.
+template <typename T, typename P>
+__global__ void __launch_bounds__(kParamThreads)
+bwd_param_kernel(const AccT<T>* __restrict__ part, int rsplits, const AccT<T>* __restrict__ mean,
+                 const AccT<T>* __restrict__ rstd, int64_t N, int64_t C, int64_t G, uint32_t D,
+                 int64_t L, int64_t chunk_rows, AccT<T>* __restrict__ ppart, P* __restrict__ dgamma,
+                 P* __restrict__ dbeta) {
+  using A = AccT<T>;
+  const int64_t c = int64_t(blockIdx.x) * kParamTile + threadIdx.x % kParamTile;
+  const int64_t n0 = int64_t(blockIdx.y) * chunk_rows, n1 = imin<int64_t>(N, n0 + chunk_rows);
+  Pair<A> s{A(0), A(0)};
+  if (c < C) {
+    const int64_t g = c / D;  // once per thread
+#pragma unroll 2
+    for (int64_t n = n0 + threadIdx.x / kParamTile; n < n1; n += kParamLanes) {
+      const A* p = part + (n * C + c) * rsplits * kRowPart;
+      A ds = p[0], db = p[1];
+      for (int k = 1; k < rsplits; ++k) {
+        ds += p[kRowPart * k];
+        db += p[kRowPart * k + 1];
+      }
+      const A r = rstd[n * G + g];
+      s.a += gn_exact_group<T>(mean[n * G + g], r, L) ? ds : ds * r;
+      s.b += db;
+    }
+  }
+  s = param_lane_sum(s);
+  if (threadIdx.x < kParamTile && c < C)
+    param_store<A, P>(s.a, s.b, c, C, blockIdx.y, gridDim.y, ppart, dgamma, dbeta);
 }
 
 // ------------------------------------------------------------------------------------------------
@@ -930,6 +943,18 @@ AccT<T>* carve_rows(void* ws, int64_t rows, const RowPlan& p, size_t* bytes = nu
   return part;
 }
 
+// The parameter gradients' stage-1 partials (param_reduce.cuh), after the row sums (`offset`: the
+// bytes carve_rows measures): kParamPart values per (n chunk, channel), none with one chunk. With
+// ws == nullptr it only measures.
+template <typename T>
+AccT<T>* carve_params(void* ws, size_t offset, int64_t C, int64_t chunks, size_t* bytes = nullptr) {
+  WorkspaceCarver<16> w{static_cast<char*>(ws), offset};
+  AccT<T>* part = nullptr;
+  if (chunks > 1) part = w.take<AccT<T>>(static_cast<size_t>(chunks * C * kParamPart));
+  if (bytes) *bytes = w.off;
+  return part;
+}
+
 template <typename T, typename P, Act ACT>
 size_t bwd_workspace(const GroupNormBwdArgs& a) {
   if (check_dims(a.dims)) return 0;
@@ -937,7 +962,33 @@ size_t bwd_workspace(const GroupNormBwdArgs& a) {
   if (plan_rows<T, P, ACT>(a, &p)) return 0;
   size_t bytes = 0;
   carve_rows<T>(nullptr, a.dims.N * a.dims.C, p, &bytes);
+  int64_t chunks = 1;
+  param_chunks(a.dims.N, kParamMinRows, &chunks);
+  carve_params<T>(nullptr, bytes, a.dims.C, chunks, &bytes);
   return bytes;
+}
+
+// dgamma/dbeta from the row sums: bwd_param_kernel, then (several n chunks) param_finalize_kernel.
+template <typename T, typename P>
+const char* launch_params(const GroupNormBwdArgs& a, const RowPlan& rp, const AccT<T>* part,
+                          cudaStream_t st) {
+  using A = AccT<T>;
+  P* dgamma = static_cast<P*>(a.dgamma);
+  P* dbeta = static_cast<P*>(a.dbeta);
+  if (dgamma == nullptr && dbeta == nullptr) return nullptr;
+  const int64_t N = a.dims.N, C = a.dims.C, D = C / a.dims.G;
+  int64_t chunks = 1;
+  const int64_t rows = param_chunks(N, kParamMinRows, &chunks);
+  size_t offset = 0;
+  carve_rows<T>(nullptr, N * C, rp, &offset);
+  A* ppart = carve_params<T>(a.workspace, offset, C, chunks);
+  const dim3 grid(static_cast<unsigned>(ceil_div(C, kParamTile)), static_cast<unsigned>(chunks));
+  bwd_param_kernel<T, P><<<grid, kParamThreads, 0, st>>>(
+      part, static_cast<int>(rp.splits), static_cast<const A*>(a.mean),
+      static_cast<const A*>(a.rstd), N, C, a.dims.G, static_cast<uint32_t>(D), D * a.dims.S, rows,
+      ppart, dgamma, dbeta);
+  GN_CUDA_CHECK_LAUNCH();
+  return launch_param_finalize(ppart, chunks, C, dgamma, dbeta, st);
 }
 
 template <typename T, typename P, int V, Act ACT>
@@ -986,8 +1037,7 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   auto* k = V > 1 ? bwd_dx_kernel<T, P, vec_width<T>(), ACT> : bwd_dx_kernel<T, P, 1, ACT>;
   int64_t chunk = 0, chunks = 1;
   if (const char* e = plan_map(k, NG, L, V, &chunk, &chunks)) return e;
-  const int64_t pblocks = (a.dgamma || a.dbeta) ? ceil_div(a.dims.C, kBlock) : 0;
-  const dim3 grid(static_cast<unsigned>(NG + pblocks), static_cast<unsigned>(chunks));
+  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
   const A* mean = static_cast<const A*>(a.mean);
@@ -997,15 +1047,13 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   const P* gamma = static_cast<const P*>(a.gamma);
   const P* beta = static_cast<const P*>(a.beta);
   T* dx = static_cast<T*>(a.dx);
-  P* dgamma = static_cast<P*>(a.dgamma);
-  P* dbeta = static_cast<P*>(a.dbeta);
   const int rs = static_cast<int>(rp.splits);
   const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.dims.S),
                  ch32 = static_cast<uint32_t>(chunk);
   k<<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx,
-                             dgamma, dbeta, a.dims.N, a.dims.C, a.dims.G, D32, S32, ch32, a.eps);
+                             a.dims.N, a.dims.G, D32, S32, ch32, a.eps);
   GN_CUDA_CHECK_LAUNCH();
-  return nullptr;
+  return launch_params<T, P>(a, rp, part, st);
 }
 
 template <typename T, typename P>

@@ -4,14 +4,17 @@
  *
  * grad2_group_kernel: one block per group (n, g), two passes over the group like the CPU twin; the
  * per-channel sums are block reductions, the per-(n, c) partials of d gamma / d beta go to the
- * workspace (pg (N, C), pb (N, 2C), AccT), reduced over n by grad2_param_kernel in a fixed order
- * (deterministic, no atomics). Simple rather than fast: it runs only for second derivatives.
+ * workspace (pg (N, C), pb (N, 2C), AccT), reduced over n by grad2_param_kernel over (channel tile,
+ * n chunk) blocks and, with several chunks, param_finalize_kernel (param_reduce.cuh: fixed order,
+ * no atomics, chunking from N alone; the chunks' partials follow pb in the workspace). Simple
+ * rather than fast: it runs only for second derivatives.
  */
 #include <cuda_runtime.h>
 
 #include "group_norm_grad2.h"
 #include "cuda_common.cuh"
 #include "group_norm_grad2_math.h"
+#include "param_reduce.cuh"
 #include "../common/dispatch.h"
 
 namespace gn_mx {
@@ -105,20 +108,31 @@ __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
   }
 }
 
+// The workspace (AccT): pg (N, C), pb (N, 2C), then the n chunks' partials (param_reduce.cuh).
+GN_INLINE int64_t grad2_ws_rows(const GroupNormGrad2Args& a) { return 3 * a.dims.N * a.dims.C; }
+
+// Stage 1 of the reduction over n of pg (dgamma) and pb's first half (dbeta). Grid
+// (ceil(C / kParamTile), chunks); block (t, k) sums channels [t*kParamTile, ...) over rows
+// [k*chunk_rows, ...).
 template <typename T, typename P>
-__global__ void grad2_param_kernel(GroupNormGrad2Args a) {
+__global__ void __launch_bounds__(kParamThreads)
+grad2_param_kernel(GroupNormGrad2Args a, int64_t chunk_rows) {
   using A = AccT<T>;
-  const A* ws = static_cast<const A*>(a.workspace);
-  for (int64_t c = blockIdx.x * int64_t(blockDim.x) + threadIdx.x; c < a.dims.C;
-       c += int64_t(gridDim.x) * blockDim.x) {
-    A sg = 0, sb = 0;
-    for (int64_t n = 0; n < a.dims.N; ++n) {
-      sg += ws[n * a.dims.C + c];
-      sb += ws[a.dims.N * a.dims.C + n * 2 * a.dims.C + c];
+  A* ws = static_cast<A*>(a.workspace);
+  const int64_t N = a.dims.N, C = a.dims.C;
+  const int64_t c = int64_t(blockIdx.x) * kParamTile + threadIdx.x % kParamTile;
+  const int64_t n0 = int64_t(blockIdx.y) * chunk_rows;
+  const int64_t n1 = n0 + chunk_rows < N ? n0 + chunk_rows : N;
+  Pair<A> s{A(0), A(0)};
+  if (c < C)
+    for (int64_t n = n0 + threadIdx.x / kParamTile; n < n1; n += kParamLanes) {
+      s.a += ws[n * C + c];
+      s.b += ws[N * C + n * 2 * C + c];
     }
-    static_cast<P*>(a.dgamma)[c] = from_acc<P>(sg);
-    static_cast<P*>(a.dbeta)[c] = from_acc<P>(sb);
-  }
+  s = param_lane_sum(s);
+  if (threadIdx.x < kParamTile && c < C)
+    param_store<A, P>(s.a, s.b, c, C, blockIdx.y, gridDim.y, ws + grad2_ws_rows(a),
+                      static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta));
 }
 
 template <typename T, typename P>
@@ -130,10 +144,16 @@ const char* grad2_typed(const GroupNormGrad2Args& a, cudaStream_t st) {
     grad2_group_kernel<T, P, ACT><<<static_cast<unsigned>(NG), kThreads, 0, st>>>(a);
   });
   GN_CUDA_CHECK_LAUNCH();
-  const int64_t blocks = ceil_div(a.dims.C, 256);
-  grad2_param_kernel<T, P><<<static_cast<unsigned>(blocks < 1024 ? blocks : 1024), 256, 0, st>>>(a);
+  int64_t chunks = 1;
+  const int64_t rows = param_chunks(a.dims.N, kParamMinRows, &chunks);
+  const dim3 grid(static_cast<unsigned>(ceil_div(a.dims.C, kParamTile)),
+                  static_cast<unsigned>(chunks));
+  grad2_param_kernel<T, P><<<grid, kParamThreads, 0, st>>>(a, rows);
   GN_CUDA_CHECK_LAUNCH();
-  return nullptr;
+  using A = AccT<T>;
+  return launch_param_finalize(static_cast<const A*>(a.workspace) + grad2_ws_rows(a), chunks,
+                                     a.dims.C, static_cast<P*>(a.dgamma),
+                                     static_cast<P*>(a.dbeta), st);
 }
 
 template <typename T>
@@ -175,7 +195,10 @@ const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream) {
 }
 
 size_t group_norm_grad2_workspace_cuda(const GroupNormGrad2Args& a) {
-  return static_cast<size_t>(a.dims.N) * static_cast<size_t>(a.dims.C) * 3 * dtype_size(acc_dtype(a.dtype));
+  int64_t chunks = 1;
+  param_chunks(a.dims.N, kParamMinRows, &chunks);
+  const int64_t parts = chunks > 1 ? chunks * a.dims.C * kParamPart : 0;
+  return static_cast<size_t>(grad2_ws_rows(a) + parts) * dtype_size(acc_dtype(a.dtype));
 }
 
 const char* group_norm_grad2_cuda(const GroupNormGrad2Args& a, void* stream) {

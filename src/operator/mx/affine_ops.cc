@@ -21,7 +21,8 @@ constexpr char kAffine[] = "gn_channel_affine";
 const Kernel<AffineArgs> kAffFwdKernel{affine_fwd_cpu, nullptr, GNMX_CUDA_ENTRY(affine_fwd_cuda),
                                        nullptr};
 const Kernel<AffineBwdArgs> kAffBwdKernel{affine_bwd_cpu, nullptr,
-                                          GNMX_CUDA_ENTRY(affine_bwd_cuda), nullptr};
+                                          GNMX_CUDA_ENTRY(affine_bwd_cuda),
+                                          GNMX_CUDA_ENTRY(affine_bwd_workspace_cuda)};
 
 enum AffOut { kAffOut = 0, kAffNumOut };
 // backward inputs: [dout, data, gamma, beta, out]

@@ -430,6 +430,30 @@ int main() {
     check_op("gn_group_norm one large group", "gn_group_norm", {{"num_groups", "1"}}, in, rng, true);
     check_op("gn_moments one large group", "gn_moments", {{"num_groups", "1"}}, {x}, rng, false);
   }
+  // Parameter gradients reduced over several chunks of N (param_reduce.cuh): the CUDA kernels'
+  // workspace sizes for their partial sums (gn_channel_affine's comes through the adapter's hook).
+  {
+    Buf x = random_buf({150, 6}, kFloat32, rng, -2, 2);
+    std::vector<Buf> in = {x, random_buf({6}, kFloat32, rng, 0.5, 1.5),
+                           random_buf({6}, kFloat32, rng, -1, 1)};
+    check_op("gn_group_norm N=150", "gn_group_norm", {{"num_groups", "3"}}, in, rng, true);  // 3 chunks
+    Buf xa = random_buf({300, 64}, kFloat32, rng, -2, 2);  // 3 chunks of 100 rows
+    check_op("gn_channel_affine N=300", "gn_channel_affine", {},
+             {xa, random_buf({64}, kFloat32, rng, 0.5, 1.5), random_buf({64}, kFloat32, rng, -1, 1)},
+             rng, true);
+    Buf xs = random_buf({150, 2, 33}, kFloat32, rng, -2, 2);  // long rows: 3 chunks of 50 rows
+    check_op("gn_channel_affine N=150 S=33", "gn_channel_affine", {},
+             {xs, random_buf({2}, kFloat32, rng, 0.5, 1.5), random_buf({2}, kFloat32, rng, -1, 1)},
+             rng, true);
+    std::vector<Buf> g2 = {random_buf({150, 6}, kFloat32, rng, -1, 1),
+                           random_buf({150, 3}, kFloat32, rng, -1, 1),
+                           random_buf({150, 3}, kFloat32, rng, -1, 1), x, in[1], in[2],
+                           random_buf({150, 6}, kFloat32, rng, -1, 1),
+                           random_buf({150, 3}, kFloat32, rng, -0.3, 0.3),
+                           random_buf({150, 3}, kFloat32, rng, 0.5, 1.5)};
+    check_op("_backward_gn_group_norm N=150", "_backward_gn_group_norm",
+             {{"num_groups", "3"}, {"eps", "1e-5"}, {"act_type", "none"}}, g2, rng, true, {}, {6});
+  }
   // Per-device limits and contexts.
   {
     Buf x = random_buf({2, 600, 1, 1}, kFloat32, rng, -1, 1);
