@@ -17,9 +17,22 @@
  * row (n, c) is the run of S elements at x + (n*C + c)*S. Offsets inside a group are 32-bit (L < 2^31
  * is checked), group bases are 64-bit.
  *
+ * Launch plans by group size (plan_team, kThreadMaxBytes / kWarpMaxBytes): every kernel over
+ * groups (statistics, apply, gn_moments backward, dx) gives a group to a team of threads: one thread
+ * for groups of <= 64 bytes (256 groups per block: (N, C) data with G = C or C/4), a warp for
+ * groups of <= 4 KiB (8 per block), else the block (split across blocks, below). Teams are
+ * uniform: a team's exact decision, reductions and early exits never involve another team.
+ *
+ * Vectors (cut16): 16-byte loads and stores whenever the kernel's buffers share their offset
+ * modulo 16 (any group length, any common misalignment): a scalar head up to the first 16-byte
+ * boundary, the vectors, a scalar tail. Buffers at different offsets (e.g. an x view at +1 element
+ * and a fresh y) take the scalar path; the statistics read x alone, so they always vectorize. The
+ * channel of an element is walked (ChannelWalk), never divided out per element.
+ *
  * Statistics (one read of x): every thread folds 16-byte vectors into a Welford state (each vector's
- * exact mean/M2 merged with Chan's update, one division per vector), then warps merge with shuffles and
- * the block through shared memory. A fixed merge tree: results are deterministic.
+ * exact mean/M2 merged with Chan's update, one division per vector; scalar head/tail elements one
+ * each), then warps merge with shuffles and the block through shared memory. A fixed merge tree:
+ * results are deterministic.
  * NB: when N*G cannot fill the GPU, a group is split across `splits` blocks that write partial
  * (count, mean, M2) states; the consumer (the apply kernel, or a finalize kernel for gn_moments) merges
  * them in one warp. No atomics, no E[x^2] - E[x]^2.
@@ -29,8 +42,8 @@
  * one read of x and one write of y.
  *
  * Backward: kernel 1 reduces each row (n, c) to dsc = sum dy (x - mu) and db = sum dy (a row split
- * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one set of
- * blocks per group that fold gamma into the group sums A, B (cheap: D * splits values), then write
+ * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one team
+ * (or set of blocks) per group that fold gamma into the group sums A, B (cheap: D * splits values), then write
  * dx = c1_c dy + c2 (x - mu) + c3 over their chunk, and C/256 extra blocks that reduce dgamma/dbeta
  * over n from the same row sums. Two launches.
  *
