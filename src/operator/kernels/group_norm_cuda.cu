@@ -43,9 +43,9 @@
  *
  * Backward: kernel 1 reduces each row (n, c) to dsc = sum dy (x - mu) and db = sum dy (a row split
  * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one team
- * (or set of blocks) per group that fold gamma into the group sums A, B (cheap: D * splits values), then write
- * dx = c1_c dy + c2 (x - mu) + c3 over their chunk, and C/256 extra blocks that reduce dgamma/dbeta
- * over n from the same row sums. Two launches.
+ * (or set of blocks) per group that folds gamma into the group sums A, B (cheap: D * splits
+ * values), then writes dx = c1_c dy + c2 (x - mu) + c3 over its chunk, and C/256 extra blocks
+ * that reduce dgamma/dbeta over n from the same row sums. Two launches.
  *
  * Exactly recomputed groups (gn_exact_group: 1-4 elements; fp16/fp32 statistics that overflowed or
  * are not finite, rstd < 1e-12, |mean| rstd > 2^24): their float64 mean/rstd are the outputs
@@ -1082,7 +1082,8 @@ const char* moments_bwd_impl(const MomentsBwdArgs& a, cudaStream_t st) {
   const char* err = nullptr;
   dispatch_team(p.team, [&](auto team) {
     constexpr int kTeam = decltype(team)::value;
-    auto* k = p.V > 1 ? moments_bwd_kernel<T, vec_width<T>(), kTeam> : moments_bwd_kernel<T, 1, kTeam>;
+    auto* k = p.V > 1 ? moments_bwd_kernel<T, vec_width<T>(), kTeam>
+                      : moments_bwd_kernel<T, 1, kTeam>;
     if ((err = plan_map(k, NG, L, &p))) return;
     k<<<group_grid(p, NG), kBlock, 0, st>>>(x, mean, dmean, dvar, dx, NG, L,
                                              static_cast<uint32_t>(a.dims.S),
