@@ -58,6 +58,10 @@
  * counts (ptxas, sm_80, nvcc 13: bwd_row_sums 29-32 -> 38-48, fwd_apply 27-32 -> 32-44, stats 26 ->
  * 39 for the scalar variants; at 256 threads, more than 32 registers means fewer than 8 resident
  * blocks per SM). Not yet measured on a GPU; moving it to __noinline__ helpers measured worse.
+ * The team plans and cut16 changed the block-per-group variants (same ptxas): fp32 stats 40 -> 45,
+ * fp16 stats 44 -> 44, fp16 apply 43 -> 46, fp16 dx 40 -> 63 (6 -> 4 resident blocks per SM, still
+ * 128 KB of loads in flight per SM), fp32 dx 44 -> 48, fp32 silu apply 48 -> 56, fp32 silu dx 76
+ * -> 76. Unmeasured.
  *
  * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
  * z = x * a_c + b_c; both backward kernels recompute z from x, mean, rstd, gamma, beta and use
@@ -115,7 +119,7 @@ constexpr int64_t kMaxGroup = (int64_t(1) << 31) - 1;
 //     plan_map).
 // Derived from lane and byte counts (occupancy is the same 256-thread block in every plan), not
 // measured: no GPU was available to this change. Before it, every group took a block: (4096,
-// 512) with G = 128 launched 524K blocks with 4 of 256 threads busy in each.
+// 512) with G = 128 launched 524K blocks with 1 of 256 threads busy in each (one fp32 vector).
 constexpr int64_t kThreadMaxBytes = 16 * kUnroll;
 constexpr int64_t kWarpMaxBytes = 16 * kBlock;
 // Workspace records (carve_stats / carve_rows own the layouts): a split group's piece stores its
