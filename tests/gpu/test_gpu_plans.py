@@ -153,8 +153,10 @@ def test_plan_boundaries(lib, launches, dtype, case):
 
 
 # Misaligned buffers: "same" offsets every data buffer by one element (vectors after a peeled head),
-# "mixed" only x (the elementwise kernels fall back to scalars; the statistics still peel).
-OFFSETS = {"same": {"x": 1, "y": 1, "dy": 1, "dx": 1}, "mixed": {"x": 1}}
+# "mixed" only x (vector stores, x loaded element by element), "outs" the outputs by 3 elements and
+# dy by 1 (every buffer at its own offset).
+OFFSETS = {"same": {"x": 1, "y": 1, "dy": 1, "dx": 1}, "mixed": {"x": 1},
+           "outs": {"y": 3, "dy": 1, "dx": 3}}
 
 
 def misaligned_cases():
@@ -173,7 +175,7 @@ def test_misaligned(lib, dtype, case, offsets):
     N, G, D, S = case
     x, gamma, beta, dy, dmean, drstd = data(N, G, D, S, dtype, seed=3 + S)
     run = harness_np.Runner(OFFSETS[offsets])
-    act = "silu" if offsets == "same" else None
+    act = {"same": "silu", "mixed": None, "outs": "relu"}[offsets]
     check_group_norm(run, x, gamma, beta, dy, dmean, drstd, G, act, dtype)
     check_moments(run, x, G, dmean, drstd, dtype)
 

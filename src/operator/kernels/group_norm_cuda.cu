@@ -23,10 +23,10 @@
  * groups of <= 4 KiB (8 per block), else the block (split across blocks, below). Teams are
  * uniform: a team's exact decision, reductions and early exits never involve another team.
  *
- * Vectors (cut16): 16-byte loads and stores whenever the kernel's buffers share their offset
- * modulo 16 (any group length, any common misalignment): a scalar head up to the first 16-byte
- * boundary, the vectors, a scalar tail. Buffers at different offsets (e.g. an x view at +1 element
- * and a fresh y) take the scalar path; the statistics read x alone, so they always vectorize. The
+ * Vectors (cut16): any group length, any misalignment: a scalar head up to the output's (or, for
+ * reductions, x's) first 16-byte boundary, 16-byte vectors, a scalar tail. An input at another
+ * offset modulo 16 (e.g. an x view at +1 element and a fresh y) is loaded element by element
+ * inside those vectors (load_vec: coalesced across the warp, stores stay whole vectors). The
  * channel of an element is walked (ChannelWalk), never divided out per element.
  *
  * Statistics (one read of x): every thread folds 16-byte vectors into a Welford state (each vector's
@@ -59,8 +59,8 @@
  * 39 for the scalar variants; at 256 threads, more than 32 registers means fewer than 8 resident
  * blocks per SM). Not yet measured on a GPU; moving it to __noinline__ helpers measured worse.
  * The team plans and cut16 changed the block-per-group variants (same ptxas): fp32 stats 40 -> 45,
- * fp16 stats 44 -> 44, fp16 apply 43 -> 46, fp16 dx 40 -> 63 (6 -> 4 resident blocks per SM, still
- * 128 KB of loads in flight per SM), fp32 dx 44 -> 48, fp32 silu apply 48 -> 56, fp32 silu dx 76
+ * fp16 stats 44 -> 44, fp16 apply 43 -> 47, fp16 dx 40 -> 64 (6 -> 4 resident blocks per SM, still
+ * 128 KB of loads in flight per SM), fp32 dx 44 -> 46, fp32 silu apply 48 -> 56, fp32 silu dx 76
  * -> 76. Unmeasured.
  *
  * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
@@ -189,6 +189,23 @@ __device__ __forceinline__ Cut cut16(const T* p, uint32_t begin, uint32_t end) {
       static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p + begin) / sizeof(T)) & (V - 1);
   const uint32_t a0 = imin(end, begin + ((V - mis) & (V - 1)));
   return Cut{a0, a0 + ((end - a0) & ~uint32_t(V - 1))};
+}
+
+// Vector i of the run at p: a 16-byte load when p is 16-byte aligned, else V element loads (an
+// input at another offset modulo 16 than the buffer whose alignment cut16 followed). `vec` is
+// uniform over the team, so the branch does not diverge.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p, bool vec, uint32_t i) {
+  if (vec) return reinterpret_cast<const Vec<T, V>*>(p)[i];
+  Vec<T, V> r;
+#pragma unroll
+  for (int k = 0; k < V; ++k) r.v[k] = p[i * V + k];
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ bool is_aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
 }
 
 // The channel c = i / S and offset s = i % S of element i of a group, stepped by a fixed `step`
@@ -467,8 +484,11 @@ __device__ __forceinline__ void map_scalar(const T* __restrict__ in0, const T* _
   }
 }
 
-// 16-byte vectors [lo, hi) (lo 16-byte aligned for every pointer, V | hi - lo). One coefficient
-// per vector when no vector crosses a channel (V | S and V | lo), else tracked element by element.
+// 16-byte vectors [lo, hi) (out + lo 16-byte aligned, V | hi - lo; inputs at out's offset are
+// loaded as vectors, others element by element). The common case (every input aligned too, no
+// vector crossing a channel: V | S and V | lo) keeps kUnroll vectors in flight with one
+// coefficient per vector; otherwise one vector at a time, its channel tracked element by element
+// (a separate loop, so the common one keeps its registers).
 template <typename T, int V, int NIn, int kTeam, typename Op>
 __device__ __forceinline__ void map_vectors(const T* __restrict__ in0, const T* __restrict__ in1,
                                             T* __restrict__ out, uint32_t lo, uint32_t hi,
@@ -479,12 +499,15 @@ __device__ __forceinline__ void map_vectors(const T* __restrict__ in0, const T* 
   const uint32_t lane = team_lane<kTeam>();
   const uint32_t e = (hi - lo) / V;
   if (lane >= e) return;
-  const VT* p0 = reinterpret_cast<const VT*>(in0 + lo);
-  const VT* p1 = NIn > 1 ? reinterpret_cast<const VT*>(in1 + lo) : nullptr;
+  const T* q0 = in0 + lo;
+  const T* q1 = NIn > 1 ? in1 + lo : nullptr;
+  const bool v0 = is_aligned16(q0), v1 = NIn > 1 && is_aligned16(q1);
   VT* po = reinterpret_cast<VT*>(out + lo);
   ChannelWalk cw(lo + lane * V, kTeam * V, S);
   uint32_t i = lane;
-  if (S % V == 0 && lo % V == 0) {
+  if (S % V == 0 && lo % V == 0 && v0 && (NIn < 2 || v1)) {  // the common case: all aligned
+    const VT* p0 = reinterpret_cast<const VT*>(q0);
+    const VT* p1 = reinterpret_cast<const VT*>(q1);
     for (; i + (kUnroll - 1) * kTeam < e; i += kUnroll * kTeam) {
       VT r0[kUnroll], r1[kUnroll];
 #pragma unroll
@@ -514,11 +537,11 @@ __device__ __forceinline__ void map_vectors(const T* __restrict__ in0, const T* 
         o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
       po[i] = o;
     }
-  } else {
+  } else {  // vectors across channels, or an input at another offset: one vector at a time
     for (; i < e; i += kTeam, cw.next()) {
-      const VT r0 = p0[i];
+      const VT r0 = load_vec<T, V>(q0, v0, i);
       VT r1;
-      if (NIn > 1) r1 = p1[i];
+      if (NIn > 1) r1 = load_vec<T, V>(q1, v1, i);
       uint32_t c = cw.c, sk = cw.s;
       Coef cf = op.coef(c);
       VT o;
@@ -536,14 +559,14 @@ __device__ __forceinline__ void map_vectors(const T* __restrict__ in0, const T* 
   }
 }
 
-// The whole map: with V > 1 the scalar head, the vectors and the scalar tail of cut16 (in0's
-// alignment: the plans vectorize only when every pointer shares it); V = 1: all scalar.
+// The whole map: with V > 1 the scalar head, the vectors and the scalar tail of cut16 (cut at
+// out's 16-byte boundaries: stores are always whole vectors); V = 1: all scalar.
 template <typename T, int V, int NIn, int kTeam, typename Op>
 __device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __restrict__ in1,
                                           T* __restrict__ out, uint32_t begin, uint32_t end,
                                           uint32_t S, const Op& op) {
   if (V > 1) {
-    const Cut cut = cut16<T, V>(in0, begin, end);
+    const Cut cut = cut16<T, V>(out, begin, end);
     map_scalar<T, NIn, kTeam>(in0, in1, out, begin, cut.a0, S, op);
     map_vectors<T, V, NIn, kTeam>(in0, in1, out, cut.a0, cut.a1, S, op);
     map_scalar<T, NIn, kTeam>(in0, in1, out, cut.a1, end, S, op);
@@ -728,15 +751,17 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
       acc.a += g * (xv - mu);
       acc.b += g;
     };
-    // V > 1: scalar head, 16-byte vectors, scalar tail (cut16; dy and x share their alignment)
+    // V > 1: scalar head, 16-byte vectors, scalar tail (cut16 at x's boundaries; dy is loaded
+    // as vectors where it shares x's offset modulo 16, element by element where it does not)
     const Cut cut = V > 1 ? cut16<T, V>(xr, begin, end) : Cut{end, end};
     for (uint32_t i = begin + lane; i < cut.a0; i += kTeam) add(to_acc(xr[i]), to_acc(dyr[i]));
     if (V > 1) {
       using VT = Vec<T, V>;
-      const VT* pd = reinterpret_cast<const VT*>(dyr + cut.a0);
+      const T* qd = dyr + cut.a0;
+      const bool dv = is_aligned16(qd);
       const VT* px = reinterpret_cast<const VT*>(xr + cut.a0);
       for (uint32_t i = lane; i < (cut.a1 - cut.a0) / V; i += kTeam) {
-        const VT d = pd[i];
+        const VT d = load_vec<T, V>(qd, dv, i);
         const VT v = px[i];
 #pragma unroll
         for (int k = 0; k < V; ++k) add(to_acc(v.v[k]), to_acc(d.v[k]));
@@ -880,18 +905,13 @@ int plan_team(int64_t L, size_t elem) {
 }
 
 // Whether a kernel over these buffers (nullptr ones ignored) may use 16-byte vectors: every
-// pointer element-aligned and all at the same offset modulo 16, so cut16 peels the same head off
-// each of them (groups of any length, any common misalignment).
+// pointer element-aligned (always, for real allocations and views). cut16 then aligns one buffer
+// per run (the output, or x), and the others are loaded as vectors where they share its offset
+// modulo 16, element by element where they do not (load_vec).
 template <typename T>
 bool vectorizable(std::initializer_list<const void*> ptrs) {
-  int off = -1;
-  for (const void* p : ptrs) {
-    if (p == nullptr) continue;
-    const uintptr_t a = reinterpret_cast<uintptr_t>(p);
-    if (a % sizeof(T) != 0) return false;
-    if (off >= 0 && static_cast<int>(a & 15u) != off) return false;
-    off = static_cast<int>(a & 15u);
-  }
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) return false;
   return true;
 }
 
@@ -1111,7 +1131,7 @@ const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
   RowPlan& p = *out;
   const int Vw = vec_width<T>();
   const int64_t S = a.dims.S, rows = a.dims.N * a.dims.C;
-  p.V = vectorizable<T>({a.dy, a.x}) ? Vw : 1;  // rows of any S: cut16 peels each one
+  p.V = vectorizable<T>({a.dy, a.x}) ? Vw : 1;  // rows of any S and offset: cut16 / load_vec
   if (S <= kRowThreadMaxS) {
     p.team = 1;
     p.V = 1;
