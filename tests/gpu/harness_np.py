@@ -98,29 +98,31 @@ def _check(err):
 
 
 class _Dev:
-    """Device buffers of one call, freed together."""
+    """Device buffers of one call, freed together. `offset` (elements): a buffer starts that many
+    elements past its allocation's 256-byte aligned start (misaligned views, as torch's x[1:])."""
 
     def __init__(self):
         self.lib = load()
         self.bufs = []
 
-    def alloc(self, nbytes):
+    def alloc(self, nbytes, skip=0):
         err = c_str()
-        p = self.lib.gnh_alloc(max(int(nbytes), 1), ctypes.byref(err))
+        p = self.lib.gnh_alloc(max(int(nbytes) + skip, 1), ctypes.byref(err))
         _check(err.value)
         self.bufs.append(p)
-        return p
+        return p + skip
 
-    def put(self, a):
+    def put(self, a, offset=0):
         if a is None:
             return None
         a = np.ascontiguousarray(a)
-        p = self.alloc(a.nbytes)
+        p = self.alloc(a.nbytes, offset * a.itemsize)
         _check(self.lib.gnh_copy(p, a.ctypes.data, a.nbytes, 1))
         return p
 
-    def empty(self, shape, dtype):
-        return self.alloc(int(np.prod(shape)) * np.dtype(dtype).itemsize), (tuple(shape), dtype)
+    def empty(self, shape, dtype, offset=0):
+        size = np.dtype(dtype).itemsize
+        return self.alloc(int(np.prod(shape)) * size, offset * size), (tuple(shape), dtype)
 
     def get(self, buf):
         p, (shape, dtype) = buf
@@ -146,9 +148,15 @@ def _acc(dtype):
 
 class Runner:
     """The kernels as the shared edge cases call them (tests/edge_cases.py's runner interface):
-    group_norm(...) and moments(...) on numpy arrays, results as numpy arrays."""
+    group_norm(...) and moments(...) on numpy arrays, results as numpy arrays.
+
+    offsets: {buffer: elements} places the data buffers x, y, dy, dx that many elements past a
+    16-byte boundary (default all 0: aligned), for the kernels' misaligned paths."""
 
     name = "cuda"
+
+    def __init__(self, offsets=None):
+        self.off = dict(offsets or {})
 
     def group_norm(self, x, gamma, beta, G, eps, act=None, dy=None, dmean=None, drstd=None):
         lib = load()
@@ -157,18 +165,19 @@ class Runner:
         codes = (DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype])
         dims = _dims(x, G)
         with _Dev() as d:
-            px, pg, pb = d.put(x), d.put(gamma), d.put(beta)
-            y, mean, rstd = d.empty(x.shape, x.dtype), d.empty((N, G), acc), d.empty((N, G), acc)
+            px, pg, pb = d.put(x, self.off.get("x", 0)), d.put(gamma), d.put(beta)
+            y = d.empty(x.shape, x.dtype, self.off.get("y", 0))
+            mean, rstd = d.empty((N, G), acc), d.empty((N, G), acc)
             nws = lib.gnh_gn_fwd_workspace(*codes, px, y[0], *dims)
             ws = d.alloc(nws) if nws else None
             _check(lib.gnh_gn_fwd_act(*codes, px, pg, pb, y[0], mean[0], rstd[0], *dims, float(eps),
                                       ACT_CODE[act], ws, None))
             res = {"y": y, "mean": mean, "rstd": rstd}
             if dy is not None:
-                pdy = d.put(dy)
+                pdy = d.put(dy, self.off.get("dy", 0))
                 pdm = d.put(None if dmean is None else np.asarray(dmean, acc))
                 pdr = d.put(None if drstd is None else np.asarray(drstd, acc))
-                dx = d.empty(x.shape, x.dtype)
+                dx = d.empty(x.shape, x.dtype, self.off.get("dx", 0))
                 dg, db = d.empty(gamma.shape, gamma.dtype), d.empty(gamma.shape, gamma.dtype)
                 nws = lib.gnh_gn_bwd_workspace(*codes, pdy, px, dx[0], *dims)
                 ws = d.alloc(nws)
@@ -186,14 +195,14 @@ class Runner:
         code = DTYPE_CODE[x.dtype]
         dims = _dims(x, G)
         with _Dev() as d:
-            px = d.put(x)
+            px = d.put(x, self.off.get("x", 0))
             mean, var = d.empty((N, G), acc), d.empty((N, G), acc)
             nws = lib.gnh_moments_workspace(code, px, *dims)
             ws = d.alloc(nws) if nws else None
             _check(lib.gnh_moments(code, px, mean[0], var[0], *dims, ws, None))
             res = {"mean": mean, "var": var}
             if dmean is not None:
-                dx = d.empty(x.shape, x.dtype)
+                dx = d.empty(x.shape, x.dtype, self.off.get("dx", 0))
                 _check(lib.gnh_moments_bwd(code, d.put(np.asarray(dmean, acc)),
                                            d.put(np.asarray(dvar, acc)), px, mean[0], dx[0], *dims,
                                            None))

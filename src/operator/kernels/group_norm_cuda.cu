@@ -17,9 +17,22 @@
  * row (n, c) is the run of S elements at x + (n*C + c)*S. Offsets inside a group are 32-bit (L < 2^31
  * is checked), group bases are 64-bit.
  *
+ * Launch plans by group size (plan_team, kThreadMaxBytes / kWarpMaxBytes): every kernel over
+ * groups (statistics, apply, gn_moments backward, dx) gives a group to a team of threads: one thread
+ * for groups of <= 64 bytes (256 groups per block: (N, C) data with G = C or C/4), a warp for
+ * groups of <= 4 KiB (8 per block), else the block (split across blocks, below). Teams are
+ * uniform: a team's exact decision, reductions and early exits never involve another team.
+ *
+ * Vectors (cut16): any group length, any misalignment: a scalar head up to the output's (or, for
+ * reductions, x's) first 16-byte boundary, 16-byte vectors, a scalar tail. An input at another
+ * offset modulo 16 (e.g. an x view at +1 element and a fresh y) is loaded element by element
+ * inside those vectors (load_vec: coalesced across the warp, stores stay whole vectors). The
+ * channel of an element is walked (ChannelWalk), never divided out per element.
+ *
  * Statistics (one read of x): every thread folds 16-byte vectors into a Welford state (each vector's
- * exact mean/M2 merged with Chan's update, one division per vector), then warps merge with shuffles and
- * the block through shared memory. A fixed merge tree: results are deterministic.
+ * exact mean/M2 merged with Chan's update, one division per vector; scalar head/tail elements one
+ * each), then warps merge with shuffles and the block through shared memory. A fixed merge tree:
+ * results are deterministic.
  * NB: when N*G cannot fill the GPU, a group is split across `splits` blocks that write partial
  * (count, mean, M2) states; the consumer (the apply kernel, or a finalize kernel for gn_moments) merges
  * them in one warp. No atomics, no E[x^2] - E[x]^2.
@@ -29,12 +42,12 @@
  * one read of x and one write of y.
  *
  * Backward: kernel 1 reduces each row (n, c) to dsc = sum dy (x - mu) and db = sum dy (a row split
- * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one set of
- * blocks per group that fold gamma into the group sums A, B (cheap: D * splits values), then write
- * dx = c1_c dy + c2 (x - mu) + c3 over their chunk. dgamma/dbeta (when asked for) reduce the same
- * row sums over n in parallel: bwd_param_kernel over (channel tile, n chunk) blocks, then, with
- * several chunks, param_finalize_kernel sums the chunks (param_reduce.cuh: fixed order, chunking
- * from N alone). Two launches, two more for the parameter gradients.
+ * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one team
+ * (or set of blocks) per group that folds gamma into the group sums A, B (cheap: D * splits
+ * values), then writes dx = c1_c dy + c2 (x - mu) + c3 over its chunk. dgamma/dbeta (when asked
+ * for) reduce the same row sums over n in parallel: bwd_param_kernel over (channel tile, n chunk)
+ * blocks, then, with several chunks, param_finalize_kernel sums the chunks (param_reduce.cuh: fixed
+ * order, chunking from N alone). Two launches, two more for the parameter gradients.
  *
  * Exactly recomputed groups (gn_exact_group: 1-4 elements; fp16/fp32 statistics that overflowed or
  * are not finite, rstd < 1e-12, |mean| rstd > 2^24): their float64 mean/rstd are the outputs
@@ -47,6 +60,10 @@
  * counts (ptxas, sm_80, nvcc 13: bwd_row_sums 29-32 -> 38-48, fwd_apply 27-32 -> 32-44, stats 26 ->
  * 39 for the scalar variants; at 256 threads, more than 32 registers means fewer than 8 resident
  * blocks per SM). Not yet measured on a GPU; moving it to __noinline__ helpers measured worse.
+ * The team plans and cut16 changed the block-per-group variants (same ptxas): fp32 stats 40 -> 45,
+ * fp16 stats 44 -> 44, fp16 apply 43 -> 47, fp16 dx 40 -> 64 (6 -> 4 resident blocks per SM, still
+ * 128 KB of loads in flight per SM), fp32 dx 44 -> 46, fp32 silu apply 48 -> 56, fp32 silu dx 76
+ * -> 76. Unmeasured.
  *
  * Fused activation (act_type, template ACT of group_norm_math.h): the apply kernel writes act(z),
  * z = x * a_c + b_c; both backward kernels recompute z from x, mean, rstd, gamma, beta and use
@@ -61,6 +78,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "group_norm.h"
@@ -90,6 +108,23 @@ constexpr int64_t kMaxGridY = 65535;
 constexpr int64_t kRowThreadMaxS = 16;
 constexpr int64_t kRowWarpMaxS = 2048;
 constexpr int64_t kMaxGroup = (int64_t(1) << 31) - 1;
+// Group plans (plan_team): the team of threads per group (n, g) of L elements, by its bytes
+// Lb = L * sizeof(T), for the statistics, apply, gn_moments backward and dx kernels alike:
+//   Lb <= kThreadMaxBytes (64 B = kUnroll 16-byte vectors): a thread per group, 256 groups per
+//     block. A warp would leave >= 28 of its 32 lanes idle ((N, C) data: G = C/4 fp32 is 4
+//     elements, one vector), and its shuffles would cost more than the loads; one thread's
+//     loads are at most one unrolled round, and consecutive threads read consecutive groups, so
+//     a warp's loads are contiguous.
+//   Lb <= kWarpMaxBytes (4 KiB = kBlock 16-byte vectors): a warp per group, 8 groups per block:
+//     a block per group would leave most of its 256 threads without a single vector; a warp's
+//     lanes get 1..8 vectors and reduce with shuffles only.
+//   above: a block per group (split across blocks when N*G cannot fill the GPU: plan_stats /
+//     plan_map).
+// Derived from lane and byte counts (occupancy is the same 256-thread block in every plan), not
+// measured: no GPU was available to this change. Before it, every group took a block: (4096,
+// 512) with G = 128 launched 524K blocks with 1 of 256 threads busy in each (one fp32 vector).
+constexpr int64_t kThreadMaxBytes = 16 * kUnroll;
+constexpr int64_t kWarpMaxBytes = 16 * kBlock;
 // Workspace records (carve_stats / carve_rows own the layouts): a split group's piece stores its
 // Welford state (count, mean, M2); a split row's piece stores its sums (dsc, db).
 constexpr int kStatsPart = 3;
@@ -133,28 +168,108 @@ __device__ __forceinline__ void push_vec(Welford<A>& w, const Vec<T, V>& in) {
   w.merge(make_welford<A>(A(V), mv, m2));
 }
 
-// Welford state of elements [begin, end) of a group; V > 1 needs 16-byte aligned xg and V | begin, end.
-template <typename T, int V, typename A>
+// Teams (plan_team): kTeam consecutive threads of a block (1, a warp or the block) work on one
+// group or row; team_lane is a thread's rank in its team, team_rank its team's rank in the block.
+template <int kTeam>
+__device__ __forceinline__ uint32_t team_lane() {
+  return kTeam == 1 ? 0u : threadIdx.x % kTeam;
+}
+template <int kTeam>
+__device__ __forceinline__ uint32_t team_rank() {
+  return threadIdx.x / kTeam;
+}
+
+// [begin, end) of a run that starts at p, cut at 16-byte boundaries (V elements of T): a scalar
+// head [begin, a0) of < V elements, whole aligned vectors [a0, a1), a scalar tail [a1, end). p must
+// be element-aligned; the plans vectorize only when every pointer of a kernel has the same offset
+// modulo 16 bytes, so the cut found from one of them is aligned for all.
+struct Cut {
+  uint32_t a0, a1;
+};
+template <typename T, int V>
+__device__ __forceinline__ Cut cut16(const T* p, uint32_t begin, uint32_t end) {
+  const uint32_t mis =
+      static_cast<uint32_t>(reinterpret_cast<uintptr_t>(p + begin) / sizeof(T)) & (V - 1);
+  const uint32_t a0 = imin(end, begin + ((V - mis) & (V - 1)));
+  return Cut{a0, a0 + ((end - a0) & ~uint32_t(V - 1))};
+}
+
+// Vector i of the run at p: a 16-byte load when p is 16-byte aligned, else V element loads (an
+// input at another offset modulo 16 than the buffer whose alignment cut16 followed). `vec` is
+// uniform over the team, so the branch does not diverge.
+template <typename T, int V>
+__device__ __forceinline__ Vec<T, V> load_vec(const T* __restrict__ p, bool vec, uint32_t i) {
+  if (vec) return reinterpret_cast<const Vec<T, V>*>(p)[i];
+  Vec<T, V> r;
+#pragma unroll
+  for (int k = 0; k < V; ++k) r.v[k] = p[i * V + k];
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ bool is_aligned16(const T* p) {
+  return (reinterpret_cast<uintptr_t>(p) & 15u) == 0;
+}
+
+// The channel c = i / S and offset s = i % S of element i of a group, stepped by a fixed `step`
+// elements with no division (two per thread, at construction).
+struct ChannelWalk {
+  uint32_t c, s, dc, ds, S;
+  __device__ __forceinline__ ChannelWalk(uint32_t i, uint32_t step, uint32_t S_) : S(S_) {
+    c = i / S;
+    s = i - c * S;
+    dc = step / S;
+    ds = step - dc * S;
+  }
+  __device__ __forceinline__ void next() {
+    c += dc;
+    s += ds;
+    if (s >= S) {
+      s -= S;
+      ++c;
+    }
+  }
+};
+
+// Welford state of this lane's share of elements [begin, end) of a group (team of kTeam lanes):
+// with V > 1 the scalar head, the 16-byte vectors (kUnroll in flight), the scalar tail (cut16).
+template <typename T, int V, typename A, int kTeam>
 __device__ __forceinline__ Welford<A> thread_moments(const T* __restrict__ xg, uint32_t begin,
                                                      uint32_t end) {
   Welford<A> w;
+  const uint32_t lane = team_lane<kTeam>();
   if (V > 1) {
     using VT = Vec<T, V>;
-    const VT* p = reinterpret_cast<const VT*>(xg);
-    uint32_t i = begin / V + threadIdx.x;
-    const uint32_t e = end / V;
-    for (; i + (kUnroll - 1) * kBlock < e; i += kUnroll * kBlock) {
+    const Cut cut = cut16<T, V>(xg, begin, end);
+    for (uint32_t i = begin + lane; i < cut.a0; i += kTeam) w.push(to_acc(xg[i]));
+    const VT* p = reinterpret_cast<const VT*>(xg + cut.a0);
+    const uint32_t e = (cut.a1 - cut.a0) / V;
+    uint32_t i = lane;
+    for (; i + (kUnroll - 1) * kTeam < e; i += kUnroll * kTeam) {
       VT r[kUnroll];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) r[u] = p[i + u * kBlock];
+      for (int u = 0; u < kUnroll; ++u) r[u] = p[i + u * kTeam];
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) push_vec<T, V, A>(w, r[u]);
     }
-    for (; i < e; i += kBlock) push_vec<T, V, A>(w, p[i]);
+    for (; i < e; i += kTeam) push_vec<T, V, A>(w, p[i]);
+    for (uint32_t k = cut.a1 + lane; k < end; k += kTeam) w.push(to_acc(xg[k]));
   } else {
-    for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) w.push(to_acc(xg[i]));
+    for (uint32_t i = begin + lane; i < end; i += kTeam) w.push(to_acc(xg[i]));
   }
   return w;
+}
+
+template <int kTeam, typename A>
+__device__ __forceinline__ Welford<A> team_welford(Welford<A> w) {
+  if constexpr (kTeam == 1) {
+    return w;
+  } else if constexpr (kTeam == kWarp) {
+    return warp_welford(w);
+  } else {
+    static_assert(kTeam == kBlock, "team: 1, a warp or the block");
+    return block_welford<kBlock>(w);
+  }
 }
 
 // Merges the `splits` partial states of group ng in one warp (all 32 lanes must call it).
@@ -237,13 +352,13 @@ __device__ __forceinline__ double exact_grad(const T* __restrict__ xg, const T* 
   return gn_act_grad<ACT>(gn_exact_z(*xc, st.s, *ga, be), static_cast<double>(to_acc(dyg[i])));
 }
 
-// Forward of elements [begin, end) of an exactly recomputed group (the whole block).
-template <Act ACT, typename T, typename P>
+// Forward of elements [begin, end) of an exactly recomputed group (its team of kTeam threads).
+template <int kTeam, Act ACT, typename T, typename P>
 __device__ __forceinline__ void exact_fwd_range(const T* __restrict__ xg, T* __restrict__ yg,
                                                 const P* __restrict__ gamma,
                                                 const P* __restrict__ beta, const ExactStats& st,
                                                 uint32_t begin, uint32_t end, uint32_t S) {
-  for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) {
+  for (uint32_t i = begin + team_lane<kTeam>(); i < end; i += kTeam) {
     const double ga = static_cast<double>(to_acc(gamma[i / S]));
     const double be = static_cast<double>(to_acc(beta[i / S]));
     const double xc = gn_exact_xc(static_cast<double>(to_acc(xg[i])), st.x0, st.d);
@@ -251,28 +366,30 @@ __device__ __forceinline__ void exact_fwd_range(const T* __restrict__ xg, T* __r
   }
 }
 
-// Backward dx over [begin, end) of an exactly recomputed group of L elements (the whole block):
-// the group sums sum gamma_c g xc and sum gamma_c g over all of it, then dx (= dmean when L = 1).
-template <Act ACT, typename T, typename P>
+// Backward dx over [begin, end) of an exactly recomputed group of L elements (its team of kTeam
+// threads): the group sums sum gamma_c g xc and sum gamma_c g over all of it, then dx (= dmean
+// when L = 1).
+template <int kTeam, Act ACT, typename T, typename P>
 __device__ __forceinline__ void exact_bwd_range(const T* __restrict__ xg,
                                                 const T* __restrict__ dyg, T* __restrict__ dxg,
                                                 const P* __restrict__ gamma,
                                                 const P* __restrict__ beta, double dmean_o,
                                                 double drstd_o, double eps, uint32_t L, uint32_t S,
                                                 uint32_t begin, uint32_t end) {
-  const ExactStats st = exact_stats<kBlock>(xg, L, eps);
+  const uint32_t lane = team_lane<kTeam>();
+  const ExactStats st = exact_stats<kTeam>(xg, L, eps);
   Pair<double> ab{0.0, 0.0};
-  for (uint32_t i = threadIdx.x; i < L; i += kBlock) {
+  for (uint32_t i = lane; i < L; i += kTeam) {
     double xc, ga;
     const double g = exact_grad<ACT>(xg, dyg, gamma, beta, st, i, S, &xc, &ga);
     ab.a += ga * g * xc;
     ab.b += ga * g;
   }
-  ab = block_sum<kBlock>(ab);
+  ab = team_sum<kTeam>(ab);
   double c2, c3;
   gn_bwd_coeffs<double>(ab.a, ab.b, st.r, 1.0 / static_cast<double>(L), dmean_o, drstd_o, &c2,
                         &c3);
-  for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) {
+  for (uint32_t i = begin + lane; i < end; i += kTeam) {
     double xc, ga;
     const double g = exact_grad<ACT>(xg, dyg, gamma, beta, st, i, S, &xc, &ga);
     // one element: x - mean = 0, out = act(beta): only the mean output passes dmean on
@@ -286,32 +403,35 @@ __device__ __forceinline__ void exact_bwd_range(const T* __restrict__ xg,
 
 enum StatsMode : int { kStatsPartial = 0, kStatsMeanVar = 1, kStatsMeanRstd = 2 };
 
-// Grid (N*G, splits). Block (ng, k) covers elements [k*chunk, (k+1)*chunk) of group ng.
+// kTeam == kBlock: grid (N*G, splits), block (ng, k) covers elements [k*chunk, (k+1)*chunk) of
+// group ng. kTeam < kBlock (a thread or a warp per group, splits = 1): grid ceil(N*G / (kBlock /
+// kTeam)), the team's rank in the grid is its group.
 // kStatsMeanRstd / kStatsMeanVar (splits = 1) write the exact statistics of the groups that
 // gn_exact_group / gn_exact_moments select (the apply kernel recomputes those groups' y).
-template <typename T, int V>
+template <typename T, int V, int kTeam>
 __global__ void __launch_bounds__(kBlock)
-stats_kernel(const T* __restrict__ x, int64_t L, uint32_t chunk, int mode, double eps,
+stats_kernel(const T* __restrict__ x, int64_t NG, int64_t L, uint32_t chunk, int mode, double eps,
              AccT<T>* __restrict__ mean, AccT<T>* __restrict__ second, AccT<T>* __restrict__ part) {
   using A = AccT<T>;
-  const int64_t ng = blockIdx.x;
+  const int64_t ng = int64_t(blockIdx.x) * (kBlock / kTeam) + team_rank<kTeam>();
+  if (kTeam != kBlock && ng >= NG) return;  // whole teams leave together
   const uint32_t begin = blockIdx.y * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
-  Welford<A> w = thread_moments<T, V, A>(x + ng * L, begin, end);
-  w = block_welford<kBlock>(w);  // every thread gets it: the exact decision is block-uniform
+  Welford<A> w = thread_moments<T, V, A, kTeam>(x + ng * L, begin, end);
+  w = team_welford<kTeam>(w);  // every lane gets it: the exact decision is team-uniform
   const bool exact =
       (mode == kStatsMeanRstd &&
        gn_exact_group<T>(w.mean, gn_rstd(w.var(), static_cast<A>(eps)), L)) ||
       (mode == kStatsMeanVar && gn_exact_moments<T>(w.mean, w.var(), L));
   if (exact) {
-    const ExactStats st = exact_stats<kBlock>(x + ng * L, static_cast<uint32_t>(L), eps);
-    if (threadIdx.x == 0) {
+    const ExactStats st = exact_stats<kTeam>(x + ng * L, static_cast<uint32_t>(L), eps);
+    if (team_lane<kTeam>() == 0) {
       mean[ng] = static_cast<A>(st.x0 + st.d);
       second[ng] = static_cast<A>(mode == kStatsMeanVar ? st.var : st.r);
     }
     return;
   }
-  if (threadIdx.x != 0) return;
+  if (team_lane<kTeam>() != 0) return;
   if (mode == kStatsPartial) {
     A* p = part + (ng * gridDim.y + blockIdx.y) * kStatsPart;
     p[0] = w.count;
@@ -346,77 +466,115 @@ moments_finalize_kernel(const AccT<T>* __restrict__ part, int splits, int64_t NG
   }
 }
 
-// Elementwise map over elements [begin, end) of one group: out[e] = op(op.coef(channel(e)), in0[e],
-// in1[e]). Vectorized when V > 1 (16-byte aligned pointers, V | begin, end); one coefficient lookup
-// per vector when V | S, else the channel is tracked element by element without divisions.
-template <typename T, int V, int NIn, typename Op>
-__device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __restrict__ in1,
-                                          T* __restrict__ out, uint32_t begin, uint32_t end,
-                                          uint32_t S, const Op& op) {
+// Elementwise map, out[e] = op(op.coef(channel(e)), in0[e], in1[e]), over this lane's share of
+// elements [begin, end) of one group (team of kTeam lanes). The pieces below walk the channel
+// (ChannelWalk): no division per element.
+
+// Scalar elements [lo, hi), lane-strided.
+template <typename T, int NIn, int kTeam, typename Op>
+__device__ __forceinline__ void map_scalar(const T* __restrict__ in0, const T* __restrict__ in1,
+                                           T* __restrict__ out, uint32_t lo, uint32_t hi,
+                                           uint32_t S, const Op& op) {
   using A = AccT<T>;
+  uint32_t i = lo + team_lane<kTeam>();
+  if (i >= hi) return;
+  ChannelWalk cw(i, kTeam, S);
+  uint32_t c = cw.c;
+  typename Op::Coef cf = op.coef(c);
+  for (; i < hi; i += kTeam, cw.next()) {
+    if (cw.c != c) cf = op.coef(c = cw.c);
+    out[i] = from_acc<T>(op(cf, to_acc(in0[i]), NIn > 1 ? to_acc(in1[i]) : A(0)));
+  }
+}
+
+// 16-byte vectors [lo, hi) (out + lo 16-byte aligned, V | hi - lo; inputs at out's offset are
+// loaded as vectors, others element by element). The common case (every input aligned too, no
+// vector crossing a channel: V | S and V | lo) keeps kUnroll vectors in flight with one
+// coefficient per vector; otherwise one vector at a time, its channel tracked element by element
+// (a separate loop, so the common one keeps its registers).
+template <typename T, int V, int NIn, int kTeam, typename Op>
+__device__ __forceinline__ void map_vectors(const T* __restrict__ in0, const T* __restrict__ in1,
+                                            T* __restrict__ out, uint32_t lo, uint32_t hi,
+                                            uint32_t S, const Op& op) {
+  using A = AccT<T>;
+  using VT = Vec<T, V>;
   using Coef = typename Op::Coef;
-  if (V > 1) {
-    using VT = Vec<T, V>;
-    const VT* p0 = reinterpret_cast<const VT*>(in0);
-    const VT* p1 = reinterpret_cast<const VT*>(in1);
-    VT* po = reinterpret_cast<VT*>(out);
-    const uint32_t e = end / V;
-    uint32_t i = begin / V + threadIdx.x;
-    if (S % V == 0) {
-      for (; i + (kUnroll - 1) * kBlock < e; i += kUnroll * kBlock) {
-        VT r0[kUnroll], r1[kUnroll];
+  const uint32_t lane = team_lane<kTeam>();
+  const uint32_t e = (hi - lo) / V;
+  if (lane >= e) return;
+  const T* q0 = in0 + lo;
+  const T* q1 = NIn > 1 ? in1 + lo : nullptr;
+  const bool v0 = is_aligned16(q0), v1 = NIn > 1 && is_aligned16(q1);
+  VT* po = reinterpret_cast<VT*>(out + lo);
+  ChannelWalk cw(lo + lane * V, kTeam * V, S);
+  uint32_t i = lane;
+  if (S % V == 0 && lo % V == 0 && v0 && (NIn < 2 || v1)) {  // the common case: all aligned
+    const VT* p0 = reinterpret_cast<const VT*>(q0);
+    const VT* p1 = reinterpret_cast<const VT*>(q1);
+    for (; i + (kUnroll - 1) * kTeam < e; i += kUnroll * kTeam) {
+      VT r0[kUnroll], r1[kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          r0[u] = p0[i + u * kBlock];
-          if (NIn > 1) r1[u] = p1[i + u * kBlock];
-        }
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          const Coef cf = op.coef((i + u * kBlock) * V / S);
-          VT o;
-#pragma unroll
-          for (int k = 0; k < V; ++k)
-            o.v[k] = from_acc<T>(op(cf, to_acc(r0[u].v[k]), NIn > 1 ? to_acc(r1[u].v[k]) : A(0)));
-          po[i + u * kBlock] = o;
-        }
+      for (int u = 0; u < kUnroll; ++u) {
+        r0[u] = p0[i + u * kTeam];
+        if (NIn > 1) r1[u] = p1[i + u * kTeam];
       }
-      for (; i < e; i += kBlock) {
-        const VT r0 = p0[i];
-        VT r1;
-        if (NIn > 1) r1 = p1[i];
-        const Coef cf = op.coef(i * V / S);
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const Coef cf = op.coef(cw.c);
+        cw.next();
         VT o;
 #pragma unroll
         for (int k = 0; k < V; ++k)
-          o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
-        po[i] = o;
+          o.v[k] = from_acc<T>(op(cf, to_acc(r0[u].v[k]), NIn > 1 ? to_acc(r1[u].v[k]) : A(0)));
+        po[i + u * kTeam] = o;
       }
-    } else {
-      for (; i < e; i += kBlock) {
-        const VT r0 = p0[i];
-        VT r1;
-        if (NIn > 1) r1 = p1[i];
-        uint32_t c = i * V / S;
-        uint32_t s = i * V - c * S;
-        Coef cf = op.coef(c);
-        VT o;
+    }
+    for (; i < e; i += kTeam, cw.next()) {
+      const VT r0 = p0[i];
+      VT r1;
+      if (NIn > 1) r1 = p1[i];
+      const Coef cf = op.coef(cw.c);
+      VT o;
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          if (s == S) {
-            s = 0;
-            cf = op.coef(++c);
-          }
-          o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
-          ++s;
+      for (int k = 0; k < V; ++k)
+        o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
+      po[i] = o;
+    }
+  } else {  // vectors across channels, or an input at another offset: one vector at a time
+    for (; i < e; i += kTeam, cw.next()) {
+      const VT r0 = load_vec<T, V>(q0, v0, i);
+      VT r1;
+      if (NIn > 1) r1 = load_vec<T, V>(q1, v1, i);
+      uint32_t c = cw.c, sk = cw.s;
+      Coef cf = op.coef(c);
+      VT o;
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        if (sk == S) {
+          sk = 0;
+          cf = op.coef(++c);
         }
-        po[i] = o;
+        o.v[k] = from_acc<T>(op(cf, to_acc(r0.v[k]), NIn > 1 ? to_acc(r1.v[k]) : A(0)));
+        ++sk;
       }
+      po[i] = o;
     }
+  }
+}
+
+// The whole map: with V > 1 the scalar head, the vectors and the scalar tail of cut16 (cut at
+// out's 16-byte boundaries: stores are always whole vectors); V = 1: all scalar.
+template <typename T, int V, int NIn, int kTeam, typename Op>
+__device__ __forceinline__ void map_group(const T* __restrict__ in0, const T* __restrict__ in1,
+                                          T* __restrict__ out, uint32_t begin, uint32_t end,
+                                          uint32_t S, const Op& op) {
+  if (V > 1) {
+    const Cut cut = cut16<T, V>(out, begin, end);
+    map_scalar<T, NIn, kTeam>(in0, in1, out, begin, cut.a0, S, op);
+    map_vectors<T, V, NIn, kTeam>(in0, in1, out, cut.a0, cut.a1, S, op);
+    map_scalar<T, NIn, kTeam>(in0, in1, out, cut.a1, end, S, op);
   } else {
-    for (uint32_t i = begin + threadIdx.x; i < end; i += kBlock) {
-      const Coef cf = op.coef(i / S);
-      out[i] = from_acc<T>(op(cf, to_acc(in0[i]), NIn > 1 ? to_acc(in1[i]) : A(0)));
-    }
+    map_scalar<T, NIn, kTeam>(in0, in1, out, begin, end, S, op);
   }
 }
 
@@ -439,46 +597,58 @@ struct FwdOp {
   }
 };
 
-// Grid (N*G, chunks). With splits > 1 the block first merges the group's partial states (and the
-// chunk-0 block publishes mean/rstd); otherwise the stats kernel already wrote them (exact ones for
-// the groups gn_exact_group selects, which it then selects again here: see group_norm_math.h).
-template <typename T, typename P, int V, Act ACT>
+// The group of this thread's team in a grid of groups taken in reverse (the last group first):
+// blocks then run in reverse of the kernel before them, and the first ones find the data that it
+// read last still in L2 (helps tensors larger than L2). -1 for a team past the last group.
+template <int kTeam>
+__device__ __forceinline__ int64_t reverse_group(int64_t first_block, int64_t NG) {
+  const int64_t t = (int64_t(blockIdx.x) - first_block) * (kBlock / kTeam) + team_rank<kTeam>();
+  return t < NG ? NG - 1 - t : -1;
+}
+
+// Grid (N*G / groups per block, chunks). With splits > 1 (kTeam == kBlock only) the block first
+// merges the group's partial states (and the chunk-0 block publishes mean/rstd); otherwise the
+// stats kernel already wrote them (exact ones for the groups gn_exact_group selects, which it then
+// selects again here: see group_norm_math.h).
+template <typename T, typename P, int V, Act ACT, int kTeam>
 __global__ void __launch_bounds__(kBlock)
 fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* __restrict__ beta,
                  T* __restrict__ y, AccT<T>* __restrict__ mean, AccT<T>* __restrict__ rstd,
-                 const AccT<T>* __restrict__ part, int splits, double eps, int64_t L, uint32_t S,
-                 int64_t G, uint32_t D, uint32_t chunk) {
+                 const AccT<T>* __restrict__ part, int splits, double eps, int64_t NG, int64_t L,
+                 uint32_t S, int64_t G, uint32_t D, uint32_t chunk) {
   using A = AccT<T>;
   __shared__ A s_mu, s_r;
-  // NB: blocks run in reverse of the stats kernel's order, so the first ones find the x that the
-  // stats kernel read last still in L2 (helps tensors larger than L2).
-  const int64_t ng = gridDim.x - 1 - blockIdx.x;
+  const int64_t ng = reverse_group<kTeam>(0, NG);
+  if (kTeam != kBlock && ng < 0) return;  // whole teams leave together
   const uint32_t piece = gridDim.y - 1 - blockIdx.y;
-  if (splits > 1) {
-    if (threadIdx.x < kWarp) {
-      const Welford<A> w = warp_merge_partials(part, ng, splits);
-      if (threadIdx.x == 0) {
-        s_mu = w.mean;
-        s_r = gn_rstd(w.var(), static_cast<A>(eps));
+  if (kTeam == kBlock) {  // smaller teams: splits == 1, every lane reads mean/rstd itself
+    if (splits > 1) {
+      if (threadIdx.x < kWarp) {
+        const Welford<A> w = warp_merge_partials(part, ng, splits);
+        if (threadIdx.x == 0) {
+          s_mu = w.mean;
+          s_r = gn_rstd(w.var(), static_cast<A>(eps));
+        }
       }
+    } else if (threadIdx.x == 0) {
+      s_mu = mean[ng];
+      s_r = rstd[ng];
     }
-  } else if (threadIdx.x == 0) {
-    s_mu = mean[ng];
-    s_r = rstd[ng];
+    __syncthreads();
   }
-  __syncthreads();
-  const A mu = s_mu, r = s_r;
+  const A mu = kTeam == kBlock ? s_mu : mean[ng], r = kTeam == kBlock ? s_r : rstd[ng];
   const bool publish = splits > 1 && piece == 0 && threadIdx.x == 0;
   const int64_t g = ng % G;
   const uint32_t begin = piece * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
-  if (gn_exact_group<T>(mu, r, L)) {  // block-uniform
-    const ExactStats st = exact_stats<kBlock>(x + ng * L, static_cast<uint32_t>(L), eps);
+  if (gn_exact_group<T>(mu, r, L)) {  // team-uniform
+    const ExactStats st = exact_stats<kTeam>(x + ng * L, static_cast<uint32_t>(L), eps);
     if (publish) {
       mean[ng] = static_cast<A>(st.x0 + st.d);
       rstd[ng] = static_cast<A>(st.r);
     }
-    exact_fwd_range<ACT>(x + ng * L, y + ng * L, gamma + g * D, beta + g * D, st, begin, end, S);
+    exact_fwd_range<kTeam, ACT>(x + ng * L, y + ng * L, gamma + g * D, beta + g * D, st, begin,
+                                end, S);
     return;
   }
   if (publish) {
@@ -486,7 +656,7 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
     rstd[ng] = r;
   }
   FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, mu, r};
-  map_group<T, V, 1>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
+  map_group<T, V, 1, kTeam>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
 }
 
 template <typename A>
@@ -497,20 +667,22 @@ struct MomentsBwdOp {
   __device__ __forceinline__ A operator()(const Coef&, A x, A) const { return c0 + c1 * (x - mu); }
 };
 
-template <typename T, int V>
+// Grid (N*G / groups per block, chunks): dx = dmean / L + dvar * 2 (x - mean) / L.
+template <typename T, int V, int kTeam>
 __global__ void __launch_bounds__(kBlock)
 moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
                    const AccT<T>* __restrict__ dmean, const AccT<T>* __restrict__ dvar,
-                   T* __restrict__ dx, int64_t L, uint32_t S, uint32_t chunk) {
+                   T* __restrict__ dx, int64_t NG, int64_t L, uint32_t S, uint32_t chunk) {
   using A = AccT<T>;
-  const int64_t ng = blockIdx.x;
+  const int64_t ng = int64_t(blockIdx.x) * (kBlock / kTeam) + team_rank<kTeam>();
+  if (ng >= NG) return;
   MomentsBwdOp<A> op;
   op.mu = mean[ng];
   gn_moments_bwd_coeffs<A>(dmean ? dmean[ng] : A(0), dvar ? dvar[ng] : A(0), A(1) / A(L), &op.c0,
                            &op.c1);
   const uint32_t begin = blockIdx.y * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
-  map_group<T, V, 1>(x + ng * L, nullptr, dx + ng * L, begin, end, S, op);
+  map_group<T, V, 1, kTeam>(x + ng * L, nullptr, dx + ng * L, begin, end, S, op);
 }
 
 // Row sums of an exactly recomputed group's row (n, c) over elements [begin, end), for backward
@@ -577,29 +749,28 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
     const T* xr = x + row * S;
     const uint32_t begin = blockIdx.y * chunk;
     const uint32_t end = static_cast<uint32_t>(imin<int64_t>(S, int64_t(begin) + chunk));
+    auto add = [&](A xv, A d) {
+      const A g = gn_act_grad<ACT>(xv * ca + cb, d);
+      acc.a += g * (xv - mu);
+      acc.b += g;
+    };
+    // V > 1: scalar head, 16-byte vectors, scalar tail (cut16 at x's boundaries; dy is loaded
+    // as vectors where it shares x's offset modulo 16, element by element where it does not)
+    const Cut cut = V > 1 ? cut16<T, V>(xr, begin, end) : Cut{end, end};
+    for (uint32_t i = begin + lane; i < cut.a0; i += kTeam) add(to_acc(xr[i]), to_acc(dyr[i]));
     if (V > 1) {
       using VT = Vec<T, V>;
-      const VT* pd = reinterpret_cast<const VT*>(dyr);
-      const VT* px = reinterpret_cast<const VT*>(xr);
-      for (uint32_t i = begin / V + lane; i < end / V; i += kTeam) {
-        const VT d = pd[i];
+      const T* qd = dyr + cut.a0;
+      const bool dv = is_aligned16(qd);
+      const VT* px = reinterpret_cast<const VT*>(xr + cut.a0);
+      for (uint32_t i = lane; i < (cut.a1 - cut.a0) / V; i += kTeam) {
+        const VT d = load_vec<T, V>(qd, dv, i);
         const VT v = px[i];
 #pragma unroll
-        for (int k = 0; k < V; ++k) {
-          const A xv = to_acc(v.v[k]);
-          const A g = gn_act_grad<ACT>(xv * ca + cb, to_acc(d.v[k]));
-          acc.a += g * (xv - mu);
-          acc.b += g;
-        }
-      }
-    } else {
-      for (uint32_t i = begin + lane; i < end; i += kTeam) {
-        const A xv = to_acc(xr[i]);
-        const A g = gn_act_grad<ACT>(xv * ca + cb, to_acc(dyr[i]));
-        acc.a += g * (xv - mu);
-        acc.b += g;
+        for (int k = 0; k < V; ++k) add(to_acc(v.v[k]), to_acc(d.v[k]));
       }
     }
+    for (uint32_t i = cut.a1 + lane; i < end; i += kTeam) add(to_acc(xr[i]), to_acc(dyr[i]));
   }
   if (kTeam == kBlock) {
     acc = block_sum<kBlock>(acc);
@@ -640,9 +811,10 @@ struct BwdOp {
   }
 };
 
-// Backward kernel 2. Grid (N*G, chunks): each block writes dx for a chunk of its group (exactly
-// recomputed groups: exact_bwd_range, from x and dy alone). dgamma/dbeta: bwd_param_kernel.
-template <typename T, typename P, int V, Act ACT>
+// Backward kernel 2. Grid (N*G / groups per block, chunks): each team of kTeam threads writes dx
+// for a chunk of its group (exactly recomputed groups: exact_bwd_range, from x and dy alone).
+// dgamma/dbeta: bwd_param_kernel.
+template <typename T, typename P, int V, Act ACT, int kTeam>
 __global__ void __launch_bounds__(kBlock)
 bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* __restrict__ mean,
               const AccT<T>* __restrict__ rstd, const AccT<T>* __restrict__ dmean_o,
@@ -654,20 +826,21 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   const int64_t L = int64_t(D) * S;
   const int64_t NG = N * G;
   // Groups in reverse of the row-sum kernel's order: the first blocks find dy and x in L2.
-  const int64_t ng = NG - 1 - int64_t(blockIdx.x);
+  const int64_t ng = reverse_group<kTeam>(0, NG);
+  if (kTeam != kBlock && ng < 0) return;  // whole teams leave together
   const int64_t g = ng % G;
   const int64_t row0 = ng * D;  // (n*C + g*D)
   const P* gg = gamma + g * D;
   const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   const A dmean_g = dmean_o ? dmean_o[ng] : A(0), drstd_g = drstd_o ? drstd_o[ng] : A(0);
-  if (gn_exact_group<T>(mean[ng], rstd[ng], L)) {  // block-uniform
-    exact_bwd_range<ACT>(x + ng * L, dy + ng * L, dx + ng * L, gg, beta + g * D, dmean_g, drstd_g,
-                         eps, static_cast<uint32_t>(L), S, begin, end);
+  if (gn_exact_group<T>(mean[ng], rstd[ng], L)) {  // team-uniform
+    exact_bwd_range<kTeam, ACT>(x + ng * L, dy + ng * L, dx + ng * L, gg, beta + g * D, dmean_g,
+                                drstd_g, eps, static_cast<uint32_t>(L), S, begin, end);
     return;
   }
   Pair<A> ab{A(0), A(0)};
-  for (uint32_t d = threadIdx.x; d < D; d += kBlock) {
+  for (uint32_t d = team_lane<kTeam>(); d < D; d += kTeam) {
     const A* p = part + (row0 + d) * rsplits * kRowPart;
     A ds = 0, db = 0;
     for (int k = 0; k < rsplits; ++k) {
@@ -678,14 +851,14 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
     ab.a += gm * ds;
     ab.b += gm * db;
   }
-  ab = block_sum<kBlock>(ab);
+  ab = team_sum<kTeam>(ab);
   BwdOp<P, A, ACT> op;
   op.gamma = gg;
   op.beta = beta + g * D;
   op.mu = mean[ng];
   op.r = rstd[ng];
   gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_g, drstd_g, &op.c2, &op.c3);
-  map_group<T, V, 2>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
+  map_group<T, V, 2, kTeam>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
 }
 
 // Backward parameter gradients, stage 1 of param_reduce.cuh's two-stage reduction over n (stage 2:
@@ -737,42 +910,97 @@ int64_t plan_chunks(int64_t units, int64_t want, int64_t min_units, int64_t max_
   return chunk;
 }
 
-struct StatsPlan {
-  int V = 1;              // vector width used (1 = scalar path)
-  int64_t splits = 1;     // blocks per group
-  int64_t chunk = 0;      // elements per block (multiple of V)
+// The team of threads per group of L elements of `elem` bytes (see kThreadMaxBytes): the one
+// place that picks it, for every kernel over groups (statistics, apply, gn_moments backward, dx).
+int plan_team(int64_t L, size_t elem) {
+  const int64_t bytes = L * static_cast<int64_t>(elem);
+  return bytes <= kThreadMaxBytes ? 1 : bytes <= kWarpMaxBytes ? kWarp : kBlock;
+}
+
+// Whether a kernel over these buffers (nullptr ones ignored) may use 16-byte vectors: every
+// pointer element-aligned (always, for real allocations and views). cut16 then aligns one buffer
+// per run (the output, or x), and the others are loaded as vectors where they share its offset
+// modulo 16, element by element where they do not (load_vec).
+template <typename T>
+bool vectorizable(std::initializer_list<const void*> ptrs) {
+  for (const void* p : ptrs)
+    if (reinterpret_cast<uintptr_t>(p) % sizeof(T) != 0) return false;
+  return true;
+}
+
+template <int kTeam>
+struct TeamTag {
+  static constexpr int value = kTeam;
+};
+// f(TeamTag<team>{}) for the teams plan_team picks.
+template <typename F>
+void dispatch_team(int team, F&& f) {
+  if (team == 1)
+    f(TeamTag<1>{});
+  else if (team == kWarp)
+    f(TeamTag<kWarp>{});
+  else
+    f(TeamTag<kBlock>{});
+}
+
+// The launch plan of a kernel over groups: grid (blocks(NG), pieces), kBlock threads.
+struct GroupPlan {
+  int team = kBlock;    // threads per group (plan_team)
+  int V = 1;            // vector width (1: the scalar path)
+  int64_t pieces = 1;   // blocks per group (team == kBlock only)
+  int64_t chunk = 0;    // elements per piece (a multiple of V)
+  int64_t blocks(int64_t NG) const { return ceil_div(NG, kBlock / team); }
 };
 
-// Sizes split groups by one wave of the stats kernel that will run (occupancy API).
+// One piece per group; team and vector width from the group's size and the buffers' alignment.
 template <typename T>
-const char* plan_stats(const void* x, const void* y, int64_t NG, int64_t L, bool can_split,
-                       StatsPlan* p) {
-  const int Vw = vec_width<T>();
-  p->V = (L % Vw == 0 && aligned16(x) && (y == nullptr || aligned16(y))) ? Vw : 1;
+GroupPlan plan_group(int64_t L, std::initializer_list<const void*> ptrs) {
+  GroupPlan p;
+  p.team = plan_team(L, sizeof(T));
+  p.V = vectorizable<T>(ptrs) ? vec_width<T>() : 1;
+  p.chunk = L;
+  return p;
+}
+
+// Splits each group of a block-per-group plan into pieces of >= min_vecs vectors, aiming at `want`
+// pieces, at most max_pieces (smaller teams: one piece).
+void split_groups(int64_t L, int64_t want, int64_t min_vecs, int64_t max_pieces, GroupPlan* p) {
+  if (p->team != kBlock) return;
+  const int64_t cu = plan_chunks(ceil_div(L, p->V), want, min_vecs, max_pieces, &p->pieces);
+  p->chunk = cu * p->V;
+}
+
+// The statistics kernel's plan (it reads x only). Split groups are sized by one wave of the
+// block-per-group stats kernel that will run (occupancy API).
+template <typename T>
+const char* plan_stats(const void* x, int64_t NG, int64_t L, bool can_split, GroupPlan* p) {
+  *p = plan_group<T>(L, {x});
   int64_t want = 1;
-  if (can_split) {
+  if (can_split && p->team == kBlock) {
     int64_t wave = 1;
-    if (const char* e = wave_blocks(p->V > 1 ? stats_kernel<T, vec_width<T>()> : stats_kernel<T, 1>,
+    if (const char* e = wave_blocks(p->V > 1 ? stats_kernel<T, vec_width<T>(), kBlock>
+                                             : stats_kernel<T, 1, kBlock>,
                                     kBlock, 0, &wave))
       return e;
     want = ceil_div(wave, NG);
   }
-  const int64_t units = L / p->V;
-  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * 4, kMaxSplits, &p->splits);
-  p->chunk = cu * p->V;
+  split_groups(L, want, int64_t(kBlock) * 4, kMaxSplits, p);
   return nullptr;
 }
 
-// Chunks for the elementwise kernel `k`: about two waves of its blocks, >= 4 vectors per thread.
+// Pieces for the elementwise kernel `k` (block per group): about two waves of its blocks, >= 4
+// vectors per thread.
 template <typename K>
-const char* plan_map(K* k, int64_t NG, int64_t L, int V, int64_t* chunk, int64_t* chunks) {
+const char* plan_map(K* k, int64_t NG, int64_t L, GroupPlan* p) {
+  if (p->team != kBlock) return nullptr;
   int64_t wave = 1;
   if (const char* e = wave_blocks(k, kBlock, 0, &wave)) return e;
-  const int64_t units = L / V;
-  const int64_t want = ceil_div(2 * wave, NG);
-  const int64_t cu = plan_chunks(units, want, int64_t(kBlock) * kUnroll, kMaxGridY, chunks);
-  *chunk = cu * V;
+  split_groups(L, ceil_div(2 * wave, NG), int64_t(kBlock) * kUnroll, kMaxGridY, p);
   return nullptr;
+}
+
+dim3 group_grid(const GroupPlan& p, int64_t NG) {
+  return dim3(static_cast<unsigned>(p.blocks(NG)), static_cast<unsigned>(p.pieces));
 }
 
 // group_shape.h's rules, then the CUDA kernels' 32-bit limits.
@@ -784,38 +1012,37 @@ const char* check_dims(const GroupDims& d) {
 }
 
 // The one layout of the split statistics' workspace: kStatsPart values (count, mean, M2) for each
-// of the p.splits pieces of every group, none when groups are not split. With ws == nullptr it only
+// of the p.pieces pieces of every group, none when groups are not split. With ws == nullptr it only
 // measures: stats_workspace() sizes the buffer with the same code that finds `part` in it.
 template <typename T>
-AccT<T>* carve_stats(void* ws, int64_t NG, const StatsPlan& p, size_t* bytes = nullptr) {
+AccT<T>* carve_stats(void* ws, int64_t NG, const GroupPlan& p, size_t* bytes = nullptr) {
   WorkspaceCarver<16> w{static_cast<char*>(ws)};
   AccT<T>* part = nullptr;
-  if (p.splits > 1) part = w.take<AccT<T>>(static_cast<size_t>(NG * p.splits * kStatsPart));
+  if (p.pieces > 1) part = w.take<AccT<T>>(static_cast<size_t>(NG * p.pieces * kStatsPart));
   if (bytes) *bytes = w.off;
   return part;
 }
 
 template <typename T>
-size_t stats_workspace(const void* x, const void* y, const GroupDims& d) {
+size_t stats_workspace(const void* x, const GroupDims& d) {
   if (check_dims(d)) return 0;
-  StatsPlan p;
-  if (plan_stats<T>(x, y, d.N * d.G, d.D * d.S, true, &p)) return 0;
+  GroupPlan p;
+  if (plan_stats<T>(x, d.N * d.G, d.D * d.S, true, &p)) return 0;
   size_t bytes = 0;
   carve_stats<T>(nullptr, d.N * d.G, p, &bytes);
   return bytes;
 }
 
 template <typename T>
-const char* launch_stats(const T* x, int64_t NG, int64_t L, const StatsPlan& p, int mode,
+const char* launch_stats(const T* x, int64_t NG, int64_t L, const GroupPlan& p, int mode,
                          double eps, AccT<T>* mean, AccT<T>* second, AccT<T>* part,
                          cudaStream_t st) {
-  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(p.splits));
-  if (p.V > 1)
-    stats_kernel<T, vec_width<T>()><<<grid, kBlock, 0, st>>>(
-        x, L, static_cast<uint32_t>(p.chunk), mode, eps, mean, second, part);
-  else
-    stats_kernel<T, 1><<<grid, kBlock, 0, st>>>(x, L, static_cast<uint32_t>(p.chunk), mode, eps,
-                                                 mean, second, part);
+  dispatch_team(p.team, [&](auto team) {
+    constexpr int kTeam = decltype(team)::value;
+    auto* k = p.V > 1 ? stats_kernel<T, vec_width<T>(), kTeam> : stats_kernel<T, 1, kTeam>;
+    k<<<group_grid(p, NG), kBlock, 0, st>>>(x, NG, L, static_cast<uint32_t>(p.chunk), mode, eps,
+                                             mean, second, part);
+  });
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -824,11 +1051,11 @@ template <typename T>
 const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
   const int64_t NG = a.dims.N * a.dims.G, L = (a.dims.C / a.dims.G) * a.dims.S;
-  StatsPlan p;
-  if (const char* e = plan_stats<T>(a.x, nullptr, NG, L, ws != nullptr, &p)) return e;
+  GroupPlan p;
+  if (const char* e = plan_stats<T>(a.x, NG, L, ws != nullptr, &p)) return e;
   A* mean = static_cast<A*>(a.mean);
   A* var = static_cast<A*>(a.var);
-  if (p.splits <= 1)
+  if (p.pieces <= 1)
     return launch_stats<T>(static_cast<const T*>(a.x), NG, L, p, kStatsMeanVar, 0.0, mean, var,
                            nullptr, st);
   A* part = carve_stats<T>(ws, NG, p);
@@ -836,7 +1063,7 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
                                       nullptr, nullptr, part, st))
     return e;
   moments_finalize_kernel<T><<<static_cast<unsigned>(ceil_div(NG, kNumWarps)), kBlock, 0, st>>>(
-      part, static_cast<int>(p.splits), NG, mean, var, static_cast<const T*>(a.x), L);
+      part, static_cast<int>(p.pieces), NG, mean, var, static_cast<const T*>(a.x), L);
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -845,30 +1072,34 @@ template <typename T, typename P>
 const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
   const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G, L = D * a.dims.S;
-  StatsPlan p;
-  if (const char* e = plan_stats<T>(a.x, a.y, NG, L, ws != nullptr, &p)) return e;
+  GroupPlan sp;
+  if (const char* e = plan_stats<T>(a.x, NG, L, ws != nullptr, &sp)) return e;
   const T* x = static_cast<const T*>(a.x);
   T* y = static_cast<T*>(a.y);
   A* mean = static_cast<A*>(a.mean);
   A* rstd = static_cast<A*>(a.rstd);
-  A* part = carve_stats<T>(ws, NG, p);
+  A* part = carve_stats<T>(ws, NG, sp);
   const double eps = a.eps;
-  if (const char* e = launch_stats<T>(x, NG, L, p, p.splits > 1 ? kStatsPartial : kStatsMeanRstd,
+  if (const char* e = launch_stats<T>(x, NG, L, sp, sp.pieces > 1 ? kStatsPartial : kStatsMeanRstd,
                                       eps, mean, rstd, part, st))
     return e;
   const P* gamma = static_cast<const P*>(a.gamma);
   const P* beta = static_cast<const P*>(a.beta);
-  const int splits = static_cast<int>(p.splits);
+  const int splits = static_cast<int>(sp.pieces);
+  GroupPlan p = plan_group<T>(L, {a.x, a.y});  // the same team as the statistics (plan_team)
   const char* err = nullptr;
   dispatch_act(a.act, [&](auto act) {
     constexpr Act ACT = decltype(act)::value;
-    auto* k = p.V > 1 ? fwd_apply_kernel<T, P, vec_width<T>(), ACT> : fwd_apply_kernel<T, P, 1, ACT>;
-    int64_t chunk = 0, chunks = 1;
-    if ((err = plan_map(k, NG, L, p.V, &chunk, &chunks))) return;
-    const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
-    k<<<grid, kBlock, 0, st>>>(x, gamma, beta, y, mean, rstd, part, splits, eps, L,
-                               static_cast<uint32_t>(a.dims.S), a.dims.G, static_cast<uint32_t>(D),
-                               static_cast<uint32_t>(chunk));
+    dispatch_team(p.team, [&](auto team) {
+      constexpr int kTeam = decltype(team)::value;
+      auto* k = p.V > 1 ? fwd_apply_kernel<T, P, vec_width<T>(), ACT, kTeam>
+                        : fwd_apply_kernel<T, P, 1, ACT, kTeam>;
+      if ((err = plan_map(k, NG, L, &p))) return;
+      k<<<group_grid(p, NG), kBlock, 0, st>>>(x, gamma, beta, y, mean, rstd, part, splits, eps,
+                                               NG, L, static_cast<uint32_t>(a.dims.S), a.dims.G,
+                                               static_cast<uint32_t>(D),
+                                               static_cast<uint32_t>(p.chunk));
+    });
   });
   if (err) return err;
   GN_CUDA_CHECK_LAUNCH();
@@ -879,19 +1110,23 @@ template <typename T>
 const char* moments_bwd_impl(const MomentsBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
   const int64_t NG = a.dims.N * a.dims.G, L = (a.dims.C / a.dims.G) * a.dims.S;
-  const int Vw = vec_width<T>();
-  const int V = (L % Vw == 0 && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
-  auto* k = V > 1 ? moments_bwd_kernel<T, vec_width<T>()> : moments_bwd_kernel<T, 1>;
-  int64_t chunk = 0, chunks = 1;
-  if (const char* e = plan_map(k, NG, L, V, &chunk, &chunks)) return e;
-  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
+  GroupPlan p = plan_group<T>(L, {a.x, a.dx});
   const T* x = static_cast<const T*>(a.x);
   const A* mean = static_cast<const A*>(a.mean);
   const A* dmean = static_cast<const A*>(a.dmean);
   const A* dvar = static_cast<const A*>(a.dvar);
   T* dx = static_cast<T*>(a.dx);
-  k<<<grid, kBlock, 0, st>>>(x, mean, dmean, dvar, dx, L, static_cast<uint32_t>(a.dims.S),
-                             static_cast<uint32_t>(chunk));
+  const char* err = nullptr;
+  dispatch_team(p.team, [&](auto team) {
+    constexpr int kTeam = decltype(team)::value;
+    auto* k = p.V > 1 ? moments_bwd_kernel<T, vec_width<T>(), kTeam>
+                      : moments_bwd_kernel<T, 1, kTeam>;
+    if ((err = plan_map(k, NG, L, &p))) return;
+    k<<<group_grid(p, NG), kBlock, 0, st>>>(x, mean, dmean, dvar, dx, NG, L,
+                                             static_cast<uint32_t>(a.dims.S),
+                                             static_cast<uint32_t>(p.chunk));
+  });
+  if (err) return err;
   GN_CUDA_CHECK_LAUNCH();
   return nullptr;
 }
@@ -909,7 +1144,7 @@ const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
   RowPlan& p = *out;
   const int Vw = vec_width<T>();
   const int64_t S = a.dims.S, rows = a.dims.N * a.dims.C;
-  p.V = (S % Vw == 0 && aligned16(a.dy) && aligned16(a.x)) ? Vw : 1;
+  p.V = vectorizable<T>({a.dy, a.x}) ? Vw : 1;  // rows of any S and offset: cut16 / load_vec
   if (S <= kRowThreadMaxS) {
     p.team = 1;
     p.V = 1;
@@ -925,7 +1160,7 @@ const char* plan_rows(const GroupNormBwdArgs& a, RowPlan* out) {
                                             : bwd_row_sums_kernel<T, P, 1, kBlock, ACT>,
                                     kBlock, 0, &wave))
       return e;
-    const int64_t units = S / p.V;
+    const int64_t units = ceil_div(S, p.V);
     const int64_t cu = plan_chunks(units, ceil_div(wave, rows), int64_t(kBlock) * 4, kMaxSplits,
                                    &p.splits);
     p.chunk = cu * p.V;
@@ -1032,12 +1267,7 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   if (e) return e;
 
   const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G, L = D * a.dims.S;
-  const int Vw = vec_width<T>();
-  const int V = (L % Vw == 0 && aligned16(a.dy) && aligned16(a.x) && aligned16(a.dx)) ? Vw : 1;
-  auto* k = V > 1 ? bwd_dx_kernel<T, P, vec_width<T>(), ACT> : bwd_dx_kernel<T, P, 1, ACT>;
-  int64_t chunk = 0, chunks = 1;
-  if (const char* e = plan_map(k, NG, L, V, &chunk, &chunks)) return e;
-  const dim3 grid(static_cast<unsigned>(NG), static_cast<unsigned>(chunks));
+  GroupPlan p = plan_group<T>(L, {a.dy, a.x, a.dx});
   const T* dy = static_cast<const T*>(a.dy);
   const T* x = static_cast<const T*>(a.x);
   const A* mean = static_cast<const A*>(a.mean);
@@ -1048,10 +1278,18 @@ const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   const P* beta = static_cast<const P*>(a.beta);
   T* dx = static_cast<T*>(a.dx);
   const int rs = static_cast<int>(rp.splits);
-  const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.dims.S),
-                 ch32 = static_cast<uint32_t>(chunk);
-  k<<<grid, kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta, part, rs, dx,
-                             a.dims.N, a.dims.G, D32, S32, ch32, a.eps);
+  const uint32_t D32 = static_cast<uint32_t>(D), S32 = static_cast<uint32_t>(a.dims.S);
+  const char* err = nullptr;
+  dispatch_team(p.team, [&](auto team) {
+    constexpr int kTeam = decltype(team)::value;
+    auto* k = p.V > 1 ? bwd_dx_kernel<T, P, vec_width<T>(), ACT, kTeam>
+                      : bwd_dx_kernel<T, P, 1, ACT, kTeam>;
+    if ((err = plan_map(k, NG, L, &p))) return;
+    k<<<group_grid(p, NG), kBlock, 0, st>>>(dy, x, mean, rstd, dmean_o, drstd_o, gamma, beta,
+                                              part, rs, dx, a.dims.N, a.dims.G, D32, S32,
+                                              static_cast<uint32_t>(p.chunk), a.eps);
+  });
+  if (err) return err;
   GN_CUDA_CHECK_LAUNCH();
   return launch_params<T, P>(a, rp, part, st);
 }
@@ -1071,7 +1309,7 @@ cudaStream_t as_stream(void* s) { return static_cast<cudaStream_t>(s); }
 size_t moments_workspace_cuda(const MomentsArgs& a) {
   size_t n = 0;
   dispatch_data(a.dtype, [&](auto tag) -> const char* {
-    n = stats_workspace<decltype(tag)>(a.x, nullptr, a.dims);
+    n = stats_workspace<decltype(tag)>(a.x, a.dims);
     return nullptr;
   });
   return n;
@@ -1080,7 +1318,7 @@ size_t moments_workspace_cuda(const MomentsArgs& a) {
 size_t group_norm_fwd_workspace_cuda(const GroupNormFwdArgs& a) {
   size_t n = 0;
   dispatch_data(a.dtype, [&](auto tag) -> const char* {
-    n = stats_workspace<decltype(tag)>(a.x, a.y, a.dims);
+    n = stats_workspace<decltype(tag)>(a.x, a.dims);
     return nullptr;
   });
   return n;

@@ -15,6 +15,7 @@
 #include <ucontext.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
@@ -319,8 +320,20 @@ struct Launcher {
   }
 };
 
+// GNMX_EMU_LAUNCH_LOG=<file>: every launch appends "grid.x grid.y grid.z block.x" to it (tests
+// check launch plans with it, e.g. tests/gpu/test_gpu_plans.py).
+inline void log_launch(dim3 g, dim3 b) {
+  const char* path = std::getenv("GNMX_EMU_LAUNCH_LOG");
+  if (!path) return;
+  if (FILE* f = std::fopen(path, "a")) {
+    std::fprintf(f, "%u %u %u %u\n", g.x, g.y, g.z, b.x);
+    std::fclose(f);
+  }
+}
+
 template <typename... P>
 Launcher<P...> launch(void (*k)(P...), dim3 g, dim3 b, size_t smem, cudaStream_t) {
+  log_launch(g, b);
   return Launcher<P...>{k, g, b, smem};
 }
 }  // namespace emu
