@@ -3,7 +3,8 @@
 
     python benchmarks/bench_inference.py                  # ~1-2 min; prints the report
     python benchmarks/bench_inference.py --quick          # fewer rounds
-    python benchmarks/bench_inference.py --out benchmarks/results   # also writes inference_cpu.{md,json}
+    python benchmarks/bench_inference.py --out inference_cpu   # also writes
+                                                  # benchmarks/results/inference_cpu.{md,json}
 
 The network: a 6-conv ResNet-style CNN on (N, 3, 64, 64) images, N = 1 and 8, fp32: a stride-2 stem
 conv (16 channels, 32x32) -> norm -> relu; a basic block at 16 channels (conv-norm-relu-conv-norm,
@@ -32,8 +33,9 @@ regime) by default; ``--regimes default`` (glibc defaults) or both. Each regime 
 child process. Every contender's output is checked against mx_gn's / the BN net's (the ONNX ones
 against the MXNet net they were exported from).
 
-Outputs: stdout; with --out DIR also DIR/inference_cpu.{md,json} (the tracked ones: --out
-benchmarks/results). Nothing is written without --out (the ONNX files go to a temporary directory).
+Outputs: stdout; with --out NAME also NAME.{md,json}: under benchmarks/results for a bare name (the
+tracked ones: --out inference_cpu), DIR/inference_cpu.{md,json} for an existing directory DIR.
+Nothing is written without --out (the ONNX files go to a temporary directory, removed after).
 """
 import argparse
 import json
@@ -46,9 +48,9 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import KEPT, add_timing_args, run_regimes, timing_defaults  # noqa: E402
+from _common import KEPT, add_timing_args, result_stem, run_regimes, timing_defaults  # noqa: E402
 
-BATCHES = (1, 8)
+BATCHES = [1, 8]
 MX_ROWS = ["mx_gn", "mx_gn_relu", "mx_affine", "mx_bn_folded", "mx_none", "mx_none_mkldnn"]
 ORT_ROWS = ["ort_gn", "ort_bn"]
 GROUP_SIZE = 4  # channels per GroupNorm group
@@ -292,38 +294,94 @@ def report(runs, args):
                   ""]
         if res["errors"]:
             lines += ["Errors: " + "; ".join("%s: %s" % kv for kv in res["errors"].items()), ""]
+        lines += conclusions(res)
     return "\n".join(lines)
+
+
+def conclusions(res):
+    """The reading of one regime's table, from its numbers: the fastest path per batch size, what
+    a library op costs in the norm's place, and the GroupNorm kernel's own share."""
+    norms = res.get("layers", {}).get("mx_gn", [6, 5])[1]
+    out = ["Reading (computed from the table above):", ""]
+    for n in BATCHES:
+        ms = {k: v for k, v in res["ms"][str(n)].items() if isinstance(v, float)}
+        if not ms:
+            continue
+        best = min(ms, key=ms.get)
+        gn = {k: ms[k] for k in ("mx_gn", "ort_gn") if k in ms}
+        line = "- %d image%s: fastest `%s` (%.2f ms)" % (n, "s" if n > 1 else "", best, ms[best])
+        if len(gn) == 2:
+            line += "; the GroupNorm net runs %.1fx faster in onnxruntime than in MXNet" % (
+                gn["mx_gn"] / gn["ort_gn"])
+        if "mx_bn_folded" in ms and "ort_gn" in ms:
+            line += " and %s MXNet's BN-folded net (%.2f vs %.2f ms)" % (
+                "beats" if ms["ort_gn"] < ms["mx_bn_folded"] else "does not beat",
+                ms["ort_gn"], ms["mx_bn_folded"])
+        if all(k in ms for k in ("mx_gn", "mx_affine", "mx_none")):
+            line += ("; inside MXNet, a library op in each of the %d norm positions costs "
+                     "%.2f ms per layer (`mx_affine` - `mx_none`), the GroupNorm math on top of "
+                     "that %.2f ms per layer (`mx_gn` - `mx_affine`)" % (
+                         norms, (ms["mx_affine"] - ms["mx_none"]) / norms,
+                         (ms["mx_gn"] - ms["mx_affine"]) / norms))
+        out.append(line + ".")
+    out.append("")
+    return out
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_timing_args(ap, "kept")
+    add_timing_args(ap, "kept", out_help="write NAME.{md,json}: a bare NAME under benchmarks/results "
+                    "(tracked: inference_cpu), an existing directory gets inference_cpu.{md,json}; "
+                    "default: print only")
     ap.add_argument("--note", default="", help="a sentence added to the result file (e.g. the "
                     "machine's load)")
+    ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
+                    help="batch sizes (default: %(default)s)")
     args = ap.parse_args()
+    BATCHES[:] = [int(b) for b in args.batches.split(",")]
     timing_defaults(args, quick=(7, 20.0, 8.0), full=(21, 50.0, 25.0))
     if args.child:
         return child(args)
     for r in args.regimes.split(","):
         if r not in REGIMES:
             ap.error("unknown regime %r (have: %s)" % (r, ", ".join(REGIMES)))
-    runs = run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()})
+    runs = run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()},
+                       extra=["--batches", args.batches])
     text = report(runs, args)
     print(text)
     if args.out is None:
         return
-    os.makedirs(args.out, exist_ok=True)
+    write(result_stem(args.out, "inference_cpu"), runs, text, args)
+
+
+WHY = """\
+Why MXNet is slower with gn_mx's GroupNorm than with BatchNorm, and onnxruntime is not: MXNet runs its
+convolutions in MKLDNN's blocked memory layout. An op outside MKLDNN, which every library (lib_api)
+op is, gets its input reordered to the plain NCHW layout, and the next convolution reorders its
+output back: two passes over the tensor per library op, plus lib_api's dispatch. `mx_affine` (the
+cheapest possible library op) measures that round trip; the difference to `mx_gn` is the GroupNorm
+computation itself. BatchNorm folded into the convolutions (`mx_bn_folded`) has no op at all in the
+norm's place. onnxruntime runs the exported GroupNorm (standard ONNX ops) inside one graph without
+that boundary. For CPU deployment of a gn_mx GroupNorm model: export it to ONNX
+(`gn_mx.onnx.export_model`) and run it in onnxruntime; inside MXNet, `GroupNorm(activation='relu')`
+saves the separate ReLU.
+"""
+
+
+def write(stem, runs, text, args):
+    """Writes stem.md (the report) and stem.json (the raw runs)."""
+    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
     date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
     head = ("# Inference latency, CPU (`benchmarks/bench_inference.py`)\n\n"
-            "%s UTC; fp32; (N, 3, 64, 64) input; every MXNet path hybridized with static_alloc and "
-            "static_shape; medians of %d interleaved samples per path.%s\n\n" % (
+            "%s UTC; fp32; (N, 3, 64, 64) input into a 6-conv ResNet-style net with 5 norm layers; "
+            "every MXNet path hybridized with static_alloc and static_shape; medians of up to %d "
+            "interleaved samples per path.%s\n\n" % (
                 date, args.rounds, (" " + args.note) if args.note else ""))
-    with open(os.path.join(args.out, "inference_cpu.md"), "w") as f:
-        f.write(head + text + "\n")
-    with open(os.path.join(args.out, "inference_cpu.json"), "w") as f:
+    with open(stem + ".md", "w") as f:
+        f.write(head + text + "\n" + WHY)
+    with open(stem + ".json", "w") as f:
         json.dump({"date_utc": date, "note": args.note, "rounds": args.rounds, "runs": runs,
                    "report": text}, f, indent=1)
-
 
 if __name__ == "__main__":
     main()
