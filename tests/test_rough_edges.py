@@ -20,7 +20,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 def _scripts():
     found = []
-    for top in ("benchmarks", "examples"):
+    for top in ("benchmarks", "examples", "tools"):
         for p in sorted(glob.glob(os.path.join(ROOT, top, "**", "*.py"), recursive=True)):
             if not os.path.basename(p).startswith("_"):  # helper modules, not scripts
                 found.append(p)
