@@ -14,10 +14,15 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KEPT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
 
-def add_timing_args(ap, regimes, out_help=None):
+def add_timing_args(ap, regimes, out_help=None, thread_list=False):
     """--threads/--quick/--regimes/--rounds/--min-sample-ms/--max-cell-s/--out/--child
-    (``out_help``: --out's help, when the script reads it otherwise than as a directory)."""
-    ap.add_argument("--threads", type=int, default=2)
+    (``out_help``: --out's help, when the script reads it otherwise than as a directory;
+    ``thread_list``: --threads takes comma-separated counts, a string the script splits)."""
+    if thread_list:
+        ap.add_argument("--threads", default="2", help="comma-separated thread counts, one child "
+                        "process per count and regime (default: %(default)s)")
+    else:
+        ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--regimes", default=regimes)
     ap.add_argument("--rounds", type=int, default=None)

@@ -26,8 +26,10 @@ interleaved (round-robin samples), medians:
                   onnxruntime's CPU provider
   ort_bn          the BatchNorm net exported to ONNX, run in onnxruntime (which folds BN itself)
 
-Threads: OMP_NUM_THREADS=--threads (default 2) for MXNet (its MKLDNN kernels), and onnxruntime's
-intra_op_num_threads=--threads, inter_op_num_threads=1, sequential execution. Allocator: glibc told
+Threads: OMP_NUM_THREADS=--threads (default 2; a list such as 1,2 runs each) for MXNet (its MKLDNN
+kernels), and onnxruntime's intra_op_num_threads=--threads, inter_op_num_threads=1, sequential
+execution. (On a machine busier than its cores, MXNet's OpenMP threads wait for each other at every
+barrier: 2-thread MXNet times then grow by orders of magnitude; 1 thread stays meaningful.) Allocator: glibc told
 to keep freed memory (MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11, the "kept"
 regime) by default; ``--regimes default`` (glibc defaults) or both. Each regime runs in its own
 child process. Every contender's output is checked against mx_gn's / the BN net's (the ONNX ones
@@ -274,8 +276,10 @@ def fmt(v):
 
 def report(runs, args):
     lines = []
-    for name, res in runs.items():
-        lines += ["## Regime `%s`: %s" % (name, REGIMES[name][1]), "",
+    for key, res in runs.items():
+        name = key.split("/")[0]
+        lines += ["## %d thread%s, regime `%s`: %s" % (
+                      res["threads"], "s" if res["threads"] > 1 else "", name, REGIMES[name][1]), "",
                   "%d thread(s): OMP_NUM_THREADS=%d for MXNet %s, onnxruntime %s with "
                   "intra_op_num_threads=%d (inter_op 1, sequential). Load average %.1f at the start, "
                   "%.1f at the end (1-minute)." % (
@@ -332,7 +336,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_timing_args(ap, "kept", out_help="write NAME.{md,json}: a bare NAME under benchmarks/results "
                     "(tracked: inference_cpu), an existing directory gets inference_cpu.{md,json}; "
-                    "default: print only")
+                    "default: print only", thread_list=True)
     ap.add_argument("--note", default="", help="a sentence added to the result file (e.g. the "
                     "machine's load)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
@@ -345,8 +349,12 @@ def main():
     for r in args.regimes.split(","):
         if r not in REGIMES:
             ap.error("unknown regime %r (have: %s)" % (r, ", ".join(REGIMES)))
-    runs = run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()},
-                       extra=["--batches", args.batches])
+    runs = {}
+    for threads in args.threads.split(","):
+        args.threads = int(threads)
+        for name, res in run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()},
+                                     extra=["--batches", args.batches]).items():
+            runs["%s/%dt" % (name, args.threads)] = res
     text = report(runs, args)
     print(text)
     if args.out is None:

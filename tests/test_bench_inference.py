@@ -61,15 +61,15 @@ def test_out_names_a_result_stem(tmp_path, monkeypatch):
            "ms": {"1": {"mx_gn": 3.0, "mx_gn_relu": 2.9, "mx_affine": 2.8, "mx_bn_folded": 1.3,
                         "mx_none": 1.2, "mx_none_mkldnn": 1.1, "ort_gn": 1.1, "ort_bn": 0.9}}}
     monkeypatch.setattr(mod, "BATCHES", [1])
-    text = mod.report({"kept": run}, None)
+    text = mod.report({"kept/2t": run}, None)
     assert "fastest `ort_bn` (0.90 ms)" in text
     assert "costs 0.32 ms per layer" in text  # (2.8 - 1.2) / 5
     args = types.SimpleNamespace(rounds=3, note="load 1")
-    mod.write(mod.result_stem(str(tmp_path), "inference_cpu"), {"kept": run}, text, args)
+    mod.write(mod.result_stem(str(tmp_path), "inference_cpu"), {"kept/2t": run}, text, args)
     assert sorted(os.listdir(str(tmp_path))) == ["inference_cpu.json", "inference_cpu.md"]
     md = (tmp_path / "inference_cpu.md").read_text()
     assert "load 1" in md and "MKLDNN" in md and text in md
-    assert json.loads((tmp_path / "inference_cpu.json").read_text())["runs"]["kept"] == run
+    assert json.loads((tmp_path / "inference_cpu.json").read_text())["runs"]["kept/2t"] == run
     # a bare name goes under benchmarks/results, another path is taken as given
     assert mod.result_stem("inference_cpu", "x") == os.path.join(ROOT, "benchmarks", "results",
                                                                  "inference_cpu")
