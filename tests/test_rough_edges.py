@@ -301,3 +301,30 @@ def test_legacy_zero_dims_still_mean_unknown():
     assert args[1] != (4,)  # gamma is filled from data only once all of data's shape is known
     args, outs, _ = s.infer_shape(data=(2, 4, 3))
     assert outs[0] == (2, 4, 3) and args[1] == (4,)
+
+
+# ---- the other shape rules, inside a hybridized parent (deferred initialization) ----------------
+
+@pytest.mark.parametrize("case", ["rank", "channels", "group_limit", "group_size"])
+def test_shape_rules_reported_by_the_block_inside_a_hybridized_parent(case):
+    net = gluon.nn.HybridSequential()
+    if case == "rank":
+        norm = gn_mx.GroupNorm(num_groups=1)
+        net.add(norm)
+        x, fragments = mx.nd.ones((4,)), ["at least 2 dims (N, C, *spatial); got shape (4,)"]
+    elif case == "channels":
+        norm = gn_mx.GroupNorm(num_groups=4, in_channels=8)
+        net.add(gluon.nn.Conv2D(16, 3), norm)
+        x, fragments = mx.nd.ones((2, 3, 8, 8)), ["the input has C=16 channels", "the layer has 8"]
+    elif case == "group_limit":
+        norm = gn_mx.DecorrelatedBatchNorm(num_groups=1)
+        net.add(gluon.nn.Dense(4097), norm)
+        x, fragments = mx.nd.ones((2, 3)), ["group size C/num_groups = 4097 exceeds the limit 4096"]
+    else:
+        norm = gn_mx.DecorrelatedBatchNorm(group_size=4)
+        net.add(gluon.nn.Dense(6), norm)
+        x, fragments = mx.nd.ones((2, 3)), ["(6) must be divisible by group_size (4)"]
+    net.initialize()
+    net.hybridize()
+    _raises_from_block(lambda: net(x), f"'{norm.name}'", *fragments)
+    mx.nd.waitall()

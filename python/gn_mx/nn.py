@@ -55,7 +55,10 @@ def checked_forward(block, x, args, **rules):
         block.__dict__["_gnmx_ok_shape"] = shape
     else:
         who = f"{type(block).__name__} '{block.name}'"
-        C = _hybrid.traced_channels(_np.to_legacy(x))
+        shape = _hybrid.traced_shape(_np.to_legacy(x))
+        if shape is not None and len(shape) == 1 and shape[0] > 0:  # a known rank-1 input
+            check_data_shape(who, shape, channels=_known_channels(block), **rules)
+        C = max(shape[1], 0) if shape is not None and len(shape) >= 2 else 0
         if C:
             check_channels(who, C, None, channels=_known_channels(block), **rules)
     return HybridBlock.forward(block, x, *args)
