@@ -29,11 +29,12 @@ interleaved (round-robin samples), medians:
 Threads: OMP_NUM_THREADS=--threads (default 2; a list such as 1,2 runs each) for MXNet (its MKLDNN
 kernels), and onnxruntime's intra_op_num_threads=--threads, inter_op_num_threads=1, sequential
 execution. (On a machine busier than its cores, MXNet's OpenMP threads wait for each other at every
-barrier: 2-thread MXNet times then grow by orders of magnitude; 1 thread stays meaningful.) Allocator: glibc told
-to keep freed memory (MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11, the "kept"
-regime) by default; ``--regimes default`` (glibc defaults) or both. Each regime runs in its own
-child process. Every contender's output is checked against mx_gn's / the BN net's (the ONNX ones
-against the MXNet net they were exported from).
+barrier: 2-thread MXNet times then grow by orders of magnitude; 1 thread stays meaningful.)
+Allocator: glibc told to keep freed memory (MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=1e11, the "kept" regime) by default; ``--regimes default`` (glibc defaults)
+or both. Each regime and thread count runs in its own child process. mx_gn_relu's output is checked
+against mx_gn's, the optimize_for nets' against the same nets before, the ONNX ones against the
+MXNet net they were exported from.
 
 Outputs: stdout; with --out NAME also NAME.{md,json}: under benchmarks/results for a bare name (the
 tracked ones: --out inference_cpu), DIR/inference_cpu.{md,json} for an existing directory DIR.
@@ -176,7 +177,6 @@ def child(args):
     threads = int(os.environ.get("OMP_NUM_THREADS", "1"))
     try:
         import onnxruntime as ort
-        ort.set_default_logger_severity(3)  # MXNet/onnxruntime chatter only; errors still raise
     except ImportError:
         ort = None
     mx.random.seed(0)
@@ -280,10 +280,10 @@ def report(runs, args):
         name = key.split("/")[0]
         lines += ["## %d thread%s, regime `%s`: %s" % (
                       res["threads"], "s" if res["threads"] > 1 else "", name, REGIMES[name][1]), "",
-                  "%d thread(s): OMP_NUM_THREADS=%d for MXNet %s, onnxruntime %s with "
+                  "Threads: OMP_NUM_THREADS=%d for MXNet %s, onnxruntime %s with "
                   "intra_op_num_threads=%d (inter_op 1, sequential). Load average %.1f at the start, "
                   "%.1f at the end (1-minute)." % (
-                      res["threads"], res["threads"], res["mxnet"], res["onnxruntime"],
+                      res["threads"], res["mxnet"], res["onnxruntime"],
                       res["threads"], res["loadavg_start"][0], res["loadavg_end"][0]), "",
                   "| path | " + " | ".join("%d image%s (ms)" % (n, "s" if n > 1 else "")
                                           for n in BATCHES) + " |",
@@ -363,16 +363,17 @@ def main():
 
 
 WHY = """\
-Why MXNet is slower with gn_mx's GroupNorm than with BatchNorm, and onnxruntime is not: MXNet runs its
-convolutions in MKLDNN's blocked memory layout. An op outside MKLDNN, which every library (lib_api)
-op is, gets its input reordered to the plain NCHW layout, and the next convolution reorders its
-output back: two passes over the tensor per library op, plus lib_api's dispatch. `mx_affine` (the
-cheapest possible library op) measures that round trip; the difference to `mx_gn` is the GroupNorm
-computation itself. BatchNorm folded into the convolutions (`mx_bn_folded`) has no op at all in the
-norm's place. onnxruntime runs the exported GroupNorm (standard ONNX ops) inside one graph without
-that boundary. For CPU deployment of a gn_mx GroupNorm model: export it to ONNX
-(`gn_mx.onnx.export_model`) and run it in onnxruntime; inside MXNet, `GroupNorm(activation='relu')`
-saves the separate ReLU.
+Why the GroupNorm net is slower in MXNet than the BN-folded one: MXNet runs its convolutions in
+MKLDNN's blocked memory layout. An op outside MKLDNN, which every library (lib_api) op is, gets its
+input reordered to the plain NCHW layout, and the next convolution reorders its output back: two
+passes over the tensor per library op, plus lib_api's dispatch. `mx_affine` (the cheapest possible
+library op) measures that round trip; the difference to `mx_gn` is the GroupNorm computation itself
+(see the reading above). BatchNorm folded into the convolutions (`mx_bn_folded`) leaves no op in the
+norm's place. onnxruntime runs the exported GroupNorm as standard ONNX ops inside its own optimized
+graph, with no lib_api boundary (any layout conversion its optimizer keeps is in the measured time).
+For CPU deployment of a gn_mx GroupNorm model the fastest path measured here is therefore to export
+it to ONNX (`gn_mx.onnx.export_model`) and run it in onnxruntime; inside MXNet,
+`GroupNorm(activation='relu')` at least saves the separate ReLU.
 """
 
 

@@ -41,7 +41,7 @@ def test_runs_and_writes_nothing_without_out(tmp_path):
         assert line is not None, out
         float(line.split("|")[2])  # a time, not an error
     # thread count and allocator regime are stated
-    assert "OMP_NUM_THREADS=2" in out and "intra_op_num_threads=2" in out, out
+    assert "OMP_NUM_THREADS=2 " in out and "intra_op_num_threads=2" in out, out
     assert "MALLOC_ARENA_MAX=1" in out, out
     # every path computes the same function as its reference net
     diffs = out.split("Largest absolute output difference")[1].split(":", 1)[1].split(".\n")[0]
