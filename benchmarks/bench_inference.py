@@ -180,7 +180,7 @@ def child(args):
     except ImportError:
         ort = None
     mx.random.seed(0)
-    res = {"threads": threads, "loadavg_start": os.getloadavg(), "mxnet": mx.__version__,
+    res = {"threads": threads, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "mxnet": mx.__version__,
            "onnxruntime": getattr(ort, "__version__", None), "ms": {}, "max_abs_diff": {},
            "errors": {}}
     timer = Timer(args.min_sample_ms / 1e3, args.rounds, args.max_cell_s)
@@ -307,6 +307,11 @@ def conclusions(res):
     a library op costs in the norm's place, and the GroupNorm kernel's own share."""
     norms = res.get("layers", {}).get("mx_gn", [6, 5])[1]
     out = ["Reading (computed from the table above):", ""]
+    load = max(res["loadavg_start"][0], res["loadavg_end"][0])
+    if res.get("cpus") and load > res["cpus"]:
+        out += ["**Not reliable**: the load average (%.1f) exceeded the machine's %d cores while "
+                "this table was measured; the differences below may be noise." % (
+                    load, res["cpus"]), ""]
     for n in BATCHES:
         ms = {k: v for k, v in res["ms"][str(n)].items() if isinstance(v, float)}
         if not ms:

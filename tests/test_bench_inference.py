@@ -55,7 +55,7 @@ def test_runs_and_writes_nothing_without_out(tmp_path):
 
 def test_out_names_a_result_stem(tmp_path, monkeypatch):
     mod = _load()
-    run = {"threads": 2, "loadavg_start": [1.0], "loadavg_end": [1.0], "mxnet": "1.9.1",
+    run = {"threads": 2, "cpus": 2, "loadavg_start": [1.0], "loadavg_end": [1.0], "mxnet": "1.9.1",
            "onnxruntime": "1.32.0", "errors": {}, "max_abs_diff": {"ort_gn/1": 1e-7},
            "layers": {"mx_gn": [6, 5]},
            "ms": {"1": {"mx_gn": 3.0, "mx_gn_relu": 2.9, "mx_affine": 2.8, "mx_bn_folded": 1.3,
@@ -64,6 +64,8 @@ def test_out_names_a_result_stem(tmp_path, monkeypatch):
     text = mod.report({"kept/2t": run}, None)
     assert "fastest `ort_bn` (0.90 ms)" in text
     assert "costs 0.32 ms per layer" in text  # (2.8 - 1.2) / 5
+    assert "Not reliable" not in text
+    assert "Not reliable" in mod.report({"kept/2t": dict(run, loadavg_end=[3.0])}, None)
     args = types.SimpleNamespace(rounds=3, note="load 1")
     mod.write(mod.result_stem(str(tmp_path), "inference_cpu"), {"kept/2t": run}, text, args)
     assert sorted(os.listdir(str(tmp_path))) == ["inference_cpu.json", "inference_cpu.md"]
