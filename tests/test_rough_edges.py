@@ -328,3 +328,17 @@ def test_shape_rules_reported_by_the_block_inside_a_hybridized_parent(case):
     net.hybridize()
     _raises_from_block(lambda: net(x), f"'{norm.name}'", *fragments)
     mx.nd.waitall()
+
+
+@pytest.mark.parametrize("hybridize", [False, True])
+@pytest.mark.parametrize("cls", ["GroupNorm", "DecorrelatedBatchNorm"])
+def test_integer_input_reported_by_the_block(cls, hybridize):
+    blk = getattr(gn_mx, cls)(num_groups=2)  # deferred in_channels
+    blk.initialize()
+    if hybridize:
+        blk.hybridize()
+    for dtype in ("int32", "uint8"):
+        _raises_from_block(lambda: blk(mx.nd.ones((2, 4, 3), dtype=dtype)), f"'{blk.name}'",
+                           f"input dtype must be float16, float32 or float64; got {dtype}")
+    assert blk(mx.nd.ones((2, 4, 3))).shape == (2, 4, 3)  # and the block still works
+    mx.nd.waitall()

@@ -8,7 +8,7 @@ from mxnet.ndarray import NDArray
 
 from . import _hybrid, _np
 from ._validate import (DBN_MAX_GROUP_SIZE_CPU, act_type, check_channels, check_data_shape,
-                        check_dbn_numbers, check_group_size, check_groups, check_nonempty,
+                        check_dbn_numbers, check_float_dtype, check_group_size, check_groups, check_nonempty,
                         check_whitening, dbn_grouping)
 
 
@@ -43,16 +43,18 @@ def checked_forward(block, x, args, **rules):
     block inside a hybridized parent) only C is known, from the trace's concrete inputs."""
     if isinstance(x, NDArray):
         shape = x.shape
-        if shape == block.__dict__.get("_gnmx_ok_shape"):  # checked before: one tuple compare
+        key = (shape, x.dtype)
+        if key == block.__dict__.get("_gnmx_ok_input"):  # checked before: one tuple compare
             return HybridBlock.forward(block, x, *args)
         who = f"{type(block).__name__} '{block.name}'"
+        check_float_dtype(who, x.dtype)
         if 0 in shape and _np.is_np(x) and len(shape) >= 2:
             if shape[1]:
                 check_data_shape(who, shape, channels=_known_channels(block), **rules)
             return x.copy()
         check_nonempty(who, x)
         check_data_shape(who, shape, channels=_known_channels(block), **rules)
-        block.__dict__["_gnmx_ok_shape"] = shape
+        block.__dict__["_gnmx_ok_input"] = key
     else:
         who = f"{type(block).__name__} '{block.name}'"
         shape = _hybrid.traced_shape(_np.to_legacy(x))
