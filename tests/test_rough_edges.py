@@ -342,3 +342,16 @@ def test_integer_input_reported_by_the_block(cls, hybridize):
                            f"input dtype must be float16, float32 or float64; got {dtype}")
     assert blk(mx.nd.ones((2, 4, 3))).shape == (2, 4, 3)  # and the block still works
     mx.nd.waitall()
+
+
+@pytest.mark.parametrize("script,args", [("dbn_cnn.py", ["--steps", "2"]),
+                                         ("gradient_penalty.py", ["--steps", "1"])])
+def test_examples_print_no_library_warnings(tmp_path, script, args):
+    if script == "dbn_cnn.py":
+        args = args + ["--out", str(tmp_path / "m")]
+    p = subprocess.run([sys.executable, os.path.join(ROOT, "examples", script)] + args,
+                       cwd=str(tmp_path), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       text=True, timeout=300,
+                       env=dict(os.environ, PYTHONPATH=os.path.join(ROOT, "python")))
+    assert p.returncode == 0, p.stdout[-2000:]
+    assert "Warning" not in p.stdout, p.stdout[-2000:]
