@@ -32,8 +32,13 @@ execution. (On a machine busier than its cores, MXNet's OpenMP threads wait for 
 barrier: 2-thread MXNet times then grow by orders of magnitude; 1 thread stays meaningful.)
 Allocator: glibc told to keep freed memory (MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0
 MALLOC_TRIM_THRESHOLD_=1e11, the "kept" regime) by default; ``--regimes default`` (glibc defaults)
-or both. Each regime and thread count runs in its own child process. mx_gn_relu's output is checked
-against mx_gn's, the optimize_for nets' against the same nets before, the ONNX ones against the
+or both. Each regime and thread count runs in two child processes, one timing the MXNet paths,
+one the onnxruntime paths (neither's idle thread pool then runs while the other is timed).
+OMP_WAIT_POLICY is passed through and stated (libgomp's default spins before sleeping: with 2
+threads on a 2-core machine that has other work, every OpenMP barrier can wait for a descheduled
+thread, and the gn_mx ops, several parallel regions per call, suffer most; measured here at load
+~3.5: mx_gn 80 / 57 ms (1 / 8 images) by default, 1.7 / 14 ms with OMP_WAIT_POLICY=passive).
+mx_gn_relu's output is checked against mx_gn's, the optimize_for nets' against the same nets before, the ONNX ones against the
 MXNet net they were exported from.
 
 Outputs: stdout; with --out NAME also NAME.{md,json}: under benchmarks/results for a bare name (the
@@ -180,7 +185,8 @@ def child(args):
     except ImportError:
         ort = None
     mx.random.seed(0)
-    res = {"threads": threads, "cpus": os.cpu_count(), "loadavg_start": os.getloadavg(), "mxnet": mx.__version__,
+    res = {"threads": threads, "cpus": os.cpu_count(),
+           "omp_wait_policy": os.environ.get("OMP_WAIT_POLICY", "unset (libgomp: spin, then sleep)"), "loadavg_start": os.getloadavg(), "mxnet": mx.__version__,
            "onnxruntime": getattr(ort, "__version__", None), "ms": {}, "max_abs_diff": {},
            "errors": {}}
     timer = Timer(args.min_sample_ms / 1e3, args.rounds, args.max_cell_s)
@@ -190,14 +196,16 @@ def child(args):
             x_np = np.random.RandomState(n).uniform(-1, 1, (n, 3, 64, 64)).astype(np.float32)
             x = mx.nd.array(x_np)
             nets, refs = {}, {}
-            for row, kind in (("mx_gn", "gn"), ("mx_gn_relu", "gn_relu"), ("mx_affine", "affine"),
-                              ("mx_bn_folded", "bn"), ("mx_none", "none"),
-                              ("mx_none_mkldnn", "none")):
+            rows = (("mx_gn", "gn"), ("mx_gn_relu", "gn_relu"), ("mx_affine", "affine"),
+                    ("mx_bn_folded", "bn"), ("mx_none", "none"), ("mx_none_mkldnn", "none"))
+            if args.part == "ort":  # only the references of the exported nets
+                rows = (("mx_gn", "gn"), ("mx_bn_folded", "bn"))
+            for row, kind in rows:
                 mx.random.seed(1)  # the same conv weights in every net
                 net = build_net(kind)
                 net.hybridize(static_alloc=True, static_shape=True)
                 refs[row] = net(x).asnumpy()
-                if row.endswith(("_folded", "_mkldnn")):
+                if row.endswith(("_folded", "_mkldnn")) and args.part == "mx":
                     # MXNet's MKLDNN subgraph backend: BatchNorm folded into its conv, conv+relu
                     # and conv+sum fused (inference graphs)
                     net.optimize_for(x, backend="MKLDNN", static_alloc=True, static_shape=True)
@@ -206,10 +214,12 @@ def child(args):
                 nets[row] = net
                 if n == BATCHES[0]:
                     res.setdefault("layers", {})[row] = count_layers(net)
-            res["max_abs_diff"]["mx_gn_relu/%d" % n] = float(
-                np.abs(refs["mx_gn_relu"] - refs["mx_gn"]).max())
-            fns = {row: ((lambda net=nets[row]: net(x)), mx.nd.waitall) for row in MX_ROWS}
-            if ort is not None:
+            fns = {}
+            if args.part == "mx":
+                res["max_abs_diff"]["mx_gn_relu/%d" % n] = float(
+                    np.abs(refs["mx_gn_relu"] - refs["mx_gn"]).max())
+                fns = {row: ((lambda net=nets[row]: net(x)), mx.nd.waitall) for row in MX_ROWS}
+            elif ort is not None:
                 for row, base in (("ort_gn", "mx_gn"), ("ort_bn", "mx_bn_folded")):
                     try:
                         sess = export_ort(ort, base, refs, x, tmp, threads, n)
@@ -258,6 +268,18 @@ def export_ort(ort, base, refs, x, tmp, threads, n):
 
 # ---- the parent: report ---------------------------------------------------------------------------
 
+def merge(a, b):
+    """One table's results from the MXNet child `a` and the onnxruntime child `b`."""
+    out = dict(a)
+    out["ms"] = {n: dict(a["ms"].get(n, {}), **b["ms"].get(n, {}))
+                 for n in sorted(set(a["ms"]) | set(b["ms"]), key=int)}
+    for k in ("max_abs_diff", "errors"):
+        out[k] = dict(a.get(k, {}), **b.get(k, {}))
+    out["loadavg_end"] = b["loadavg_end"]
+    out["onnxruntime"] = b.get("onnxruntime")
+    return out
+
+
 DESCRIPTIONS = {
     "mx_gn": "MXNet, gn_mx GroupNorm",
     "mx_gn_relu": "MXNet, gn_mx GroupNorm(activation='relu')",
@@ -281,10 +303,11 @@ def report(runs, args):
         lines += ["## %d thread%s, regime `%s`: %s" % (
                       res["threads"], "s" if res["threads"] > 1 else "", name, REGIMES[name][1]), "",
                   "Threads: OMP_NUM_THREADS=%d for MXNet %s, onnxruntime %s with "
-                  "intra_op_num_threads=%d (inter_op 1, sequential). Load average %.1f at the start, "
-                  "%.1f at the end (1-minute)." % (
-                      res["threads"], res["mxnet"], res["onnxruntime"],
-                      res["threads"], res["loadavg_start"][0], res["loadavg_end"][0]), "",
+                  "intra_op_num_threads=%d (inter_op 1, sequential); OMP_WAIT_POLICY %s. Load "
+                  "average %.1f at the start, %.1f at the end (1-minute)." % (
+                      res["threads"], res["mxnet"], res["onnxruntime"], res["threads"],
+                      res.get("omp_wait_policy", "unset"), res["loadavg_start"][0],
+                      res["loadavg_end"][0]), "",
                   "| path | " + " | ".join("%d image%s (ms)" % (n, "s" if n > 1 else "")
                                           for n in BATCHES) + " |",
                   "| --- |" + " --- |" * len(BATCHES)]
@@ -346,6 +369,7 @@ def main():
                     "machine's load)")
     ap.add_argument("--batches", default=",".join(map(str, BATCHES)),
                     help="batch sizes (default: %(default)s)")
+    ap.add_argument("--part", choices=("mx", "ort"), help=argparse.SUPPRESS)  # the child's share
     args = ap.parse_args()
     BATCHES[:] = [int(b) for b in args.batches.split(",")]
     timing_defaults(args, quick=(7, 20.0, 8.0), full=(21, 50.0, 25.0))
@@ -357,9 +381,13 @@ def main():
     runs = {}
     for threads in args.threads.split(","):
         args.threads = int(threads)
-        for name, res in run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()},
-                                     extra=["--batches", args.batches]).items():
-            runs["%s/%dt" % (name, args.threads)] = res
+        # MXNet and onnxruntime in separate processes: neither's idle (spinning) thread pool runs
+        # while the other is timed
+        parts = [run_regimes(__file__, args, {k: v[0] for k, v in REGIMES.items()},
+                             extra=["--batches", args.batches, "--part", part])
+                 for part in ("mx", "ort")]
+        for name in parts[0]:
+            runs["%s/%dt" % (name, args.threads)] = merge(parts[0][name], parts[1][name])
     text = report(runs, args)
     print(text)
     if args.out is None:
