@@ -349,6 +349,10 @@ def conclusions(res):
             line += " and %s MXNet's BN-folded net (%.2f vs %.2f ms)" % (
                 "beats" if ms["ort_gn"] < ms["mx_bn_folded"] else "does not beat",
                 ms["ort_gn"], ms["mx_bn_folded"])
+        gn_paths = {k: ms[k] for k in ("mx_gn", "mx_gn_relu", "ort_gn") if k in ms}
+        if gn_paths:
+            fast = min(gn_paths, key=gn_paths.get)
+            line += "; of the GroupNorm paths, `%s` is fastest (%.2f ms)" % (fast, gn_paths[fast])
         if all(k in ms for k in ("mx_gn", "mx_affine", "mx_none")):
             line += ("; inside MXNet, a library op in each of the %d norm positions costs "
                      "%.2f ms per layer (`mx_affine` - `mx_none`), the GroupNorm math on top of "
@@ -404,9 +408,10 @@ library op) measures that round trip; the difference to `mx_gn` is the GroupNorm
 (see the reading above). BatchNorm folded into the convolutions (`mx_bn_folded`) leaves no op in the
 norm's place. onnxruntime runs the exported GroupNorm as standard ONNX ops inside its own optimized
 graph, with no lib_api boundary (any layout conversion its optimizer keeps is in the measured time).
-For CPU deployment of a gn_mx GroupNorm model the fastest path measured here is therefore to export
-it to ONNX (`gn_mx.onnx.export_model`) and run it in onnxruntime; inside MXNet,
-`GroupNorm(activation='relu')` at least saves the separate ReLU.
+For CPU deployment of a gn_mx GroupNorm model, each table's reading names the fastest of the
+GroupNorm paths (`mx_gn`, `mx_gn_relu`, `ort_gn`) at that thread count: onnxruntime avoids the
+lib_api boundary altogether, and inside MXNet `GroupNorm(activation='relu')` saves the separate
+ReLU.
 """
 
 
