@@ -343,8 +343,9 @@ def conclusions(res):
         gn = {k: ms[k] for k in ("mx_gn", "ort_gn") if k in ms}
         line = "- %d image%s: fastest `%s` (%.2f ms)" % (n, "s" if n > 1 else "", best, ms[best])
         if len(gn) == 2:
-            line += "; the GroupNorm net runs %.1fx faster in onnxruntime than in MXNet" % (
-                gn["mx_gn"] / gn["ort_gn"])
+            r = gn["mx_gn"] / gn["ort_gn"]
+            line += "; the GroupNorm net runs %.1fx %s in onnxruntime than in MXNet" % (
+                r if r >= 1 else 1 / r, "faster" if r >= 1 else "slower")
         if "mx_bn_folded" in ms and "ort_gn" in ms:
             line += " and %s MXNet's BN-folded net (%.2f vs %.2f ms)" % (
                 "beats" if ms["ort_gn"] < ms["mx_bn_folded"] else "does not beat",

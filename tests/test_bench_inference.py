@@ -64,6 +64,7 @@ def test_out_names_a_result_stem(tmp_path, monkeypatch):
     text = mod.report({"kept/2t": run}, None)
     assert "fastest `ort_bn` (0.90 ms)" in text
     assert "of the GroupNorm paths, `ort_gn` is fastest (1.10 ms)" in text
+    assert "runs 2.7x faster in onnxruntime" in text  # 3.0 / 1.1
     assert "costs 0.32 ms per layer" in text  # (2.8 - 1.2) / 5
     assert "Not reliable" not in text
     assert "Not reliable" in mod.report({"kept/2t": dict(run, loadavg_end=[3.0])}, None)
