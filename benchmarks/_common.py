@@ -14,17 +14,23 @@ RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 KEPT = {"MALLOC_ARENA_MAX": "1", "MALLOC_MMAP_MAX_": "0", "MALLOC_TRIM_THRESHOLD_": "100000000000"}
 
 
-def add_timing_args(ap, regimes):
-    """--threads/--quick/--regimes/--rounds/--min-sample-ms/--max-cell-s/--out/--child."""
-    ap.add_argument("--threads", type=int, default=2)
+def add_timing_args(ap, regimes, out_help=None, thread_list=False):
+    """--threads/--quick/--regimes/--rounds/--min-sample-ms/--max-cell-s/--out/--child
+    (``out_help``: --out's help, when the script reads it otherwise than as a directory;
+    ``thread_list``: --threads takes comma-separated counts, a string the script splits)."""
+    if thread_list:
+        ap.add_argument("--threads", default="2", help="comma-separated thread counts, one child "
+                        "process per count and regime (default: %(default)s)")
+    else:
+        ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--quick", action="store_true")
     ap.add_argument("--regimes", default=regimes)
     ap.add_argument("--rounds", type=int, default=None)
     ap.add_argument("--min-sample-ms", type=float, default=None)
     ap.add_argument("--max-cell-s", type=float, default=None)
-    ap.add_argument("--out", default=None, metavar="DIR",
-                    help="write the result files into DIR (benchmarks/results holds the tracked ones); "
-                         "default: print only")
+    ap.add_argument("--out", default=None, metavar="DIR" if out_help is None else "PATH",
+                    help=out_help or "write the result files into DIR (benchmarks/results holds the "
+                                     "tracked ones); default: print only")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
 
 
@@ -54,3 +60,13 @@ def run_regimes(script, args, regimes, extra=()):
             sys.exit("child %s failed" % name)
         runs[name] = json.loads(p.stdout)
     return runs
+
+
+def result_stem(out, default_name):
+    """Where ``--out`` writes: an existing directory -> DIR/default_name; a bare name (no directory
+    part) -> benchmarks/results/NAME; any other path -> that path. Without the extension."""
+    if os.path.isdir(out):
+        return os.path.join(out, default_name)
+    if not os.path.dirname(out):
+        return os.path.join(RESULTS, out)
+    return out

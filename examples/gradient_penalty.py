@@ -12,11 +12,19 @@ then take one ordinary backward. The penalty block hybridizes.
 Critic: x (N, 3, H, W) -> Conv 3x3 (8 ch) -> GroupNorm(4 groups, fused relu) -> spatial mean ->
 Dense(1).  Run: python examples/gradient_penalty.py
 """
+import warnings
+
 import numpy as np
 import mxnet as mx
 from mxnet import autograd, gluon
 
 import gn_mx  # noqa: F401  (registers gn_group_norm and its double backward)
+
+# The penalty does not depend on the critic's output bias b0 (a parameter it shares with the
+# critic); MXNet reports that as "Parameter critic_b0 is not used by any computation", which is
+# intended here.
+warnings.filterwarnings("ignore", message=r"Parameter critic_b0 is not used by any computation",
+                        category=UserWarning)
 
 C_IN, C, G = 3, 8, 4
 

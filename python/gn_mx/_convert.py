@@ -30,8 +30,23 @@ __all__ = ["convert", "convert_symbol", "ConversionReport"]
 
 
 class ConversionReport:
-    """What a conversion did: ``replaced`` [(path, what)], ``fused`` [(path, act)],
-    ``left`` [(path, reason)]."""
+    """What a conversion did (``convert``'s ``gn_mx_report``, ``convert_symbol``'s ``report``).
+
+    Attributes
+    ----------
+    replaced : list of (str, str)
+        ``(path, what)`` of every layer or node replaced.
+    fused : list of (str, str)
+        ``(path, activation)`` of every activation fused into the norm before it.
+    left : list of (str, str)
+        ``(path, reason)`` of every norm-like layer left in place.
+
+    Examples
+    --------
+    >>> r = gn_mx.convert(mx.gluon.nn.InstanceNorm(in_channels=4)).gn_mx_report
+    >>> len(r.replaced), r.fused, r.left
+    (1, [], [])
+    """
 
     def __init__(self):
         self.replaced = []
@@ -224,8 +239,25 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
     verbose : bool
         Print the report.
 
-    Returns the converted block (``block`` itself, unless ``block`` is itself a norm layer); its
-    ``gn_mx_report`` attribute is a :class:`ConversionReport`.
+    Returns
+    -------
+    gluon.Block
+        The converted block (``block`` itself, unless ``block`` is itself a norm layer); its
+        ``gn_mx_report`` attribute is a :class:`ConversionReport`.
+
+    Examples
+    --------
+    >>> net = mx.gluon.nn.HybridSequential()
+    >>> net.add(mx.gluon.nn.Conv2D(4, 3, in_channels=3), mx.gluon.nn.GroupNorm(num_groups=2),
+    ...         mx.gluon.nn.Activation('relu'))
+    >>> net.initialize()
+    >>> x = mx.nd.random.normal(shape=(1, 3, 6, 6))
+    >>> y = net(x)
+    >>> net = gn_mx.convert(net, fuse_activation=True, sample=x)  # sample: C of the GroupNorm
+    >>> net[1]
+    GroupNorm(num_groups=2, eps=1e-05, center=True, scale=True, in_channels=4, activation='relu')
+    >>> bool(np.allclose(net(x).asnumpy(), y.asnumpy(), atol=1e-5))
+    True
     """
     report = ConversionReport()
     if sample is not None:
@@ -395,6 +427,37 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     whose only use is a swish ``x * sigmoid(x)`` (gluon.nn.Swish(beta=1)), becomes one
     ``gn_group_norm(act_type='relu' | 'silu')`` node (named as the activation / the product). Nodes that cannot be mapped
     exactly stay, with the reason in ``report`` (a :class:`ConversionReport`, when given).
+
+    Parameters
+    ----------
+    sym : Symbol
+        The model's graph (``mx.model.load_checkpoint``'s first value).
+    arg_params : dict of str to NDArray
+        Its arguments (parameters).
+    aux_params : dict of str to NDArray
+        Its auxiliary states (may be empty or None).
+    fuse_activation : bool, default False
+        Fuse a following relu / swish into the converted node.
+    data_shapes : dict of str to tuple, optional
+        Input shapes, for channel counts that cannot be found from the parameters alone.
+    report : ConversionReport, optional
+        Filled with what was done and what was left.
+
+    Returns
+    -------
+    sym, arg_params, aux_params
+        The converted symbol and new parameter dicts.
+
+    Examples
+    --------
+    >>> x = mx.sym.var('data')
+    >>> s = mx.sym.GroupNorm(mx.sym.Convolution(x, num_filter=4, kernel=(3, 3), name='c'),
+    ...                      num_groups=2, name='gn')
+    >>> args = {'c_weight': mx.nd.ones((4, 3, 3, 3)), 'c_bias': mx.nd.zeros(4),
+    ...         'gn_gamma': mx.nd.array([1., 2.]), 'gn_beta': mx.nd.zeros(2)}
+    >>> s2, args2, aux2 = gn_mx.convert_symbol(s, args, {})
+    >>> args2['gn_gamma'].asnumpy()
+    array([1., 1., 2., 2.], dtype=float32)
     """
     report = report if report is not None else ConversionReport()
     g = json.loads(sym.tojson())
@@ -525,6 +588,18 @@ def _parse_shape(text):
 
 
 def main(argv=None):
+    """``python -m gn_mx.convert in-prefix epoch out-prefix [--fuse-activation] [--data-shape ...]``.
+
+    Parameters
+    ----------
+    argv : list of str, optional
+        The command line arguments (default ``sys.argv[1:]``).
+
+    Returns
+    -------
+    int
+        0 (the exit status); argparse exits with 2 on bad arguments.
+    """
     ap = argparse.ArgumentParser(
         prog="python -m gn_mx.convert",
         description="Rewrite the GroupNorm/InstanceNorm nodes of an exported MXNet model "

@@ -103,23 +103,32 @@ def is_mode_keyed(block):
     return state is not None and state.mode
 
 
-def traced_channels(sym):
-    """Dimension 1 of symbol `sym` traced inside the current outermost `_get_graph`, inferred from
-    the shapes of the concrete arrays that call was given (0 when unknown). Lets a block whose op
-    attributes depend on C (DecorrelatedBatchNorm(group_size=...)) be traced before deferred
-    initialization knows C."""
+def traced_shape(sym):
+    """The shape of symbol `sym` traced inside the current outermost `_get_graph`, inferred from the
+    shapes of the concrete arrays that call was given: a tuple (unknown dims 0 or -1), or None when
+    not even the rank is known."""
     trace = getattr(_tls, "trace", None)
     shapes = trace.input_shapes if trace is not None else None
     if not shapes:
-        return 0
+        return None
     known = {k: v for k, v in shapes.items() if k in set(sym.list_arguments())}
     try:
         _, out_shapes, _ = sym.infer_shape_partial(**known)
     except Exception:  # noqa: BLE001  (an upstream op that cannot infer yet: unknown)
+        return None
+    if not out_shapes or not out_shapes[0]:
+        return None
+    return tuple(int(d) for d in out_shapes[0])
+
+
+def traced_channels(sym):
+    """Dimension 1 of symbol `sym` traced inside the current outermost `_get_graph` (0 when
+    unknown; see traced_shape). Lets a block whose op attributes depend on C
+    (DecorrelatedBatchNorm(group_size=...)) be traced before deferred initialization knows C."""
+    shape = traced_shape(sym)
+    if shape is None or len(shape) < 2:
         return 0
-    if not out_shapes or not out_shapes[0] or len(out_shapes[0]) < 2:
-        return 0
-    return max(int(out_shapes[0][1]), 0)
+    return max(shape[1], 0)
 
 
 def _input_shapes(args):

@@ -16,7 +16,27 @@ _INSTALL_HINT = ("install MXNet 1.9 first: pip install 'mxnet==1.9.1' 'numpy<1.2
 
 
 def library_path():
-    """Absolute path of the gn_mx op library (raises if it was never built)."""
+    """Absolute path of the gn_mx op library, libgn_mx.so.
+
+    What ``mx.library.load`` takes, and what a C/C++ deployment (``MXLoadLib``) loads before
+    reading an exported model.
+
+    Returns
+    -------
+    str
+        The path of libgn_mx.so next to the gn_mx package.
+
+    Raises
+    ------
+    ImportError
+        The library was never built (a source tree without ``pip install``).
+
+    Examples
+    --------
+    >>> import os
+    >>> os.path.basename(gn_mx.library_path())
+    'libgn_mx.so'
+    """
     path = os.path.join(os.path.dirname(os.path.abspath(__file__)), _LIB_NAME)
     if not os.path.exists(path):
         raise ImportError(
@@ -39,6 +59,25 @@ def build_info():
     "sass": ["sm_50", ...], "ptx": ["compute_90"]}``: the CUDA runtime linked in statically and the
     GPU architectures with native code / PTX) and ``summary``, one line of all that. Works without
     MXNet being imported (ctypes reads ``gnmx_build_info`` from libgn_mx.so); see docs/install.md.
+
+    Returns
+    -------
+    dict
+        The keys above.
+
+    Raises
+    ------
+    ImportError
+        The library was never built (from :func:`library_path`).
+
+    Examples
+    --------
+    >>> info = gn_mx.build_info()
+    >>> info['version'] == gn_mx.__version__, info['mxnet']
+    (True, 'mxnet 1.9.1')
+    >>> sorted(info)  # doctest: +NORMALIZE_WHITESPACE
+    ['build_type', 'compiler', 'cpu_isa', 'cpu_isa_active', 'cuda', 'lib_api', 'mxnet', 'openmp',
+     'summary', 'version']
     """
     lib = ctypes.CDLL(library_path())
     fn = lib.gnmx_build_info

@@ -127,6 +127,14 @@ def check_data_shape(who, shape, **rules):
     check_channels(who, shape[1], shape, **rules)
 
 
+def check_float_dtype(who, dtype):
+    """float16, float32 or float64 data (the ops' rule, reported with the layer's name)."""
+    import numpy as np
+    if np.dtype(dtype).name not in ("float16", "float32", "float64"):
+        raise ValueError(f"{who}: input dtype must be float16, float32 or float64; got "
+                         f"{np.dtype(dtype).name} (cast the input, e.g. x.astype('float32'))")
+
+
 def check_nonempty(who, x):
     """A clear error for an empty batch (Gluon's deferred init would fail with an AssertionError).
     Symbols (no shape) pass."""

@@ -69,7 +69,18 @@ def _available(name):
 
 
 def registered_ops():
-    """``(lp16_ops, fp32_ops)``: the gn_mx ops that are loaded and hence put in AMP's lists."""
+    """The gn_mx ops that are loaded and hence put in AMP's lists.
+
+    Returns
+    -------
+    lp16_ops, fp32_ops : tuple of str
+        The loaded ops of :data:`LP16_OPS` and of :data:`FP32_OPS`.
+
+    Examples
+    --------
+    >>> gn_mx.amp.registered_ops()
+    (('gn_group_norm', 'gn_moments'), ('gn_dbn', 'gn_dbn_inference'))
+    """
     return (tuple(n for n in LP16_OPS if _available(n)),
             tuple(n for n in FP32_OPS if _available(n)))
 
@@ -84,7 +95,19 @@ def register():
     """Put the loaded gn_mx ops into AMP's float16 and bfloat16 op lists (idempotent).
 
     The lists are module-level and shared by ``amp.init``, ``amp.convert_symbol``,
-    ``amp.convert_model`` and ``amp.convert_hybrid_block``. Returns :func:`registered_ops`.
+    ``amp.convert_model`` and ``amp.convert_hybrid_block``. ``import gn_mx`` calls it.
+
+    Returns
+    -------
+    lp16_ops, fp32_ops : tuple of str
+        :func:`registered_ops`.
+
+    Examples
+    --------
+    >>> from mxnet.contrib.amp.lists import symbol_fp16
+    >>> lp16, fp32 = gn_mx.amp.register()
+    >>> 'gn_group_norm' in symbol_fp16.FP16_FUNCS and 'gn_dbn' in symbol_fp16.FP32_FUNCS
+    True
     """
     lp16, fp32 = registered_ops()
     fp16_lists = _compat.amp_fp16_lists()
@@ -203,6 +226,22 @@ def install(load_library):
     """Load the op library via ``load_library()`` without losing AMP state, then register.
 
     Called once by ``gn_mx/__init__.py``; safe to call again (loading is idempotent).
+
+    Parameters
+    ----------
+    load_library : callable
+        Loads the op library (``mx.library.load``) and returns something (gn_mx passes its
+        loader, which returns the library's path).
+
+    Returns
+    -------
+    object
+        What ``load_library()`` returned.
+
+    Examples
+    --------
+    >>> gn_mx.amp.install(lambda: 'loaded')
+    'loaded'
     """
     with _lock:
         snap = _snapshot() if _amp._amp_initialized else []
@@ -226,6 +265,29 @@ def cpu_op_lists(target_dtype="float16"):
 
     The defaults (gn_mx ops included) with :data:`CPU_FP32_GEMM_OPS` moved to the fp32 list: MXNet
     1.9.1 has no float16 gemm on CPU. On a GPU use the defaults (plain ``amp.init()``).
+
+    Parameters
+    ----------
+    target_dtype : str, default 'float16'
+        Only 'float16' (bfloat16 AMP's defaults already run the gemm ops in a CPU-supported way).
+
+    Returns
+    -------
+    target_dtype_ops, fp32_ops : list of str
+        Op names.
+    conditional_fp32_ops : list of tuple
+        ``(op, attribute, values)`` entries, as AMP's lists have them.
+
+    Raises
+    ------
+    ValueError
+        ``target_dtype`` other than float16.
+
+    Examples
+    --------
+    >>> lp16, fp32, cond = gn_mx.amp.cpu_op_lists()
+    >>> 'Convolution' in fp32 and 'Convolution' not in lp16 and 'gn_group_norm' in lp16
+    True
     """
     if target_dtype not in ("float16", np.float16):
         raise ValueError(f"gn_mx.amp.cpu_op_lists: only float16 needs CPU lists; got {target_dtype!r}")
@@ -239,14 +301,38 @@ def cpu_op_lists(target_dtype="float16"):
 
 
 def cpu_init_kwargs():
-    """Keyword arguments for ``amp.init(**gn_mx.amp.cpu_init_kwargs())`` on CPU (float16)."""
+    """Keyword arguments for ``amp.init(**gn_mx.amp.cpu_init_kwargs())`` on CPU (float16).
+
+    Returns
+    -------
+    dict
+        ``target_dtype``, ``target_precision_ops``, ``fp32_ops``, ``conditional_fp32_ops``
+        (:func:`cpu_op_lists`).
+
+    Examples
+    --------
+    >>> sorted(gn_mx.amp.cpu_init_kwargs())
+    ['conditional_fp32_ops', 'fp32_ops', 'target_dtype', 'target_precision_ops']
+    """
     lp16, fp32, cond = cpu_op_lists()
     return {"target_dtype": "float16", "target_precision_ops": lp16, "fp32_ops": fp32,
             "conditional_fp32_ops": cond}
 
 
 def cpu_convert_kwargs():
-    """Keyword arguments for ``amp.convert_hybrid_block`` / ``amp.convert_symbol`` on CPU (float16)."""
+    """Keyword arguments for ``amp.convert_hybrid_block`` / ``amp.convert_symbol`` on CPU (float16).
+
+    Returns
+    -------
+    dict
+        ``target_dtype``, ``target_dtype_ops``, ``fp32_ops``, ``conditional_fp32_ops``
+        (:func:`cpu_op_lists`).
+
+    Examples
+    --------
+    >>> sorted(gn_mx.amp.cpu_convert_kwargs())
+    ['conditional_fp32_ops', 'fp32_ops', 'target_dtype', 'target_dtype_ops']
+    """
     lp16, fp32, cond = cpu_op_lists()
     return {"target_dtype": "float16", "target_dtype_ops": lp16, "fp32_ops": fp32,
             "conditional_fp32_ops": cond}

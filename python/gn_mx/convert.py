@@ -10,6 +10,8 @@ import types
 
 from ._convert import ConversionReport, convert, convert_symbol, main  # noqa: F401
 
+__all__ = ["convert", "convert_symbol", "ConversionReport", "main"]
+
 
 class _CallableModule(types.ModuleType):
     def __call__(self, *args, **kwargs):

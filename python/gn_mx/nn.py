@@ -8,8 +8,11 @@ from mxnet.ndarray import NDArray
 
 from . import _hybrid, _np
 from ._validate import (DBN_MAX_GROUP_SIZE_CPU, act_type, check_channels, check_data_shape,
-                        check_dbn_numbers, check_group_size, check_groups, check_nonempty,
+                        check_dbn_numbers, check_float_dtype, check_group_size, check_groups, check_nonempty,
                         check_whitening, dbn_grouping)
+
+
+__all__ = ["GroupNorm", "DecorrelatedBatchNorm", "GroupIdentity", "numpy_interface"]
 
 
 def _affine_params(block, in_channels, center, scale, beta_initializer, gamma_initializer):
@@ -32,7 +35,7 @@ def _known_channels(block):
 def checked_forward(block, x, args, **rules):
     """A gn_mx block's forward: the shape rules of ``rules`` (``_validate.check_channels``) checked
     on the input with the layer's name in the message, before Gluon's deferred initialization or a
-    graph can bury the op's error; then ``HybridBlock.forward``.
+    graph can bury the op's error; then ``HybridBlock.forward``. (Internal: not in ``__all__``.)
 
     Empty batches: a legacy NDArray gets a ValueError; a NumPy-interface array (``npx.set_np()``,
     NumPy shape semantics) gets an empty output of the input's shape and dtype (no samples in, no
@@ -40,29 +43,60 @@ def checked_forward(block, x, args, **rules):
     block inside a hybridized parent) only C is known, from the trace's concrete inputs."""
     if isinstance(x, NDArray):
         shape = x.shape
-        if shape == block.__dict__.get("_gnmx_ok_shape"):  # checked before: one tuple compare
+        key = (shape, x.dtype)
+        if key == block.__dict__.get("_gnmx_ok_input"):  # checked before: one tuple compare
             return HybridBlock.forward(block, x, *args)
         who = f"{type(block).__name__} '{block.name}'"
+        check_float_dtype(who, x.dtype)
         if 0 in shape and _np.is_np(x) and len(shape) >= 2:
             if shape[1]:
                 check_data_shape(who, shape, channels=_known_channels(block), **rules)
             return x.copy()
         check_nonempty(who, x)
         check_data_shape(who, shape, channels=_known_channels(block), **rules)
-        block.__dict__["_gnmx_ok_shape"] = shape
+        block.__dict__["_gnmx_ok_input"] = key
     else:
         who = f"{type(block).__name__} '{block.name}'"
-        C = _hybrid.traced_channels(_np.to_legacy(x))
+        shape = _hybrid.traced_shape(_np.to_legacy(x))
+        if shape is not None and len(shape) == 1 and shape[0] > 0:  # a known rank-1 input
+            check_data_shape(who, shape, channels=_known_channels(block), **rules)
+        C = max(shape[1], 0) if shape is not None and len(shape) >= 2 else 0
         if C:
             check_channels(who, C, None, channels=_known_channels(block), **rules)
     return HybridBlock.forward(block, x, *args)
 
 
 def numpy_interface(hybrid_forward):
-    """Decorator: a hybrid_forward written against the legacy ops also takes and returns the NumPy
-    interface's arrays (``npx.set_np()``): imperative ``mx.np.ndarray`` and traced np symbols are
-    viewed as legacy NDArrays/Symbols without copying (``as_nd_ndarray``), and the outputs are given
-    back as the kind of the input ``x`` (``as_np_ndarray``). Legacy inputs pass through untouched."""
+    """Decorator: a ``hybrid_forward`` written against the legacy ops also takes and returns the
+    NumPy interface's arrays (``npx.set_np()``).
+
+    Imperative ``mx.np.ndarray`` and traced np symbols are viewed as legacy NDArrays/Symbols without
+    copying (``as_nd_ndarray``), and the outputs are given back as the kind of the input ``x``
+    (``as_np_ndarray``). Legacy inputs pass through untouched. Useful for custom blocks that call
+    the ``gn_*`` ops (legacy operators, like all of MXNet 1.9's library ops) directly.
+
+    Parameters
+    ----------
+    hybrid_forward : callable
+        ``hybrid_forward(self, F, x, *args, **params)`` of a ``HybridBlock``.
+
+    Returns
+    -------
+    callable
+        The wrapped method (same name and docstring).
+
+    Examples
+    --------
+    >>> class Moments(mx.gluon.HybridBlock):
+    ...     @gn_mx.nn.numpy_interface
+    ...     def hybrid_forward(self, F, x):
+    ...         return F.gn_moments(x, num_groups=1)[1]
+    >>> mx.npx.set_np()
+    >>> v = Moments()(mx.np.array([[[1., 3.]]]))
+    >>> mx.npx.reset_np()
+    >>> type(v).__name__, v.shape
+    ('ndarray', (1, 1))
+    """
     @functools.wraps(hybrid_forward)
     def wrapper(self, F, x, *args, **params):
         np_kind = _np.is_np(x)
@@ -75,7 +109,8 @@ def numpy_interface(hybrid_forward):
 
 
 def accumulating_params(F, *params, block=None):
-    """Route parameters through `identity` where grad_req='add' needs it.
+    """Route parameters through `identity` where grad_req='add' needs it (internal: not in
+    ``__all__``).
 
     MXNet's lib_api passes no `req` to library ops: their backward always overwrites the gradient
     buffer it is given. A built-in identity between the parameter and the op receives the library's
@@ -104,21 +139,53 @@ class GroupNorm(HybridBlock):
     float16 data is reduced in float32 straight from float16 memory; gamma/beta may be float32 with
     float16 data (multi-precision).
 
+    Inputs: ``x`` of shape (N, C, *spatial), float16, float32 or float64 (legacy ``mx.nd`` or,
+    under ``npx.set_np()``, ``mx.np``). Output: the same shape, dtype and kind. An empty
+    NumPy-interface batch (N = 0) gives an empty output of the input's shape.
+
     Parameters
     ----------
     num_groups : int, default 32
+        Number of channel groups G; C must be divisible by it.
     epsilon : float, default 1e-5
+        Added to the variance (a finite number >= 0).
     center : bool, default True
         Learn ``beta``; if False it stays at its initial value (zeros).
     scale : bool, default True
         Learn ``gamma``; if False it stays at its initial value (ones).
-    beta_initializer, gamma_initializer : str or Initializer
+    beta_initializer : str or Initializer, default 'zeros'
+        Initializer of ``beta``, shape (C,).
+    gamma_initializer : str or Initializer, default 'ones'
+        Initializer of ``gamma``, shape (C,).
     in_channels : int, default 0
         Number of channels; 0 infers it from the first input (deferred initialization).
-    activation : None, 'relu' or 'silu', default None
+    activation : {None, 'relu', 'silu'}, default None
         Apply the activation inside the op (``gn_group_norm``'s ``act_type``): saves the separate
         activation layer's read and write of the tensor in forward and in backward. 'silu' is
         x * sigmoid(x) (``gluon.nn.Swish()``, 'swish' is accepted as a synonym).
+    **kwargs
+        Passed to ``HybridBlock`` (``prefix``, ``params``).
+
+    Raises
+    ------
+    ValueError
+        At construction: a bad ``num_groups``, ``epsilon``, ``in_channels`` or ``activation``. At
+        the first call (with the layer's name, also under deferred initialization): C not divisible
+        by ``num_groups``, an input with fewer than 2 dims or with C other than ``in_channels``, an
+        empty legacy NDArray.
+
+    Examples
+    --------
+    >>> norm = gn_mx.GroupNorm(num_groups=2)
+    >>> norm.initialize()
+    >>> y = norm(mx.nd.random.normal(shape=(2, 4, 8, 8)))
+    >>> y.shape, norm.gamma.shape
+    ((2, 4, 8, 8), (4,))
+    >>> norm2 = gn_mx.GroupNorm(num_groups=3)
+    >>> norm2.initialize()
+    >>> norm2(mx.nd.ones((2, 4, 3)))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ValueError: GroupNorm '...': channels (C=4) must be divisible by num_groups (3)...
     """
 
     def __init__(self, num_groups=32, epsilon=1e-5, center=True, scale=True,
@@ -139,10 +206,12 @@ class GroupNorm(HybridBlock):
     _gnmx_layer = True  # _hybrid: a hybridized parent refuses empty NumPy-interface batches
 
     def forward(self, x, *args):
+        """Checks ``x``'s shape (layer name in the message), then ``HybridBlock.forward``."""
         return checked_forward(self, x, args, num_groups=self._num_groups)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta):
+        """``gn_group_norm(x, gamma, beta)``'s output (``F``: ``mx.nd`` or ``mx.sym``)."""
         gamma, beta = accumulating_params(F, gamma, beta, block=self)
         kw = {} if self._act == "none" else {"act_type": self._act}
         return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon,
@@ -161,7 +230,25 @@ class GroupNorm(HybridBlock):
 
 @_initializer.register
 class GroupIdentity(_initializer.Initializer):
-    """Initializes a (G, D, D) array to G identity matrices (DBN's running_projection)."""
+    """Initializes a (G, D, D) array to G identity matrices (DBN's running_projection).
+
+    Registered with MXNet's initializer registry (``mx.init.create('groupidentity')``). Takes
+    the keyword arguments of ``mx.init.Initializer``.
+
+    Raises
+    ------
+    ValueError
+        When initializing an array whose shape is not (G, D, D).
+
+    Examples
+    --------
+    >>> a = mx.nd.zeros((2, 3, 3))
+    >>> gn_mx.nn.GroupIdentity()(mx.init.InitDesc('p'), a)
+    >>> a[1].asnumpy()
+    array([[1., 0., 0.],
+           [0., 1., 0.],
+           [0., 0., 1.]], dtype=float32)
+    """
 
     def _init_weight(self, _, arr):
         if len(arr.shape) != 3 or arr.shape[1] != arr.shape[2]:
@@ -192,15 +279,21 @@ class DecorrelatedBatchNorm(HybridBlock):
 
     Parameters
     ----------
-    num_groups : int, default 16 (when neither num_groups nor group_size is given)
-        Number of channel groups; C must be divisible by it.
+    num_groups : int, optional
+        Number of channel groups; C must be divisible by it. 16 when neither ``num_groups`` nor
+        ``group_size`` is given.
     epsilon : float, default 1e-5
         Added to the covariance diagonal (> 0; keeps near-singular batches finite).
     momentum : float, default 0.9
         Running statistics decay, in [0, 1].
-    center, scale : bool, default True
-        Learn ``beta`` / ``gamma``; if False they stay at their initial values.
-    beta_initializer, gamma_initializer : str or Initializer
+    center : bool, default True
+        Learn ``beta``; if False it stays at its initial value.
+    scale : bool, default True
+        Learn ``gamma``; if False it stays at its initial value.
+    beta_initializer : str or Initializer, default 'zeros'
+        Initializer of ``beta``, shape (C,).
+    gamma_initializer : str or Initializer, default 'ones'
+        Initializer of ``gamma``, shape (C,).
     in_channels : int, default 0
         Number of channels; 0 infers it from the first input (deferred initialization).
     group_size : int, optional
@@ -222,6 +315,28 @@ class DecorrelatedBatchNorm(HybridBlock):
     iterations : int, default 5
         IterNorm's number of iterations T, in [1, 10] (the paper's iteration amplifies rounding
         errors from ~12 iterations on ill-conditioned covariances; docs/dbn.md).
+    **kwargs
+        Passed to ``HybridBlock`` (``prefix``, ``params``).
+
+    Raises
+    ------
+    ValueError
+        At construction: both ``num_groups`` and ``group_size``, a bad ``epsilon``, ``momentum``,
+        ``whitening`` or ``iterations``. At the first call (with the layer's name, also under
+        deferred initialization): C not divisible by the grouping, a group larger than 4096
+        channels, an input with fewer than 2 dims or with C other than ``in_channels``.
+
+    Examples
+    --------
+    >>> dbn = gn_mx.DecorrelatedBatchNorm(group_size=2)
+    >>> dbn.initialize()
+    >>> x = mx.nd.random.normal(shape=(32, 4))
+    >>> with mx.autograd.record():  # training: batch statistics, running statistics updated
+    ...     y = dbn(x)
+    >>> y.shape, dbn.running_projection.shape
+    ((32, 4), (2, 2, 2))
+    >>> dbn(x).shape  # inference: running statistics
+    (32, 4)
     """
 
     def __init__(self, num_groups=None, epsilon=1e-5, momentum=0.9, center=True, scale=True,
@@ -255,6 +370,7 @@ class DecorrelatedBatchNorm(HybridBlock):
     _gnmx_layer = True
 
     def forward(self, x, *args):
+        """Checks ``x``'s shape (layer name in the message), then ``HybridBlock.forward``."""
         if self._group_size is not None:
             rules = {"group_size": self._group_size}
         else:
@@ -263,6 +379,7 @@ class DecorrelatedBatchNorm(HybridBlock):
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta, running_mean, running_projection):
+        """``gn_dbn`` (training) or ``gn_dbn_inference`` with the fused affine."""
         if not isinstance(x, NDArray) and not self._use_global_stats:
             _hybrid.note_mode_dependent()
         num_groups = self._groups_of(x)

@@ -63,6 +63,9 @@ from ._library import _import_mxnet
 
 mx = _import_mxnet()
 
+__all__ = ["export_model", "DEFAULT_OPSET", "MIN_OPSET", "USE_GROUP_NORMALIZATION",
+           "KEEP_INITIALIZER_INPUTS", "CONVERTED_OPS", "ACT_TYPES"]
+
 try:  # MXNet's exporter registry (mxnet/onnx/mx2onnx/_export_onnx.py, MXNet 1.9)
     from mxnet.onnx.mx2onnx._export_onnx import MXNetGraph as _MXNetGraph
 except ImportError as e:  # pragma: no cover - depends on the MXNet build
@@ -104,9 +107,54 @@ def _export_opset(opset):
 
 
 def export_model(sym, params, *args, opset_version=None, **kwargs):
-    """``mx.onnx.export_model(sym, params, ...)`` writing opset `opset_version` (default
-    :data:`DEFAULT_OPSET`; from :data:`MIN_OPSET` up to the installed onnx's newest). Same
-    arguments and return value (the .onnx file's path) as MXNet's."""
+    """``mx.onnx.export_model(sym, params, ...)`` writing a chosen ONNX opset.
+
+    Parameters
+    ----------
+    sym : str or Symbol
+        The exported model's ``-symbol.json`` file (or the symbol), as for MXNet's exporter.
+    params : str or dict
+        Its ``-NNNN.params`` file (or the parameter dict).
+    *args
+        Passed to ``mx.onnx.export_model`` (``in_shapes``, ``in_types``, ``onnx_file_path``, ...).
+    opset_version : int, optional
+        The opset to write: :data:`DEFAULT_OPSET` (17) by default; from :data:`MIN_OPSET` (12)
+        up to the installed onnx's newest.
+    **kwargs
+        Passed to ``mx.onnx.export_model`` (``in_shapes``, ``in_types``, ``onnx_file_path``,
+        ``dynamic``, ``dynamic_input_shapes``, ...).
+
+    Returns
+    -------
+    str
+        The path of the .onnx file written (MXNet's return value).
+
+    Raises
+    ------
+    ValueError
+        ``opset_version`` out of range or not an int.
+    NotImplementedError
+        The graph holds ``gn_dbn`` (a training graph; export the inference graph that
+        ``HybridBlock.export`` writes).
+
+    Examples
+    --------
+    >>> import os, tempfile
+    >>> net = mx.gluon.nn.HybridSequential()
+    >>> net.add(mx.gluon.nn.Conv2D(4, 3, in_channels=3), gn_mx.GroupNorm(num_groups=2))
+    >>> net.initialize()
+    >>> net.hybridize()
+    >>> _ = net(mx.nd.ones((1, 3, 8, 8)))
+    >>> d = tempfile.mkdtemp()
+    >>> net.export(os.path.join(d, 'net'))
+    >>> path = gn_mx.onnx.export_model(os.path.join(d, 'net-symbol.json'),
+    ...                                os.path.join(d, 'net-0000.params'),
+    ...                                in_shapes=[(1, 3, 8, 8)], in_types=[np.float32],
+    ...                                onnx_file_path=os.path.join(d, 'net.onnx'))
+    >>> import onnx
+    >>> onnx.load(path).opset_import[0].version
+    17
+    """
     newest = onnx.defs.onnx_opset_version()
     opset = DEFAULT_OPSET if opset_version is None else opset_version
     if isinstance(opset, bool) or not isinstance(opset, (int, np.integer)) or not (
@@ -257,6 +305,7 @@ def _activation(b, y, act):
 
 @_register("gn_group_norm")
 def convert_group_norm(node, **kwargs):
+    """MXNet exporter converter of ``gn_group_norm`` (see the module docstring's table)."""
     b = _Builder(node, kwargs)
     G = b.attr_int("num_groups", 1)
     eps = b.attr_float("eps", 1e-5)
@@ -295,6 +344,7 @@ def convert_group_norm(node, **kwargs):
 
 @_register("gn_moments")
 def convert_moments(node, **kwargs):
+    """MXNet exporter converter of ``gn_moments``."""
     b = _Builder(node, kwargs)
     G = b.attr_int("num_groups", 1)
     (x,), (xdt,) = b.inputs, b.in_dtypes
@@ -318,6 +368,7 @@ def _per_channel_affine(b, x3, gamma, beta, gdt, bdt, cdt):
 
 @_register("gn_dbn_inference")
 def convert_dbn_inference(node, **kwargs):
+    """MXNet exporter converter of ``gn_dbn_inference`` (with or without the fused affine)."""
     b = _Builder(node, kwargs)
     G = b.attr_int("num_groups", 1)
     if _affine_attr(b):  # inputs data, gamma, beta, running_mean, running_projection
@@ -344,6 +395,7 @@ def convert_dbn_inference(node, **kwargs):
 
 @_register("gn_channel_affine")
 def convert_channel_affine(node, **kwargs):
+    """MXNet exporter converter of ``gn_channel_affine``."""
     b = _Builder(node, kwargs)
     x, gamma, beta = b.inputs
     xdt, gdt, bdt = b.in_dtypes
@@ -357,6 +409,7 @@ def convert_channel_affine(node, **kwargs):
 
 @_register("gn_dbn")
 def convert_dbn_training(node, **kwargs):
+    """``gn_dbn`` is not exported: raises NotImplementedError naming the inference graph."""
     raise NotImplementedError(
         f"gn_mx.onnx: {node['name']} is gn_dbn, DecorrelatedBatchNorm's training op (batch "
         "statistics, in-place running-statistics update); ONNX export needs the inference graph "

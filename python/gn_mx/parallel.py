@@ -22,13 +22,32 @@ import numpy as _onp
 from . import _compat, _np
 from .nn import DecorrelatedBatchNorm
 
+__all__ = ["sync_running_stats", "init_kvstore", "dbn_layers"]
+
 # Keys of the statistics in a kvstore: ints, like the Trainer's (0..num_params-1), far above them
 # but small enough for ps-lite's server assignment (key * 9973 must fit an int32).
 _KEY_BASE = 150_000
 
 
 def dbn_layers(block):
-    """The DecorrelatedBatchNorm layers in ``block`` (itself included), in registration order."""
+    """The DecorrelatedBatchNorm layers in ``block`` (itself included), in registration order.
+
+    Parameters
+    ----------
+    block : Block
+        Any Gluon block.
+
+    Returns
+    -------
+    list of DecorrelatedBatchNorm
+
+    Examples
+    --------
+    >>> net = mx.gluon.nn.HybridSequential()
+    >>> net.add(gn_mx.GroupNorm(2), gn_mx.DecorrelatedBatchNorm(num_groups=2))
+    >>> [type(b).__name__ for b in gn_mx.parallel.dbn_layers(net)]
+    ['DecorrelatedBatchNorm']
+    """
     found = []
 
     def walk(b):
@@ -167,7 +186,25 @@ def init_kvstore(trainer):
     the same key, and a worker then receives the summed gradient as its weights (seen in 2-4 of 10
     loopback runs of examples/dist_train.py, with plain Conv/Dense nets too). Call this once after
     ``net.initialize()`` (parameters must not be deferred: give in_channels/in_units, or run one
-    forward first) and before the first step. Harmless for other kvstores."""
+    forward first) and before the first step. Harmless for other kvstores.
+
+    Parameters
+    ----------
+    trainer : gluon.Trainer
+        The Trainer whose kvstore to create.
+
+    Returns
+    -------
+    KVStore or None
+        The trainer's kvstore (None when it uses none).
+
+    Examples
+    --------
+    >>> net = gn_mx.GroupNorm(2, in_channels=4)
+    >>> net.initialize()
+    >>> trainer = mx.gluon.Trainer(net.collect_params(), 'sgd', kvstore='local')
+    >>> kv = gn_mx.parallel.init_kvstore(trainer)
+    """
     import mxnet as mx
     kv = _compat.trainer_kvstore(trainer, init_params=True)
     mx.nd.waitall()
@@ -196,6 +233,38 @@ def sync_running_stats(block, kvstore=None):
 
     Every process must call this at the same point (it is a collective operation).
     The average is taken in float32 (float64 for float64 statistics) and cast back.
+
+    Parameters
+    ----------
+    block : Block
+        Any Block; the DecorrelatedBatchNorm layers inside it (itself included) are synchronized.
+        Its parameters must be initialized.
+    kvstore : None, gluon.Trainer, KVStore or module, optional
+        How to reach the other processes (see above); None: this process's devices only.
+
+    Returns
+    -------
+    int
+        The number of layers synchronized.
+
+    Raises
+    ------
+    ValueError
+        A multi-process run that ``kvstore`` cannot synchronize, a Trainer that updates on the
+        kvstore, Horovod not initialized.
+    TypeError
+        ``kvstore`` of an unsupported kind.
+
+    Examples
+    --------
+    >>> dbn = gn_mx.DecorrelatedBatchNorm(num_groups=2, in_channels=4)
+    >>> dbn.initialize(ctx=[mx.cpu(0), mx.cpu(1)])
+    >>> dbn.running_mean.set_data(mx.nd.ones(4))
+    >>> dbn.running_mean.data(mx.cpu(1))[:] = 3
+    >>> gn_mx.sync_running_stats(dbn)
+    1
+    >>> dbn.running_mean.data(mx.cpu(0)).asnumpy()
+    array([2., 2., 2., 2.], dtype=float32)
     """
     remote = _cross_process(kvstore)
     layers = dbn_layers(block)

@@ -30,6 +30,8 @@ from . import _compat, _np
 from ._validate import check_dbn_numbers, check_groups, check_whitening, dbn_grouping
 from .nn import GroupIdentity
 
+__all__ = ["group_norm", "decorrelated_batch_norm", "inference_symbol"]
+
 
 def _auto_name(name, hint):
     return _compat.current_name_manager().get(name, hint)
@@ -53,12 +55,46 @@ def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_
                gamma_initializer=None, beta_initializer=None):
     """GroupNorm with per-channel affine: ``gn_group_norm(data, {name}_gamma, {name}_beta)[0]``.
 
-    data: (N, C, *spatial) symbol (legacy or NumPy-interface; the result has the same kind).
-    in_channels: C, to give gamma/beta the explicit shape (C,) (0: left to shape inference).
-    gamma, beta: existing symbols to use instead of creating the variables.
-    gamma_initializer / beta_initializer: stored on the variables (``Module.init_params`` honours
-    them); by default ``Module``'s initializer handles the ``_gamma`` (ones) / ``_beta`` (zeros)
-    suffixes, as for ``mx.sym.BatchNorm``.
+    Parameters
+    ----------
+    data : Symbol, shape (N, C, *spatial)
+        Legacy or NumPy-interface symbol; the result has the same kind.
+    num_groups : int
+        Number of channel groups; C must be divisible by it.
+    eps : float, default 1e-5
+        Added to the variance (>= 0).
+    name : str, optional
+        The node's name and the prefix of its variables (default: MXNet's name manager,
+        ``groupnorm0``, ...).
+    gamma : Symbol, optional
+        An existing symbol to use instead of creating the variable ``{name}_gamma``.
+    beta : Symbol, optional
+        An existing symbol to use instead of creating the variable ``{name}_beta``.
+    in_channels : int, default 0
+        C, to give gamma/beta the explicit shape (C,) (0: left to shape inference).
+    gamma_initializer : str or Initializer, optional
+        Stored on the variable (``Module.init_params`` honours it); by default ``Module``'s
+        initializer handles the ``_gamma`` suffix (ones), as for ``mx.sym.BatchNorm``.
+    beta_initializer : str or Initializer, optional
+        The same for ``{name}_beta`` (default zeros by its suffix).
+
+    Returns
+    -------
+    Symbol
+        The normalized output, shape of data.
+
+    Raises
+    ------
+    ValueError
+        A bad ``num_groups``, ``eps`` or ``in_channels`` (not divisible by num_groups).
+
+    Examples
+    --------
+    >>> y = gn_mx.sym.group_norm(mx.sym.var('data'), num_groups=2, name='gn0')
+    >>> y.list_arguments()
+    ['data', 'gn0_gamma', 'gn0_beta']
+    >>> y.infer_shape(data=(2, 4, 5))[1]
+    [(2, 4, 5)]
     """
     check_groups("gn_mx.sym.group_norm", num_groups, eps, in_channels)
     np_kind = _np.is_np(data)
@@ -78,15 +114,62 @@ def decorrelated_batch_norm(data, num_groups=None, group_size=None, eps=1e-5, mo
     """Decorrelated BN: whitening and the per-channel affine in one op (``gn_dbn`` if ``training``
     else ``gn_dbn_inference``, both with ``affine=True``; the same graph as the Gluon block).
 
-    num_groups / group_size: give at most one (default num_groups=16); group_size needs
-    ``in_channels`` here (a symbol has no channel count to divide).
-    training: True for the symbol given to ``Module.fit`` (batch statistics; the aux states
-    ``{name}_running_mean`` (C,) / ``{name}_running_projection`` (G, D, D) are updated in place in
-    every forward), False for prediction (running statistics). Build both with the same ``name``
-    (or use :func:`inference_symbol`) so they share their arguments and aux states.
-    use_global_stats: running statistics in both modes (as BatchNorm's switch).
-    whitening / iterations: the training whitening, 'zca' or 'iternorm' with T = iterations
-    (see ``DecorrelatedBatchNorm``); prediction is the same for both.
+    Parameters
+    ----------
+    data : Symbol, shape (N, C, *spatial)
+        Legacy or NumPy-interface symbol; the result has the same kind.
+    num_groups : int, optional
+        Number of channel groups (give at most one of num_groups and group_size; neither: 16).
+    group_size : int, optional
+        Channels per group D instead; needs ``in_channels`` here (a symbol has no channel count to
+        divide).
+    eps : float, default 1e-5
+        Added to the covariance diagonal (> 0).
+    momentum : float, default 0.9
+        Running statistics decay, in [0, 1].
+    training : bool, default True
+        True for the symbol given to ``Module.fit`` (batch statistics; the aux states
+        ``{name}_running_mean`` (C,) / ``{name}_running_projection`` (G, D, D) are updated in
+        place in every forward), False for prediction (running statistics). Build both with the
+        same ``name`` (or use :func:`inference_symbol`) so they share arguments and aux states.
+    name : str, optional
+        The node's name and the prefix of its variables.
+    in_channels : int, default 0
+        C, to give the variables explicit shapes (0: left to shape inference).
+    gamma : Symbol, optional
+        An existing symbol instead of the variable ``{name}_gamma`` (C,).
+    beta : Symbol, optional
+        An existing symbol instead of the variable ``{name}_beta`` (C,).
+    running_mean : Symbol, optional
+        An existing symbol instead of the aux variable ``{name}_running_mean`` (C,).
+    running_projection : Symbol, optional
+        An existing symbol instead of the aux variable ``{name}_running_projection`` (G, D, D).
+    use_global_stats : bool, default False
+        Running statistics in both modes (as BatchNorm's switch).
+    whitening : {'zca', 'iternorm'}, default 'zca'
+        The training whitening (see ``DecorrelatedBatchNorm``); prediction is the same for both.
+    iterations : int, default 5
+        IterNorm's number of iterations, in [1, 10].
+
+    Returns
+    -------
+    Symbol
+        The normalized output, shape of data.
+
+    Raises
+    ------
+    ValueError
+        Both num_groups and group_size, group_size without in_channels, a bad eps, momentum,
+        whitening or iterations.
+
+    Examples
+    --------
+    >>> y = gn_mx.sym.decorrelated_batch_norm(mx.sym.var('data'), num_groups=2, in_channels=4,
+    ...                                       name='dbn0')
+    >>> y.list_auxiliary_states()
+    ['dbn0_running_mean', 'dbn0_running_projection']
+    >>> y.infer_shape(data=(8, 4))[2]
+    [(4,), (2, 2, 2)]
     """
     check_whitening("gn_mx.sym.decorrelated_batch_norm", whitening, iterations)
     num_groups, group_size = dbn_grouping(num_groups, group_size, eps, in_channels)
@@ -120,7 +203,34 @@ def inference_symbol(symbol):
 
     Also for symbols exported from Gluon (``mx.sym.load``) that are to be bound with
     ``mx.mod.Module``: the DBN aux-state variables get an explicit dense storage type, without
-    which ``simple_bind`` rejects library ops ("input tensors are not dense")."""
+    which ``simple_bind`` rejects library ops ("input tensors are not dense").
+
+    Parameters
+    ----------
+    symbol : Symbol
+        Legacy or NumPy-interface symbol; the result has the same kind.
+
+    Returns
+    -------
+    Symbol
+        The converted graph.
+
+    Raises
+    ------
+    ValueError
+        The graph uses or outputs one of gn_dbn's backward-only outputs (mean, eigvec, eigval),
+        which gn_dbn_inference does not have.
+
+    Examples
+    --------
+    >>> train = gn_mx.sym.decorrelated_batch_norm(mx.sym.var('data'), num_groups=2, name='dbn0')
+    >>> pred = gn_mx.sym.inference_symbol(train)
+    >>> import json
+    >>> [n['op'] for n in json.loads(pred.tojson())['nodes'] if n['op'] != 'null']
+    ['gn_dbn_inference']
+    >>> pred.list_auxiliary_states() == train.list_auxiliary_states()
+    True
+    """
     np_kind = _np.is_np(symbol)
     graph = json.loads(_np.to_legacy(symbol).tojson())
     nodes = graph["nodes"]

@@ -18,12 +18,35 @@ import warnings
 
 from .nn import DecorrelatedBatchNorm, GroupNorm
 
+__all__ = ["norm_layer", "NormLayer"]
+
 # Block keywords every Gluon block takes (passed through **kwargs to Block.__init__).
 _BLOCK_KEYWORDS = ("prefix", "params")
 
 
 class NormLayer:
-    """Callable creating ``layer(**kwargs)`` from BatchNorm-style keyword sets (see module doc)."""
+    """Callable creating ``layer(**kwargs)`` from BatchNorm-style keyword sets (see the module
+    docstring); what :func:`norm_layer` returns.
+
+    Parameters
+    ----------
+    layer : type, default GroupNorm
+        The block class to create (``gn_mx.GroupNorm`` or ``gn_mx.DecorrelatedBatchNorm``).
+    **defaults
+        Keywords given to every layer created (a call's own keywords win).
+
+    Raises
+    ------
+    TypeError
+        ``layer`` is not a class, or a default is a keyword ``layer`` does not take. A call raises
+        TypeError for positional arguments and ValueError for an ``axis`` other than 1.
+
+    Examples
+    --------
+    >>> make = gn_mx.zoo.NormLayer(gn_mx.GroupNorm, num_groups=4)
+    >>> make(in_channels=8)
+    GroupNorm(num_groups=4, eps=1e-05, center=True, scale=True, in_channels=8)
+    """
 
     def __init__(self, layer=GroupNorm, **defaults):
         if not (isinstance(layer, type) and callable(layer)):
@@ -63,13 +86,43 @@ class NormLayer:
 
 
 def norm_layer(layer=GroupNorm, **defaults):
-    """A ``norm_layer`` for model-zoo constructors: ``layer`` (GroupNorm by default, or
-    DecorrelatedBatchNorm) with ``defaults`` (e.g. ``num_groups=32``), accepting and dropping
-    BatchNorm-only keywords (``momentum``, ``use_global_stats``, ``running_*_initializer``, ...) with
-    one warning naming them. Example::
+    """A ``norm_layer`` for model-zoo constructors (GluonCV style).
+
+    Creates ``layer`` (GroupNorm by default, or DecorrelatedBatchNorm) with ``defaults`` (e.g.
+    ``num_groups=32``), accepting and dropping BatchNorm-only keywords (``momentum``,
+    ``use_global_stats``, ``running_*_initializer``, ...) with one warning naming them; ``axis=1``
+    is accepted, another axis is a ValueError. With GluonCV::
 
         net = resnet50_v1b(norm_layer=gn_mx.norm_layer(num_groups=32))
         net = resnet50_v1b(norm_layer=gn_mx.norm_layer(gn_mx.DecorrelatedBatchNorm, group_size=16))
+
+    Parameters
+    ----------
+    layer : type, default GroupNorm
+        The block class to create.
+    **defaults
+        Keywords for every layer created (e.g. ``num_groups=32``); the constructor's own keywords
+        win over them.
+
+    Returns
+    -------
+    NormLayer
+        A callable taking keyword arguments only and returning a new ``layer`` block.
+
+    Raises
+    ------
+    TypeError
+        ``layer`` is not a class, or ``defaults`` holds a keyword ``layer`` does not take.
+
+    Examples
+    --------
+    >>> make = gn_mx.norm_layer(num_groups=2)
+    >>> import warnings
+    >>> with warnings.catch_warnings():
+    ...     warnings.simplefilter('ignore')  # "ignoring keyword(s) that do not apply: momentum"
+    ...     layer = make(in_channels=4, momentum=0.9)
+    >>> layer
+    GroupNorm(num_groups=2, eps=1e-05, center=True, scale=True, in_channels=4)
     """
     return NormLayer(layer, **defaults)
 

@@ -54,7 +54,7 @@ MXReturnValue aff_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>
                         std::vector<std::vector<unsigned>>* out) {
   return guarded(kAffine, [&] {
     const auto& ds = (*in)[kAffData];
-    if (shape_unknown(ds)) return MX_SUCCESS;
+    if (data_shape_unknown(kAffine, ds)) return MX_SUCCESS;
     infer_affine_param_shapes(kAffine, in, affine_groups(to_i64(ds)));
     (*out)[kAffOut] = ds;
     return MX_SUCCESS;

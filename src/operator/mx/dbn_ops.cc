@@ -153,7 +153,7 @@ MXReturnValue dbn_shape_common(const char* op, bool training, const AttrMap& att
                                std::vector<std::vector<unsigned>>* out) {
   const DbnParams p = parse_dbn(op, attrs, training);
   const auto& ds = (*in)[p.in.data];
-  if (shape_unknown(ds)) return MX_SUCCESS;
+  if (data_shape_unknown(op, ds)) return MX_SUCCESS;
   const GroupDims gs = data_groups(op, to_i64(ds), p.num_groups);
   // lib_api shape inference does not know the device: the CPU limit here, the CUDA one (smaller)
   // first thing in the callbacks (tensor_groups); one message format (dbn_group_size_error).

@@ -209,7 +209,7 @@ MXReturnValue m_infer_shape(const AttrMap& attrs, std::vector<std::vector<unsign
                             std::vector<std::vector<unsigned>>* out) {
   return guarded(kMOp, [&] {
     const auto& ds = (*in)[kMData];
-    if (shape_unknown(ds)) return MX_SUCCESS;
+    if (data_shape_unknown(kMOp, ds)) return MX_SUCCESS;
     const GroupDims gs = data_groups(kMOp, to_i64(ds), moments_num_groups(attrs));
     const std::vector<unsigned> stat = {static_cast<unsigned>(gs.N), static_cast<unsigned>(gs.G)};
     for (int i : {kMDMean, kMDVar, kMMean, kMVar}) {

@@ -114,7 +114,7 @@ MXReturnValue moments_shape(const AttrMap& attrs, std::vector<std::vector<unsign
   return guarded(kMoments, [&] {
     const GnParams p = parse_moments(kMoments, attrs);
     const auto& ds = (*in)[kAffData];
-    if (shape_unknown(ds)) return MX_SUCCESS;
+    if (data_shape_unknown(kMoments, ds)) return MX_SUCCESS;
     const GroupDims gs = data_groups(kMoments, to_i64(ds), p.num_groups);
     (*out)[kMMean] = (*out)[kMVar] = stat_shape(gs);
     return MX_SUCCESS;
@@ -186,7 +186,7 @@ MXReturnValue gn_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>*
   return guarded(kGroupNorm, [&] {
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const auto& ds = (*in)[kAffData];
-    if (shape_unknown(ds)) return MX_SUCCESS;
+    if (data_shape_unknown(kGroupNorm, ds)) return MX_SUCCESS;
     const GroupDims gs = data_groups(kGroupNorm, to_i64(ds), p.num_groups);
     infer_affine_param_shapes(kGroupNorm, in, gs);
     (*out)[kOut] = ds;

@@ -6,10 +6,14 @@
  * - The (data, gamma (C,), beta (C,)) parameter rules of gn_group_norm and gn_channel_affine:
  *   gamma/beta in the data dtype, or float32 with float16 data (multi-precision); unknown dtypes and
  *   shapes filled in from data (Gluon's deferred initialization); tensors re-checked at run time.
+ * - data_shape_unknown(): the data shape an inferShape starts from; a zero-size array under the
+ *   NumPy interface is refused there (see below).
  * Shape and type inference run these, so a bad call fails at the call site; forward/backward
  * re-check only what they index with.
  */
 #pragma once
+#include <dlfcn.h>
+
 #include <string>
 #include <vector>
 
@@ -28,6 +32,41 @@ inline GroupDims data_groups(const char* op, const std::vector<int64_t>& shape, 
   const GroupDims d = group_dims(shape[0], shape[1], G, S);
   if (const char* e = check_group_dims(d)) fail(op, ": ", e, "; data shape ", shape_str(shape));
   return d;
+}
+
+// Whether MXNet's NumPy shape semantics are on for the calling thread (npx.set_np(), np_shape):
+// lib_api passes shapes without saying so, and a 0 dim means "unknown" under the legacy semantics
+// but "zero-size" under NumPy's. Asked from libmxnet.so itself (MXIsNumpyShape of its C API, found
+// by soname without loading anything); false when that is not found (a renamed libmxnet).
+inline bool numpy_shape_semantics() {
+  using IsNp = int (*)(int*);
+  static const IsNp is_np = [] {
+    void* h = dlopen("libmxnet.so", RTLD_LAZY | RTLD_NOLOAD);
+    return h ? reinterpret_cast<IsNp>(dlsym(h, "MXIsNumpyShape")) : static_cast<IsNp>(nullptr);
+  }();
+  int on = 0;
+  return is_np != nullptr && is_np(&on) == 0 && on != 0;
+}
+
+// An inferShape's data shape: true while MXNet has not inferred it yet (the callback returns and is
+// called again). Under NumPy shape semantics a fully known shape with a 0 dim is a zero-size array:
+// the ops cannot run on one (lib_api hands them no usable tensor and MXNet would leave the outputs
+// shapeless, i.e. a silent shape-() result and an error at the next synchronization), so it is
+// refused here, at the call. The gn_mx blocks and gn_mx.ops give an empty batch an empty output
+// without calling the op (docs/reference/ops.md).
+inline bool data_shape_unknown(const char* op, const std::vector<unsigned int>& ds) {
+  if (ds.empty()) return true;
+  bool zero = false;
+  for (unsigned d : ds) {
+    if (d == 0xFFFFFFFFu) return true;  // unknown under NumPy semantics
+    zero = zero || d == 0;
+  }
+  if (!zero) return false;
+  if (!numpy_shape_semantics()) return true;  // legacy semantics: 0 = not inferred yet
+  fail(op, ": data of shape ", shape_str(to_i64(ds)),
+       " is empty; the op needs at least one element per (sample, group). For an empty batch "
+       "(N = 0) use the gn_mx blocks or gn_mx.ops.group_norm / dbn_inference, which return an "
+       "empty output");
 }
 
 inline void check_float_data(const char* op, int t) {
