@@ -9,7 +9,7 @@ regime applies.
 
     python benchmarks/dbn_jacobi_sweeps.py [D ...]     # default: 16 32 64 128 256 512
 """
-import sys
+import argparse
 
 import numpy as np
 
@@ -72,7 +72,11 @@ def covariances(D, rng):
 
 
 def main():
-    Ds = [int(a) for a in sys.argv[1:]] or [16, 32, 64, 128, 256, 512]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("D", nargs="*", type=int, default=[16, 32, 64, 128, 256, 512],
+                    help="group sizes (default: 16 32 64 128 256 512)")
+    Ds = ap.parse_args().D
     rng = np.random.default_rng(0)
     print("| D | data | sweeps |\n|---|---|---|")
     for D in Ds:

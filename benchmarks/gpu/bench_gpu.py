@@ -15,7 +15,7 @@ timed eagerly (torch's eigh synchronizes). A pass whose warm-up call exceeds --c
 reported from that one call; a DBN pass predicted (from a smaller D, cubic in D) to outlast the
 remaining --budget-s is skipped, as is every case once --budget-s is spent: both say so in the note.
 
-The bound of each row (bytes that must move, flops of the dense math) comes from gpu_bounds.py; %copy
+The bound of each row (bytes that must move, flops of the dense math) comes from _bounds.py; %copy
 is bytes / time / the measured device-to-device copy bandwidth; %fp32 / %fp64 is flops / time /
 the measured fp32 (TF32 off) / fp64 matmul rate. GPU, driver, CUDA, torch and date head the table.
 
@@ -42,7 +42,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
 sys.path.insert(0, os.path.join(ROOT, "tests", "gpu"))
-import gpu_bounds as bounds  # noqa: E402  (no torch: --estimate and --help need neither)
+import _bounds as bounds  # noqa: E402  (no torch: --estimate and --help need neither)
 
 torch = gnh = None  # imported by run() (--help and --estimate need neither)
 
@@ -146,7 +146,7 @@ def smoke_cases():
 
 
 # --------------------------------------------------------------------------------------------------
-# --estimate: lower bounds on an H200 from gpu_bounds.py alone
+# --estimate: lower bounds on an H200 from _bounds.py alone
 
 
 def estimate_table(cases, dev=bounds.H200):
@@ -154,7 +154,7 @@ def estimate_table(cases, dev=bounds.H200):
              f"- {dev['sms']} SMs, {dev['copy_bw'] / 1e12:.1f} TB/s HBM, "
              f"{dev['fp32'] / 1e12:.0f} TFLOP/s "
              f"fp32 (non-tensor), {dev['fp64'] / 1e12:.0f} TFLOP/s fp64",
-             "- bound: max(bytes / bandwidth, flops / fp32 peak) from benchmarks/gpu/gpu_bounds.py; "
+             "- bound: max(bytes / bandwidth, flops / fp32 peak) from benchmarks/gpu/_bounds.py; "
              "nothing was run", "",
              "| class | case | dtype | pass | bytes | flops | bound us | bytes-bound us | fp32-bound us "
              "| fp64-bound us |", "|---|---|---|---|---|---|---|---|---|---|"]
@@ -585,7 +585,7 @@ def markdown(meta, rows):
              "- times: median per call (runs: `RxK graph` = R replays of a CUDA graph of K calls, "
              "`n` = n eager calls each timed by CUDA events, DBN eager incl. launch overhead; "
              "on the emulator one call by the CPU clock)",
-             "- bound: bytes that must move (+ flops of the dense DBN math), benchmarks/gpu/gpu_bounds.py; "
+             "- bound: bytes that must move (+ flops of the dense DBN math), benchmarks/gpu/_bounds.py; "
              "%copy = bytes / time / copy bw; %fp32, %fp64 = flops / time / matmul rate (ours)",
              f"- time budget {_na(meta.get('budget_s'))} s (per pass {meta.get('case_budget_s')} s); "
              f"benchmark wall time {meta.get('wall_s', 0):.0f} s",

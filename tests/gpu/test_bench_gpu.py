@@ -2,7 +2,7 @@
 
 - --smoke (tiny shapes of every class, one run each) through the CUDA emulator with torch CPU
   (GNMX_HARNESS_EMU=1; on a GPU machine it runs on the GPU): the table has every shape class and
-  pass, sane columns, and the bounds of gpu_bounds.py. Skipped without torch, like the other modules.
+  pass, sane columns, and the bounds of _bounds.py. Skipped without torch, like the other modules.
 - --estimate and --help need neither torch nor a device: they run everywhere (the CPU CI too).
 - run_all.sh's time limits add up to less than 5 minutes, and it copies its results to $OUT.
 
@@ -24,7 +24,7 @@ GPU_BENCH = os.path.join(ROOT, "benchmarks", "gpu")
 BENCH = os.path.join(GPU_BENCH, "bench_gpu.py")
 sys.path.insert(0, GPU_BENCH)
 import bench_gpu  # noqa: E402  (imports neither torch nor the harness)
-import gpu_bounds as bounds  # noqa: E402
+import _bounds as bounds  # noqa: E402
 
 
 def _run(args, cwd=ROOT, timeout=600):
