@@ -38,21 +38,6 @@ constexpr int64_t kFwdUnits = 4;       // forward: vectors per thread before the
 constexpr int64_t kMaxFwdBlocks = int64_t(65535) * 8;
 constexpr int64_t kRowsUnitsPerThread = 8;  // long-row backward: vectors per thread per block
 
-template <typename I>
-__device__ __forceinline__ I imin(I a, I b) {
-  return a < b ? a : b;
-}
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
-template <typename T>
-constexpr int vec_width() {
-  return static_cast<int>(16 / sizeof(T));
-}
-
 // Channel c = (e / S) % C and offset s = e % S of element e of (N, C, S) data, moved by a fixed
 // stride of elements without divisions (two at construction).
 struct ChannelCursor {

@@ -55,6 +55,23 @@ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
 inline bool aligned16(const void* p) { return (reinterpret_cast<uintptr_t>(p) & 15u) == 0; }
 
+template <typename I>
+__device__ __forceinline__ I imin(I a, I b) {
+  return a < b ? a : b;
+}
+
+// V elements of T loaded / stored as one 16-byte (or narrower) access; vec_width<T>() elements make
+// 16 bytes (GroupNorm and the affine kernels).
+template <typename T, int V>
+struct alignas(sizeof(T) * V) Vec {
+  T v[V];
+};
+
+template <typename T>
+constexpr int vec_width() {
+  return static_cast<int>(16 / sizeof(T));
+}
+
 // SM count of the current device into *out; nullptr or the CUDA error string. Cached per device
 // (the first 64) in relaxed atomics: threads that race on a first query all store the same value,
 // and no thread ever reads a torn or unsynchronized one.

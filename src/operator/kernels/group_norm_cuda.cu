@@ -133,21 +133,6 @@ constexpr int kRowPart = 2;
 // ------------------------------------------------------------------------------------------------
 // Device helpers
 
-template <typename I>
-__device__ __forceinline__ I imin(I a, I b) {
-  return a < b ? a : b;
-}
-
-template <typename T, int V>
-struct alignas(sizeof(T) * V) Vec {
-  T v[V];
-};
-
-template <typename T>
-constexpr int vec_width() {
-  return static_cast<int>(16 / sizeof(T));
-}
-
 // Folds V stored values into a Welford state: the vector's exact mean/M2, then one Chan merge.
 template <typename T, int V, typename A>
 __device__ __forceinline__ void push_vec(Welford<A>& w, const Vec<T, V>& in) {
