@@ -733,6 +733,50 @@ __device__ void eig_iternorm(const BlockExec& ex, double* Am, int finite, int D,
   dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
 }
 
+// Sigma = (sum of the group's gram partials) / m + eps I into A (row stride ld). Returns 1 when
+// every entry is finite, 0 otherwise (the same on every thread of the block).
+__device__ int eig_load_sigma(const double* __restrict__ part, int64_t chunks, int64_t g, int D,
+                              double m, double eps, double* A, int ld) {
+  const int DD = D * D;
+  int finite = 1;
+  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+    double s = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * DD + e];
+    s /= m;
+    const int i = e / D, j = e - i * D;
+    if (i == j) s += eps;
+    A[i * ld + j] = s;
+    finite &= isfinite(s) ? 1 : 0;
+  }
+  return __syncthreads_and(finite);
+}
+
+// The eigenpairs (values l, vectors as the rows of Ut, row stride ld) sorted by a stable ascending
+// rank: values into ls, vectors into the columns of Us (D x D). A failed group (finite == 0) gets
+// NaN in both. Ends with a barrier.
+__device__ void eig_sort(int finite, const double* l, const double* Ut, int ld, int D, int* rank,
+                         double* ls, double* Us) {
+  const int DD = D * D;
+  if (finite) {
+    for (int i = threadIdx.x; i < D; i += blockDim.x) {
+      int r = 0;
+      for (int j = 0; j < D; ++j) r += (l[j] < l[i] || (l[j] == l[i] && j < i)) ? 1 : 0;
+      rank[i] = r;
+      ls[r] = l[i];
+    }
+    __syncthreads();
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // Us[i][rank k] = U[i][k] = Ut[k][i]
+      const int k = e / D, i = e - k * D;
+      Us[i * D + rank[k]] = Ut[k * ld + i];
+    }
+  } else {
+    const double nan = __longlong_as_double(0x7ff8000000000000LL);
+    for (int e = threadIdx.x; e < DD; e += blockDim.x) Us[e] = nan;
+    for (int i = threadIdx.x; i < D; i += blockDim.x) ls[i] = nan;
+  }
+  __syncthreads();
+}
+
 // One block per group, dynamic shared memory eig_smem(D, path == kShared). ZCA: Sigma -> eigh
 // (block_jacobi in shared memory or the workspace; or, in two launches around
 // cusolver_syevd_batch, Sigma into the workspace (kPrepare: a non-finite Sigma is replaced by I
@@ -775,16 +819,7 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     finite = (flag[0] != 0.0 && info[g] == 0) ? 1 : 0;  // uniform over the block
     for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = evals[g * D + i];
   } else {
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-      double s = 0.0;
-      for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * DD + e];
-      s /= m;
-      const int i = e / D, j = e - i * D;
-      if (i == j) s += eps;
-      Aw[i * ld + j] = s;
-      finite &= isfinite(s) ? 1 : 0;
-    }
-    finite = __syncthreads_and(finite);
+    finite = eig_load_sigma(part, chunks, g, D, m, eps, Aw, ld);
     if (wh == DbnWhitening::kIterNorm) {
       eig_iternorm(ex, Am, finite, D, T, g, momentum, mean, eigvec, eigval, Wout, stat_dtype,
                    running_mean, running_proj, param_dtype, gamma, beta, bias);
@@ -802,24 +837,7 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     }
   }
   __syncthreads();
-  if (finite) {
-    for (int i = threadIdx.x; i < D; i += blockDim.x) {  // stable ascending rank
-      int r = 0;
-      for (int j = 0; j < D; ++j) r += (s_l[j] < s_l[i] || (s_l[j] == s_l[i] && j < i)) ? 1 : 0;
-      s_rank[i] = r;
-      s_ls[r] = s_l[i];
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) {  // Us[i][rank k] = U[i][k] = Ut[k][i]
-      const int k = e / D, i = e - k * D;
-      Us[i * D + s_rank[k]] = Ut[k * ld + i];
-    }
-  } else {
-    const double nan = __longlong_as_double(0x7ff8000000000000LL);
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) Us[e] = nan;
-    for (int i = threadIdx.x; i < D; i += blockDim.x) s_ls[i] = nan;
-  }
-  __syncthreads();
+  eig_sort(finite, s_l, Ut, ld, D, s_rank, s_ls, Us);
   // eigvec is written before dbn_whitening_matrix's first barrier, so W may overwrite Us; the
   // products' tiles may overwrite the shared-memory matrices (copied out above).
   for (int e = threadIdx.x; e < DD; e += blockDim.x) eigvec[g * DD + e] = static_cast<A>(Us[e]);
