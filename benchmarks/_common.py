@@ -1,11 +1,13 @@
 """Shared parent-side plumbing of the CPU benchmarks that time one child process per allocator
-regime (bench_fused_act.py, bench_in_network.py): the glibc "keep freed memory" environment, the
-common command-line options, and the loop that runs the script's own --child once per regime."""
+regime (bench_fused_act.py, bench_in_network.py, bench_convert.py, bench_inference.py): the glibc
+"keep freed memory" environment, the common command-line options, the loop that runs the script's
+own --child once per regime, and the writer of the STEM.md / STEM.json pair."""
 import argparse
 import json
 import os
 import subprocess
 import sys
+import time
 
 RESULTS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
 
@@ -70,3 +72,14 @@ def result_stem(out, default_name):
     if not os.path.dirname(out):
         return os.path.join(RESULTS, out)
     return out
+
+
+def write_results(stem, title, about, text, data, tail=""):
+    """Writes STEM.md ("# title", then "<UTC date> UTC; about", the report text and tail) and
+    STEM.json ({"date_utc": <the same date>, **data}), creating STEM's directory."""
+    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
+    date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
+    with open(stem + ".md", "w") as f:
+        f.write("# %s\n\n%s UTC; %s\n%s\n%s" % (title, date, about, text, tail))
+    with open(stem + ".json", "w") as f:
+        json.dump(dict({"date_utc": date}, **data), f, indent=1)

@@ -24,9 +24,8 @@ import json
 import os
 import sys
 import tempfile
-import time
 
-from _common import KEPT, add_timing_args, run_regimes, timing_defaults
+from _common import KEPT, add_timing_args, run_regimes, timing_defaults, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -175,14 +174,10 @@ def main():
     print(text)
     if args.out is None:
         return
-    os.makedirs(args.out, exist_ok=True)
-    date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    with open(os.path.join(args.out, "convert_cpu.md"), "w") as f:
-        f.write("# Converting MXNet GroupNorm models to gn_mx, CPU (`benchmarks/bench_convert.py`)\n\n"
-                "%s UTC; fp32; ResNet-style CNN (13 GroupNorm(8) layers) on 16x3x64x64; times are "
-                "medians of interleaved samples.\n%s\n" % (date, text))
-    with open(os.path.join(args.out, "convert_cpu.json"), "w") as f:
-        json.dump({"date_utc": date, "runs": runs, "report": text}, f, indent=1)
+    write_results(os.path.join(args.out, "convert_cpu"),
+                  "Converting MXNet GroupNorm models to gn_mx, CPU (`benchmarks/bench_convert.py`)",
+                  "fp32; ResNet-style CNN (13 GroupNorm(8) layers) on 16x3x64x64; times are medians "
+                  "of interleaved samples.", text, {"runs": runs, "report": text})
 
 
 if __name__ == "__main__":

@@ -19,9 +19,8 @@ import argparse
 import json
 import os
 import sys
-import time
 
-from _common import KEPT, add_timing_args, run_regimes, timing_defaults
+from _common import KEPT, add_timing_args, run_regimes, timing_defaults, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -136,13 +135,9 @@ def main():
     print(text)
     if args.out is None:
         return
-    os.makedirs(args.out, exist_ok=True)
-    date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    with open(os.path.join(args.out, "fused_act_cpu.md"), "w") as f:
-        f.write("# Fused GroupNorm + activation, CPU (`benchmarks/bench_fused_act.py`)\n\n"
-                "%s UTC; fp32; times in ms (medians of interleaved samples).\n%s\n" % (date, text))
-    with open(os.path.join(args.out, "fused_act_cpu.json"), "w") as f:
-        json.dump({"date_utc": date, "runs": runs}, f, indent=1)
+    write_results(os.path.join(args.out, "fused_act_cpu"),
+                  "Fused GroupNorm + activation, CPU (`benchmarks/bench_fused_act.py`)",
+                  "fp32; times in ms (medians of interleaved samples).", text, {"runs": runs})
 
 
 if __name__ == "__main__":

@@ -42,9 +42,8 @@ import argparse
 import json
 import os
 import sys
-import time
 
-from _common import KEPT, add_timing_args, run_regimes, timing_defaults
+from _common import KEPT, add_timing_args, run_regimes, timing_defaults, write_results
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
@@ -327,13 +326,10 @@ def main():
     print(text)
     if args.out is None:
         return
-    os.makedirs(args.out, exist_ok=True)
-    date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    with open(os.path.join(args.out, "in_network_cpu%s.md" % args.suffix), "w") as f:
-        f.write("# Norm layers inside hybridized networks, CPU (`benchmarks/bench_in_network.py`)\n\n"
-                "%s UTC; fp32; times are medians of interleaved samples.\n%s\n" % (date, text))
-    with open(os.path.join(args.out, "in_network_cpu%s.json" % args.suffix), "w") as f:
-        json.dump({"date_utc": date, "runs": runs, "report": text}, f, indent=1)
+    write_results(os.path.join(args.out, "in_network_cpu%s" % args.suffix),
+                  "Norm layers inside hybridized networks, CPU (`benchmarks/bench_in_network.py`)",
+                  "fp32; times are medians of interleaved samples.", text,
+                  {"runs": runs, "report": text})
 
 
 if __name__ == "__main__":

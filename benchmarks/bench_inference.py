@@ -50,13 +50,13 @@ import json
 import os
 import sys
 import tempfile
-import time
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(HERE)
 sys.path.insert(0, HERE)
 
-from _common import KEPT, add_timing_args, result_stem, run_regimes, timing_defaults  # noqa: E402
+from _common import (KEPT, add_timing_args, result_stem, run_regimes, timing_defaults,  # noqa: E402
+                     write_results)
 
 BATCHES = [1, 8]
 MX_ROWS = ["mx_gn", "mx_gn_relu", "mx_affine", "mx_bn_folded", "mx_none", "mx_none_mkldnn"]
@@ -417,19 +417,15 @@ ReLU.
 
 
 def write(stem, runs, text, args):
-    """Writes stem.md (the report) and stem.json (the raw runs)."""
-    os.makedirs(os.path.dirname(os.path.abspath(stem)), exist_ok=True)
-    date = time.strftime("%Y-%m-%d %H:%M:%S", time.gmtime())
-    head = ("# Inference latency, CPU (`benchmarks/bench_inference.py`)\n\n"
-            "%s UTC; fp32; (N, 3, 64, 64) input into a 6-conv ResNet-style net with 5 norm layers; "
-            "every MXNet path hybridized with static_alloc and static_shape; medians of up to %d "
-            "interleaved samples per path.%s\n\n" % (
-                date, args.rounds, (" " + args.note) if args.note else ""))
-    with open(stem + ".md", "w") as f:
-        f.write(head + text + "\n" + WHY)
-    with open(stem + ".json", "w") as f:
-        json.dump({"date_utc": date, "note": args.note, "rounds": args.rounds, "runs": runs,
-                   "report": text}, f, indent=1)
+    """Writes stem.md (the report and why) and stem.json (the raw runs)."""
+    write_results(stem, "Inference latency, CPU (`benchmarks/bench_inference.py`)",
+                  "fp32; (N, 3, 64, 64) input into a 6-conv ResNet-style net with 5 norm layers; "
+                  "every MXNet path hybridized with static_alloc and static_shape; medians of up to "
+                  "%d interleaved samples per path.%s\n" % (
+                      args.rounds, (" " + args.note) if args.note else ""),
+                  text, {"note": args.note, "rounds": args.rounds, "runs": runs, "report": text},
+                  tail=WHY)
+
 
 if __name__ == "__main__":
     main()
