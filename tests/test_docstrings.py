@@ -195,7 +195,9 @@ def test_doctest_examples_run():
 def test_griffe_parses_the_docstrings_without_warnings():
     """What mkdocstrings (numpy style) sees: griffe's parser warns on a documented parameter the
     signature lacks and on malformed sections."""
-    griffe = pytest.importorskip("griffe")
+    from test_docs import require_docs_toolchain
+    require_docs_toolchain()
+    import griffe
     import logging
     pkg = griffe.load("gn_mx", docstring_parser="numpy", resolve_aliases=False)
     records = []
