@@ -218,10 +218,11 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         ``contrib.nn.SyncBatchNorm``), ``'instance_norm'``, ``'layer_norm'`` (only over the channel
         axis: ``axis=1``, or the last axis of 2-D input as told by ``sample``).
     sample : NDArray or tuple, optional
-        An input batch (or its shape): the channel count and rank of every layer's input are
-        inferred from it (a shape inference of the traced graph for a HybridBlock; one predict-mode
-        forward, which needs an initialized block, for a plain Block). Needed for ``group_size``
-        with GroupNorm when the channel counts are not known yet.
+        An input batch (or its shape) of a single-input block: the channel count and rank of
+        every layer's input are inferred from it (a shape inference of the traced graph for a
+        HybridBlock; one predict-mode forward, which needs an initialized block, for a plain
+        Block). Needed for ``group_size`` with GroupNorm when the channel counts are not known
+        yet.
     copy_affine : bool, default True
         When the old layer's gamma/beta have values, start the new ones from them (fine-tuning);
         False starts from the initializers (ones, zeros), as training from scratch does.
