@@ -180,7 +180,8 @@ def _run_page(path, kind):
         script = os.path.join(work, "page.sh")
         with open(script, "w") as f:
             f.write("set -eo pipefail\n" + "".join(
-                f"echo '--- block {_rel(path)}:{line}'\n{code}" for _, line, code, _, _, _ in blocks))
+                f"echo '--- block {_rel(path)}:{line}'\n{code}"
+                for _, line, code, _, _, _ in blocks))
         return _run(["bash", script], ROOT, f"the shell blocks of {_rel(path)}", work)
     finally:
         shutil.rmtree(work, ignore_errors=True)

@@ -199,7 +199,8 @@ def test_gluoncv_style_net_every_kind(tmp_path):
     replaced = dict(rep.replaced)
     assert sorted(replaced) == ["1", "3.1", "3.4", "3.5", "7"], rep
     assert "InstanceNorm(C=32) -> GroupNorm(num_groups=4" in replaced["3.4"]
-    assert "LayerNorm(C=16) -> GroupNorm(num_groups=4" in replaced["7"]  # (N, C): the last axis is C
+    # (N, C) input: the LayerNorm's last axis is C
+    assert "LayerNorm(C=16) -> GroupNorm(num_groups=4" in replaced["7"]
     assert dict(rep.left) == {"3.7": "InstanceNorm(axis=2): gn_mx normalizes the channel axis 1 "
                                      "of (N, C, *spatial) data"}, rep
     assert net[1]._epsilon == 1e-4 and net[1].gamma.shape == (16,)  # eps kept, C from the sample
@@ -219,7 +220,8 @@ def test_other_axes_and_unknown_rank_stay_with_reason():
             nn.BatchNorm(in_channels=4))
     gn_mx.replace_norm(net, num_groups=2, include=("batch_norm", "layer_norm"))
     left = dict(net.gn_mx_report.left)
-    assert left["1"] == "BatchNorm(axis=2): gn_mx normalizes the channel axis 1 of (N, C, *spatial) data"
+    assert left["1"] == ("BatchNorm(axis=2): gn_mx normalizes the channel axis 1 of "
+                         "(N, C, *spatial) data")
     assert left["2"].startswith("LayerNorm(axis=-1) (of unknown input rank: pass sample=)")
     assert [p for p, _ in net.gn_mx_report.replaced] == ["3"]
     assert isinstance(net[1], nn.BatchNorm) and isinstance(net[3], gn_mx.GroupNorm)
