@@ -4,7 +4,7 @@ The device solver applies, per round of the round-robin (circle method) ordering
 rotations at once; this copy does the same rounds with numpy (same rr_pair, same rotation formula as
 dbn_jacobi_rotation, same power-of-two scaling, stopping rule off <= 1e-30 ||A_0||_F^2 checked
 before each sweep, limit 100), so its sweep count is the device's up to rounding. The counts drive
-the time estimates in docs/dbn.md ("GPU"). Not a timing benchmark: no thread count or allocator
+the time estimates in docs/design/dbn.md ("GPU"). Not a timing benchmark: no thread count or allocator
 regime applies.
 
     python benchmarks/dbn_jacobi_sweeps.py [D ...]     # default: 16 32 64 128 256 512

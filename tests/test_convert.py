@@ -200,6 +200,24 @@ def test_convert_float16(hybridize):
     assert np.abs(got - want).max() <= 1e-2 * max(1.0, np.abs(want).max())
 
 
+def test_fused_slot_prints_what_it_is():
+    """The slot of a fused activation is an identity that says so, also inside the net's repr
+    (it printed as an empty ``_Fused(\n\n)`` before)."""
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(4, 1, in_channels=3), nn.GroupNorm(num_groups=2), nn.Activation("relu"),
+            nn.InstanceNorm(in_channels=4), nn.Swish())
+    net.initialize()
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 3, 5, 5))
+    want = net(x).asnumpy()
+    gn_mx.convert(net, fuse_activation=True, sample=x)
+    assert repr(net[2]) == "_Fused(relu: applied by the GroupNorm in slot '1')"
+    assert repr(net[4]) == "_Fused(silu: applied by the GroupNorm in slot '3')"
+    text = repr(net)
+    assert "(2): _Fused(relu: applied by the GroupNorm in slot '1')" in text, text
+    assert "_Fused(\n" not in text, text
+    assert np.abs(net(x).asnumpy() - want).max() <= 1e-5
+
+
 def test_layer_norm_and_unmappable_layers_stay_with_reason():
     net = nn.HybridSequential()
     net.add(nn.Conv2D(4, 1, in_channels=3), nn.LayerNorm(axis=1),   # 4-D input: not a GroupNorm

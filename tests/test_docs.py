@@ -11,6 +11,16 @@ here is marked by an HTML comment on the line right before its fence,
 
 and is reported as a skipped test with that reason; a skip marker without a reason fails. Other
 fences (text, c, json, none) are not code to run.
+
+A python block that the page offers to run "in a fresh process" (a model reload, say) is marked
+
+    <!-- fresh-process -->
+
+and runs ALONE in a new interpreter, at its place in the page's order, in the same working
+directory (so it sees the files the blocks before it wrote, and none of their names): it must
+import and define everything it uses, as a user pasting it into a new process would. A python
+block whose introducing paragraph (the prose right before its fence) says "fresh process" must
+carry that marker (or a skip marker), and the marker on anything but a python block fails.
 """
 import concurrent.futures
 import os
@@ -28,6 +38,7 @@ PYTHON_LANGS = {"python", "py"}
 SHELL_LANGS = {"bash", "sh", "shell"}
 _FENCE = re.compile(r"^(?P<indent> *)(?P<fence>`{3,}|~{3,})(?P<lang>[\w+-]*)[^\n]*$")
 _SKIP = re.compile(r"^\s*<!--\s*skip\b(?P<rest>.*?)-->\s*$")
+_FRESH = re.compile(r"^\s*<!--\s*fresh-process\s*-->\s*$")
 _TIMEOUT_S = 600
 
 
@@ -39,9 +50,10 @@ def doc_files():
 
 
 def parse_blocks(path):
-    """[(lang, first_line_number, code, skip_reason or None, marker_error or None)] of a file."""
+    """[(lang, first_line_number, code, skip_reason or None, marker_error or None, fresh)] of a
+    file; ``fresh``: the block runs alone in a new process (its ``<!-- fresh-process -->``)."""
     lines = open(path, encoding="utf-8").read().split("\n")
-    blocks, i = [], 0
+    blocks, i, prose_start = [], 0, 0
     while i < len(lines):
         m = _FENCE.match(lines[i])
         if not m:
@@ -62,9 +74,29 @@ def parse_blocks(path):
                 error = f"skip marker without a reason: {prev.strip()!r} (write <!-- skip: why -->)"
             else:
                 skip = rest[1:].strip()
-        blocks.append((lang, i + 1, "\n".join(body) + "\n", skip, error))
+        fresh = bool(_FRESH.match(prev))
+        if fresh and lang not in PYTHON_LANGS:
+            error = f"a fresh-process marker on a {lang or 'plain'} block (python blocks only)"
+        intro = _paragraph_before(lines[prose_start:i - 1 if (sm or fresh) else i])
+        if lang in PYTHON_LANGS and not (fresh or sm) and "fresh process" in intro.lower():
+            error = ("its introduction says 'fresh process' but the block has no "
+                     "<!-- fresh-process --> marker (it would run in the page's interpreter)")
+        blocks.append((lang, i + 1, "\n".join(body) + "\n", skip, error, fresh))
         i = j + 1
+        prose_start = i
     return blocks
+
+
+def _paragraph_before(lines):
+    """The last paragraph of ``lines`` (the prose introducing a block), as one string."""
+    para = []
+    for line in reversed(lines):
+        if not line.strip():
+            if para:
+                break
+            continue
+        para.append(line)
+    return " ".join(reversed(para))
 
 
 def _rel(path):
@@ -79,7 +111,7 @@ def _cases():
             mine = [b for b in blocks if b[0] in langs]
             if any(b[3] is None and b[4] is None for b in mine):
                 runs.append(pytest.param(path, kind, id=f"{_rel(path)}:{kind}"))
-            for lang, line, _, skip, error in mine:
+            for lang, line, _, skip, error, _ in mine:
                 if error:
                     errors.append(f"{_rel(path)}:{line}: {error}")
                 elif skip:
@@ -101,12 +133,29 @@ def _env(tmp):
 def _python_driver(path, blocks):
     """One script that executes the page's blocks in order in one namespace, each compiled under
     its own file:line name so that a traceback points at the block in the Markdown file."""
-    parts = ["import sys", "__ns = {'__name__': '__main__'}"]
-    for _, line, code, _, _ in blocks:
+    parts = ["import subprocess, sys", "__ns = {'__name__': '__main__'}", _FRESH_RUNNER]
+    for _, line, code, _, _, fresh in blocks:
         name = f"{_rel(path)}:{line}"
-        parts.append(f"print('--- block {name}', flush=True)")
-        parts.append(f"exec(compile({code!r}, {name!r}, 'exec'), __ns)")
+        parts.append(f"print('--- block {name}' + {' (fresh process)' if fresh else ''!r}, "
+                     "flush=True)")
+        if fresh:
+            parts.append(f"__fresh({code!r}, {name!r})")
+        else:
+            parts.append(f"exec(compile({code!r}, {name!r}, 'exec'), __ns)")
     return "\n".join(parts) + "\n"
+
+
+# The driver's runner of a fresh-process block: a new interpreter, same working directory and
+# environment, the block's code compiled under its file:line name (tracebacks point at the page).
+_FRESH_RUNNER = """
+def __fresh(code, name):
+    src = 'exec(compile(' + repr(code) + ', ' + repr(name) + ', "exec"))'
+    proc = subprocess.run([sys.executable, '-c', src], capture_output=True, text=True)
+    sys.stdout.write(proc.stdout)
+    sys.stderr.write(proc.stderr)
+    if proc.returncode:
+        raise SystemExit(f'the fresh-process block {name} failed (exit {proc.returncode})')
+"""
 
 
 def _run(cmd, cwd, what, tmp):
@@ -131,7 +180,8 @@ def _run_page(path, kind):
         script = os.path.join(work, "page.sh")
         with open(script, "w") as f:
             f.write("set -eo pipefail\n" + "".join(
-                f"echo '--- block {_rel(path)}:{line}'\n{code}" for _, line, code, _, _ in blocks))
+                f"echo '--- block {_rel(path)}:{line}'\n{code}"
+                for _, line, code, _, _, _ in blocks))
         return _run(["bash", script], ROOT, f"the shell blocks of {_rel(path)}", work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
@@ -207,6 +257,71 @@ def test_parser_reads_markers(tmp_path):
         ("python", "d = 2\n", None)]
     assert blocks[1][4] and "without a reason" in blocks[1][4]
     assert all(b[4] is None for b in blocks if b[1] != blocks[1][1])
+
+
+def test_parser_reads_fresh_process_markers(tmp_path):
+    page = tmp_path / "p.md"
+    page.write_text(textwrap.dedent("""\
+        <!-- fresh-process -->
+        ```python
+        a = 1
+        ```
+        Then, in a fresh process:
+
+        ```python
+        b = 2
+        ```
+        <!-- fresh-process -->
+        ```bash
+        c
+        ```
+        Reload it in a fresh process:
+        <!-- skip: a reason -->
+        ```python
+        d = 3
+        ```
+        """))
+    blocks = parse_blocks(str(page))
+    assert [(b[2], b[5]) for b in blocks] == [("a = 1\n", True), ("b = 2\n", False),
+                                               ("c\n", True), ("d = 3\n", False)]
+    assert blocks[0][4] is None and blocks[3][4] is None
+    assert "says 'fresh process' but the block has no" in blocks[1][4]
+    assert "fresh-process marker on a bash block" in blocks[2][4]
+
+
+def test_fresh_process_block_runs_alone(tmp_path):
+    """A fresh-process block sees the files of the blocks before it, not their names; the blocks
+    after it continue in the page's interpreter."""
+    page = tmp_path / "p.md"
+    ok = textwrap.dedent("""\
+        ```python
+        secret = 41
+        open('f.txt', 'w').write(str(secret + 1))
+        ```
+        <!-- fresh-process -->
+        ```python
+        import sys
+        print('FRESH', open('f.txt').read(), 'secret' in dir())
+        ```
+        ```python
+        print('AFTER', secret)
+        ```
+        """)
+    page.write_text(ok)
+    out = _run_page(str(page), "python").stdout
+    assert "FRESH 42 False" in out and "AFTER 41" in out, out
+    page.write_text(ok.replace("'secret' in dir()", "secret"))
+    with pytest.raises(AssertionError) as e:
+        _run_page(str(page), "python")
+    assert "NameError: name 'secret' is not defined" in str(e.value), str(e.value)[-2000:]
+    assert "the fresh-process block" in str(e.value)
+
+
+def test_fresh_process_blocks_found():
+    """The docs' reload blocks are marked (README, quickstart, DBN, replace_norm at least)."""
+    marked = {_rel(p) for p in doc_files() for b in parse_blocks(p) if b[5] and b[3] is None}
+    assert {"README.md", "docs/quickstart.md", "docs/dbn.md",
+            "docs/guide/replace_norm.md"} <= marked, marked
 
 
 DOCS_TOOLCHAIN_PYTHON = (3, 11)  # requirements-dev.txt installs the docs toolchain from here on

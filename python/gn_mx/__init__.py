@@ -9,6 +9,7 @@ ONNX converters (``gn_mx.onnx``) with ``mx.onnx.export_model``.
 from . import _compat  # first: without MXNet 1.9 it raises the install hint (others import mxnet)
 from . import _symbolic, amp, ops, parallel, sym
 from ._convert import convert, convert_symbol  # docs/convert.md
+from ._replace import replace_norm  # docs/guide/replace_norm.md
 from ._library import build_info, library_path, load as _load, register_onnx_converters as _onnx
 from .nn import DecorrelatedBatchNorm, GroupNorm
 from .parallel import sync_running_stats
@@ -22,4 +23,5 @@ _onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is i
 
 __version__ = "0.1.0"
 __all__ = ["DecorrelatedBatchNorm", "GroupNorm", "build_info", "convert", "convert_symbol",
-           "library_path", "norm_layer", "ops", "parallel", "sym", "sync_running_stats", "__version__"]
+           "library_path", "norm_layer", "ops", "parallel", "replace_norm", "sym",
+           "sync_running_stats", "__version__"]

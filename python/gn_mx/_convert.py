@@ -66,10 +66,21 @@ class ConversionReport:
 # Gluon blocks
 
 class _Fused(gluon.HybridBlock):
-    """Stands where an activation was fused into the preceding norm (keeps Sequential indices)."""
+    """Stands where an activation was fused into the preceding norm (keeps Sequential indices):
+    an identity that prints as what it is, e.g. ``_Fused(relu: applied by the GroupNorm in slot
+    '1')``."""
+
+    def __init__(self, activation, norm_key, **kwargs):
+        super().__init__(**kwargs)
+        self.activation = activation
+        self.norm_key = norm_key
 
     def hybrid_forward(self, F, x):
         return x
+
+    def __repr__(self):
+        return (f"{type(self).__name__}({self.activation}: applied by the GroupNorm in slot "
+                f"{self.norm_key!r})")
 
 
 def _is_gluoncv_group_norm(b):
@@ -294,7 +305,7 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
         report.replaced.append((path, what))
         if act_key is not None:
             nxt = parent._children[act_key]
-            _replace_child(parent, act_key, nxt, _Fused(prefix=nxt.prefix))
+            _replace_child(parent, act_key, nxt, _Fused(act, key, prefix=nxt.prefix))
             report.fused.append((path, act))
     for b in [root] + [c for _, _, c, _ in _walk(root)]:
         if isinstance(b, gluon.HybridBlock):

@@ -11,7 +11,7 @@
    ``gn_group_norm``, ``gn_moments``     ``FP16_FUNCS``: fp16 data,   ``FP32_FUNCS`` (MXNet 1.9's
                                          fp32 accumulation and stats  ``lib_api`` has no bf16)
    ``gn_dbn``, ``gn_dbn_inference``      ``FP32_FUNCS``               ``FP32_FUNCS``
-   ``gn_channel_affine`` (DBN's affine)  ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
+   ``gn_channel_affine`` (old DBN)       ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
    ===================================== ============================ ==========================
 
    NB: DBN whitens with ``Sigma^{-1/2}`` from an eigendecomposition. Its conditioning is the
@@ -34,7 +34,8 @@ MXNet 1.9.1 on CPU (found by experiment; see docs/amp_and_small_batch.md):
   reaches an fp32-only op uncast: hybridize the net before the first forward;
 - ``amp_multicast`` fails on CPU with float16 inputs, so widest-type ops (``broadcast_*``, ``+``)
   that see an fp16 input break there. gn_mx therefore applies every affine natively:
-  ``GroupNorm`` inside ``gn_group_norm``, ``DecorrelatedBatchNorm`` with ``gn_channel_affine``.
+  ``GroupNorm`` inside ``gn_group_norm``, ``DecorrelatedBatchNorm`` inside ``gn_dbn`` /
+  ``gn_dbn_inference`` (``affine=True``; graphs exported before that apply ``gn_channel_affine``).
 """
 import threading
 import types

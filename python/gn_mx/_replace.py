@@ -1,0 +1,317 @@
+"""Put gn_mx normalization layers in the place of a net's BatchNorm layers, for training
+(docs/guide/replace_norm.md).
+
+``replace_norm(block, norm=GroupNorm, ...)`` swaps every ``gluon.nn.BatchNorm`` (and, on request,
+``InstanceNorm`` / ``LayerNorm``) of a Gluon block tree for a ``gn_mx.GroupNorm`` or a
+``gn_mx.DecorrelatedBatchNorm``: a change of the model, for training from scratch or fine-tuning,
+unlike ``gn_mx.convert`` (exact conversion of layers that already are GroupNorms). It works where a
+constructor has no ``norm_layer`` argument (``mxnet.gluon.model_zoo.vision``), before or after
+``initialize()``, hybridized or not.
+
+Each new layer takes the old one's slot and prefix (so its parameters have the old names), its
+epsilon, ``center`` / ``scale``, initializers, dtype, ``lr_mult`` / ``wd_mult`` and (for DBN)
+momentum and ``use_global_stats``; with values present, gamma/beta are copied (``copy_affine``).
+BatchNorm's running statistics have no counterpart and are dropped. The channel count C comes from
+the layer's parameters (``in_channels`` or an earlier forward), from a ``sample=`` batch (a shape
+inference; nothing runs), or is left to the new layer's deferred initialization.
+"""
+import mxnet as mx
+from mxnet import gluon
+
+from . import _compat
+from ._convert import _param_state, _replace_child, _walk
+from .nn import DecorrelatedBatchNorm, GroupNorm
+
+__all__ = ["replace_norm", "ReplacementReport"]
+
+#: The kinds of layer ``replace_norm`` can replace (its ``include`` argument).
+KINDS = ("batch_norm", "instance_norm", "layer_norm")
+
+_BATCH_NORM = getattr(gluon.nn.basic_layers, "_BatchNorm", gluon.nn.BatchNorm)  # + BatchNormReLU
+_DEFAULT_GROUPING = {GroupNorm: ("num_groups", 32), DecorrelatedBatchNorm: ("group_size", 16)}
+
+
+class ReplacementReport:
+    """What :func:`replace_norm` did (the returned block's ``gn_mx_report``).
+
+    Attributes
+    ----------
+    replaced : list of (str, str)
+        ``(path, what)`` of every layer replaced: the old layer and the new one.
+    left : list of (str, str)
+        ``(path, reason)`` of every layer of an included kind left in place.
+
+    Examples
+    --------
+    >>> net = mx.gluon.nn.HybridSequential()
+    >>> net.add(mx.gluon.nn.Conv2D(8, 3), mx.gluon.nn.BatchNorm(in_channels=8))
+    >>> print(gn_mx.replace_norm(net, num_groups=4).gn_mx_report)
+    gn_mx.replace_norm: 1 replaced, 0 left in place
+      replaced 1: BatchNorm(C=8) -> GroupNorm(num_groups=4, eps=1e-05, center=True, scale=True, in_channels=8)
+    """
+
+    def __init__(self):
+        self.replaced = []
+        self.left = []
+
+    def __repr__(self):
+        lines = [f"gn_mx.replace_norm: {len(self.replaced)} replaced, {len(self.left)} left in "
+                 "place"]
+        lines += [f"  replaced {p}: {w}" for p, w in self.replaced]
+        lines += [f"  left     {p}: {w}" for p, w in self.left]
+        return "\n".join(lines)
+
+
+def _kind(b):
+    """'batch_norm' / 'instance_norm' / 'layer_norm' for MXNet's layers of that kind, else None."""
+    if isinstance(b, _BATCH_NORM):
+        return "batch_norm"
+    if isinstance(b, gluon.nn.InstanceNorm):
+        return "instance_norm"
+    if isinstance(b, gluon.nn.LayerNorm):
+        return "layer_norm"
+    return None
+
+
+def _input_shapes(block, sample_shape, layers):
+    """{id(layer): the shape of its input} for an input of ``sample_shape``: a shape inference of
+    the traced graph for a HybridBlock (nothing is computed; works before initialize()), else one
+    forward in predict mode (the block must be initialized)."""
+    seen = {}
+    handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
+               for b in layers]
+    try:
+        if isinstance(block, gluon.HybridBlock):
+            block(mx.sym.var("data"))
+            if not seen:
+                return {}
+            ids = list(seen)
+            _, shapes, _ = mx.sym.Group([seen[i] for i in ids]).infer_shape_partial(
+                data=tuple(sample_shape))
+            return {i: tuple(s) for i, s in zip(ids, shapes or []) if s}
+        if any(_param_state(p) == "none" for p in block.collect_params().values()):
+            raise ValueError("replace_norm: sample= on a non-hybrid Block runs one forward, which "
+                             "needs an initialized block: call initialize() first")
+        blocks = [block] + [c for _, _, c, _ in _walk(block)]
+        active = [(b, b._active) for b in blocks if isinstance(b, gluon.HybridBlock)]
+        try:
+            for b, _ in active:
+                b._active = False
+            with mx.autograd.predict_mode():
+                block(mx.nd.zeros(tuple(sample_shape)))
+        finally:
+            for b, a in active:
+                b._active = a
+        return {i: tuple(x.shape) for i, x in seen.items()}
+    finally:
+        for h in handles:
+            h.detach()
+
+
+def _old_axis(b, kind):
+    return b._kwargs["axis"] if kind == "batch_norm" else b._axis
+
+
+def _channels(b, shape):
+    """C of layer b: its parameters' shape, else its input's (from sample=), else 0 (unknown)."""
+    s = b.gamma.shape
+    if s and s[0] > 0:
+        return int(s[0])
+    if shape is not None and len(shape) >= 2 and shape[1] > 0:
+        return int(shape[1])
+    return 0
+
+
+def _plan(b, kind, shape, norm, rule, value):
+    """(C, new layer's grouping keywords, None) for layer b, or (C, None, reason to leave it),
+    or raises ValueError for a C the grouping rule cannot divide."""
+    axis = _old_axis(b, kind)
+    ndim = len(shape) if shape is not None else None
+    if kind == "layer_norm" and axis == -1 and ndim == 2:
+        axis = 1
+    if axis != 1:
+        extra = " (of unknown input rank: pass sample=)" if kind == "layer_norm" and axis == -1 \
+            and ndim is None else ""
+        return 0, None, (f"{type(b).__name__}(axis={axis}){extra}: gn_mx normalizes the channel "
+                         "axis 1 of (N, C, *spatial) data")
+    if kind == "batch_norm" and b.fuse_relu and norm is not GroupNorm:
+        return 0, None, (f"{type(b).__name__} has a fused ReLU, {norm.__name__} has none "
+                         "(replace it with GroupNorm, or use BatchNorm + Activation)")
+    c = _channels(b, shape)
+    if c and c % value:
+        what = "num_groups" if rule == "num_groups" else "group_size"
+        raise ValueError(f"C={c} is not divisible by {what}={value}")
+    if rule == "num_groups":
+        return c, {"num_groups": value}, None
+    if norm is DecorrelatedBatchNorm:
+        return c, {"group_size": value}, None  # DBN finds C/group_size itself when C is deferred
+    if not c:
+        raise ValueError(f"the channel count is unknown, so group_size={value} gives no "
+                         "num_groups: pass sample= (an input batch), in_channels to the layer, or "
+                         "run one batch before replacing")
+    return c, {"num_groups": c // value}, None
+
+
+def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
+    """The gn_mx layer for old's slot (old's prefix: the same parameter names)."""
+    g_old, b_old = old.gamma, old.beta
+    kw = dict(grouping)
+    kw["epsilon"] = old._kwargs["eps"]
+    kw["scale"] = bool(getattr(g_old, "_differentiable", g_old.grad_req != "null"))
+    kw["center"] = bool(getattr(b_old, "_differentiable", b_old.grad_req != "null"))
+    kw["gamma_initializer"] = g_old.init or "ones"
+    kw["beta_initializer"] = b_old.init or "zeros"
+    if norm is DecorrelatedBatchNorm and kind == "batch_norm":
+        kw["momentum"] = old._kwargs["momentum"]
+        kw["use_global_stats"] = bool(old._kwargs["use_global_stats"])
+    if kind == "batch_norm" and old.fuse_relu:
+        kw["activation"] = "relu"
+    kw.update(norm_kwargs)
+    new = norm(in_channels=c, prefix=old.prefix, **kw)
+    for p_new, p_old in ((new.gamma, g_old), (new.beta, b_old)):
+        p_new.lr_mult, p_new.wd_mult = p_old.lr_mult, p_old.wd_mult
+        if p_old.grad_req == "null":
+            p_new.grad_req = "null"
+    if g_old.dtype is not None:
+        new.cast(g_old.dtype)  # (BatchNorm keeps float32 parameters in a float16 net)
+    state = _param_state(g_old)
+    if state == "init":
+        ctx = g_old.list_ctx()
+        new.initialize(ctx=ctx)
+        if copy_affine:
+            new.gamma.set_data(g_old.data(ctx[0]).astype(new.gamma.dtype))
+            new.beta.set_data(b_old.data(ctx[0]).astype(new.beta.dtype))
+    elif state == "deferred":
+        new.initialize(ctx=g_old._deferred_init[1])
+    _compat.copy_hybridize_state(old, new)
+    return new
+
+
+def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
+                 include=("batch_norm",), sample=None, copy_affine=True, verbose=False,
+                 **norm_kwargs):
+    """Replace every BatchNorm (and, with ``include``, InstanceNorm / LayerNorm) in ``block``'s tree
+    by a ``gn_mx.GroupNorm`` or ``gn_mx.DecorrelatedBatchNorm``, in place.
+
+    A change of the model, for training from scratch or fine-tuning (``gn_mx.convert`` is the exact
+    conversion of layers that already are GroupNorms). Every layer of an included kind is replaced
+    or listed in the report with the reason it stays (a normalized axis other than 1, a
+    ``BatchNormReLU`` for DBN); a channel count that the grouping cannot divide is a ValueError
+    naming every such layer, raised before anything is changed.
+
+    Parameters
+    ----------
+    block : gluon.Block
+        Changed in place, initialized or not, hybridized or not. Create Trainers after replacing (a
+        Trainer made before holds the old Parameter objects).
+    norm : type, default gn_mx.GroupNorm
+        ``gn_mx.GroupNorm`` or ``gn_mx.DecorrelatedBatchNorm``.
+    num_groups : int, optional
+        A fixed number of groups G for every layer.
+    group_size : int, optional
+        A fixed number of channels per group (G = C / group_size per layer). Give ``num_groups`` or
+        ``group_size``, not both. Neither: ``num_groups=32`` for GroupNorm (the GroupNorm paper's
+        G) and ``group_size=16`` for DecorrelatedBatchNorm (the DBN paper's advice); note that the
+        DecorrelatedBatchNorm class itself defaults to 16 *groups*.
+    include : sequence of str, default ('batch_norm',)
+        The kinds to replace, of ``'batch_norm'`` (``nn.BatchNorm``, ``BatchNormReLU``,
+        ``contrib.nn.SyncBatchNorm``), ``'instance_norm'``, ``'layer_norm'`` (only over the channel
+        axis: ``axis=1``, or the last axis of 2-D input as told by ``sample``).
+    sample : NDArray or tuple, optional
+        An input batch (or its shape) of a single-input block: the channel count and rank of
+        every layer's input are inferred from it (a shape inference of the traced graph for a
+        HybridBlock; one predict-mode forward, which needs an initialized block, for a plain
+        Block). Needed for ``group_size`` with GroupNorm when the channel counts are not known
+        yet.
+    copy_affine : bool, default True
+        When the old layer's gamma/beta have values, start the new ones from them (fine-tuning);
+        False starts from the initializers (ones, zeros), as training from scratch does.
+    verbose : bool, default False
+        Print the report.
+    **norm_kwargs
+        More keywords for every new layer (e.g. ``epsilon``, ``activation='relu'`` for GroupNorm,
+        ``whitening='iternorm'`` for DBN); they win over the values taken from the old layer.
+
+    Returns
+    -------
+    gluon.Block
+        ``block`` (or the new layer, when ``block`` is itself a norm layer); its ``gn_mx_report``
+        attribute is a :class:`ReplacementReport`.
+
+    Raises
+    ------
+    ValueError
+        A channel count not divisible by the grouping (every such layer is named), ``group_size``
+        with GroupNorm and unknown channel counts, both or a bad ``num_groups`` / ``group_size``,
+        an unknown kind in ``include``.
+    TypeError
+        ``norm`` is not GroupNorm or DecorrelatedBatchNorm.
+
+    Examples
+    --------
+    >>> from mxnet.gluon.model_zoo import vision
+    >>> net = vision.resnet18_v1(classes=10)
+    >>> net = gn_mx.replace_norm(net, num_groups=32)
+    >>> print(str(net.gn_mx_report).splitlines()[0])
+    gn_mx.replace_norm: 20 replaced, 0 left in place
+    >>> net.features[1]
+    GroupNorm(num_groups=32, eps=1e-05, center=True, scale=True, in_channels=None)
+    """
+    if norm not in _DEFAULT_GROUPING:
+        raise TypeError(f"replace_norm: norm must be gn_mx.GroupNorm or "
+                        f"gn_mx.DecorrelatedBatchNorm, got {norm!r}")
+    if num_groups is not None and group_size is not None:
+        raise ValueError("replace_norm: give num_groups or group_size, not both")
+    rule, value = _DEFAULT_GROUPING[norm]
+    if num_groups is not None:
+        rule, value = "num_groups", num_groups
+    elif group_size is not None:
+        rule, value = "group_size", group_size
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"replace_norm: {rule} must be a positive int, got {value!r}")
+    fixed = sorted(k for k in norm_kwargs if k in ("in_channels", "prefix", "params"))
+    if fixed:
+        raise TypeError(f"replace_norm: {', '.join(fixed)} come(s) from the replaced layer, not "
+                        "from norm_kwargs")
+    include = (include,) if isinstance(include, str) else tuple(include)
+    unknown = [k for k in include if k not in KINDS]
+    if unknown:
+        raise ValueError(f"replace_norm: unknown kind(s) {unknown} in include; known: {KINDS}")
+
+    root = block
+    if _kind(block) is not None:  # the block itself is a norm layer: wrap it for the walk
+        root = gluon.nn.HybridSequential(prefix="")
+        root._children["0"] = block
+    found = [(parent, key, child, path, _kind(child)) for parent, key, child, path in _walk(root)]
+    found = [f for f in found if f[4] in include]
+    shapes = {}
+    if sample is not None and found:
+        shape = sample if isinstance(sample, tuple) else sample.shape
+        shapes = _input_shapes(block, shape, [f[2] for f in found])
+
+    report, todo, errors = ReplacementReport(), [], []
+    for parent, key, child, path, kind in found:
+        try:
+            c, grouping, reason = _plan(child, kind, shapes.get(id(child)), norm, rule, value)
+        except ValueError as e:
+            errors.append(f"'{path}' ({type(child).__name__} '{child.name}'): {e}")
+            continue
+        if reason:
+            report.left.append((path, reason))
+        else:
+            todo.append((parent, key, child, path, kind, c, grouping))
+    if errors:
+        raise ValueError(f"replace_norm({norm.__name__}, {rule}={value}): "
+                         f"{len(errors)} layer(s) cannot be replaced:\n  " + "\n  ".join(errors))
+    for parent, key, child, path, kind, c, grouping in todo:
+        new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
+        _replace_child(parent, key, child, new)
+        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}"))
+    for b in [root] + [c for _, _, c, _ in _walk(root)]:
+        if isinstance(b, gluon.HybridBlock):
+            _compat.clear_cached_op(b)
+    result = root._children["0"] if root is not block else block
+    result.gn_mx_report = report
+    if verbose:
+        print(report)
+    return result
