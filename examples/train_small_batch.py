@@ -9,6 +9,8 @@ the scikit-learn wheel: nothing is downloaded) with five normalization layers
     DBN ZCA (gn_mx)       gn_mx.DecorrelatedBatchNorm (group-wise ZCA whitening of the batch)
     DBN IterNorm (gn_mx)  gn_mx.DecorrelatedBatchNorm(whitening='iternorm', iterations=5)
                           (Newton-iteration whitening, Huang et al. CVPR 2019)
+    GroupNorm + WS        gn_mx.GroupNorm after gn_mx.WSConv2D convolutions (Weight
+                          Standardization, Qiao et al. 2019); not in the default --norms, see below
 
 at per-device batch sizes 2, 4, 8 and 32, in float32 and with AMP float16, and reports validation
 accuracy and the mean time of one training step (forward, backward, update; wall clock, including
@@ -23,6 +25,11 @@ hybridized (MXNet 1.9.1's imperative AMP casts do not handle float16 -> float32 
 
     python examples/train_small_batch.py            # full run (10-25 min on 2 CPU cores)
     python examples/train_small_batch.py --quick    # smoke run (< 2 min on 2 CPU cores)
+
+The Weight Standardization table (examples/results/small_batch_ws.*, docs/guide/weight_standardization.md):
+
+    python examples/train_small_batch.py --norms batchnorm groupnorm_gn_mx groupnorm_ws_gn_mx \
+        dbn_gn_mx --batch-sizes 1 2 32 --precisions fp32 --name small_batch_ws --out examples/results
 
 Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/export/results/, ignored
 by git; the tracked results are in examples/results/).
@@ -44,12 +51,15 @@ from mxnet.contrib import amp  # noqa: E402
 
 import gn_mx  # noqa: E402
 
-NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "dbn_gn_mx", "dbn_iternorm_gn_mx")
+NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "groupnorm_ws_gn_mx", "dbn_gn_mx",
+         "dbn_iternorm_gn_mx")
+DEFAULT_NORMS = tuple(n for n in NORMS if n != "groupnorm_ws_gn_mx")
 LABELS = {"batchnorm": "BatchNorm", "groupnorm_mxnet": "GroupNorm (MXNet built-in)",
-          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "dbn_gn_mx": "DBN ZCA (gn_mx)",
-          "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)"}
+          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "groupnorm_ws_gn_mx": "GroupNorm + WS (gn_mx)",
+          "dbn_gn_mx": "DBN ZCA (gn_mx)", "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)"}
 COLORS = {"batchnorm": "tab:blue", "groupnorm_mxnet": "tab:gray", "groupnorm_gn_mx": "tab:orange",
-          "dbn_gn_mx": "tab:green", "dbn_iternorm_gn_mx": "tab:red"}
+          "groupnorm_ws_gn_mx": "tab:purple", "dbn_gn_mx": "tab:green",
+          "dbn_iternorm_gn_mx": "tab:red"}
 PRECISIONS = ("fp32", "amp")
 BATCH_SIZES = (2, 4, 8, 32)
 CHANNELS = (16, 32, 64, 64)
@@ -122,7 +132,7 @@ def make_norm(kind, channels):
         return gluon.nn.BatchNorm()
     if kind == "groupnorm_mxnet":
         return gluon.nn.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
-    if kind == "groupnorm_gn_mx":
+    if kind in ("groupnorm_gn_mx", "groupnorm_ws_gn_mx"):
         return gn_mx.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
     if kind == "dbn_gn_mx":
         return gn_mx.DecorrelatedBatchNorm(num_groups=channels // DBN_GROUP_SIZE)
@@ -137,12 +147,14 @@ def make_net(kind):
 
     The last stage is 1x1, so there BatchNorm's statistics at batch size b come from b numbers per
     channel (as in detection/segmentation heads, or any late stage with small per-device batches);
-    GroupNorm's come from the channels of one sample and do not depend on b.
+    GroupNorm's come from the channels of one sample and do not depend on b. With
+    "groupnorm_ws_gn_mx" the convolutions are gn_mx.WSConv2D (weights standardized per filter).
     """
+    conv = gn_mx.WSConv2D if kind == "groupnorm_ws_gn_mx" else gluon.nn.Conv2D
     net = gluon.nn.HybridSequential()
     with net.name_scope():
         for c, s in zip(CHANNELS, STRIDES):
-            net.add(gluon.nn.Conv2D(c, 3, padding=1, strides=s, use_bias=False))
+            net.add(conv(c, 3, padding=1, strides=s, use_bias=False))
             net.add(make_norm(kind, c))
             net.add(gluon.nn.Activation("relu"))
         net.add(gluon.nn.GlobalAvgPool2D())
@@ -302,7 +314,7 @@ def main(argv=None):
                         "only show that training works)")
     p.add_argument("--epochs", type=int, default=None, help="default 6 (2 with --quick)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    p.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS)
+    p.add_argument("--norms", nargs="+", default=list(DEFAULT_NORMS), choices=NORMS)
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--base-lr", type=float, default=0.2, help="learning rate at batch size 32")
     p.add_argument("--seed", type=int, default=0)
@@ -311,6 +323,8 @@ def main(argv=None):
                    help="output directory (default: %(default)s, ignored by git; --out "
                         "examples/results refreshes the tracked results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--name", default=None, help="file name stem of the outputs (default "
+                   "small_batch, small_batch_quick with --quick)")
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = 2 if args.quick else 6
@@ -345,7 +359,7 @@ def main(argv=None):
     elapsed = time.time() - t_start
 
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "small_batch_quick" if args.quick else "small_batch")
+    stem = os.path.join(args.out, args.name or ("small_batch_quick" if args.quick else "small_batch"))
     table = results_table(results, args.batch_sizes)
     times = results_table(results, args.batch_sizes, cell=step_time_cell)
     setup = (f"scikit-learn digits, {len(data[0])} train / {len(data[2])} val images, "
