@@ -173,9 +173,9 @@ def evaluate(net, x, y, ctx, batch=120):
     return correct / len(x)
 
 
-def train_one(kind, precision, batch_size, data, args, ctx):
+def train_one(kind, precision, batch_size, data, args, ctx, seed=None):
     x_tr, y_tr, x_va, y_va = data
-    seed = args.seed
+    seed = args.seed if seed is None else seed
     mx.random.seed(seed)
     rng = np.random.RandomState(seed)
     net = make_net(kind)
@@ -219,7 +219,8 @@ def train_one(kind, precision, batch_size, data, args, ctx):
     bar.close()
     train_time = time.time() - t0
     acc = evaluate(net, x_va, y_va, ctx)
-    return {"norm": kind, "precision": precision, "batch_size": batch_size, "val_acc": acc,
+    return {"norm": kind, "precision": precision, "batch_size": batch_size, "seed": seed,
+            "val_acc": acc,
             "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 4),
             "steps": total, "step_ms": round(1000.0 * train_time / max(total, 1), 2)}
 
@@ -232,17 +233,25 @@ def step_ms(r):
     return 1000.0 * r["train_time_s"] / max(r["steps"], 1)
 
 
-def accuracy_cell(r):
-    return f"{100 * r['val_acc']:.1f}%" + (" (diverged)" if r["diverged"] else "")
+def accuracy_cell(runs):
+    """One run: its accuracy; several seeds: their mean, then (min-max)."""
+    acc = [100 * r["val_acc"] for r in runs]
+    div = sum(r["diverged"] for r in runs)
+    text = f"{acc[0]:.1f}%" if len(acc) == 1 else \
+        f"{np.mean(acc):.1f}% ({min(acc):.1f}-{max(acc):.1f})"
+    return text + ("" if not div else " (diverged)" if len(runs) == 1 else f" ({div} diverged)")
 
 
-def step_time_cell(r):
-    return f"{step_ms(r):.1f}"
+def step_time_cell(runs):
+    return f"{np.mean([step_ms(r) for r in runs]):.1f}"
 
 
 def results_table(results, batch_sizes, cell=accuracy_cell):
-    """One row per (normalization, precision), one column per batch size; cell(r) fills a cell."""
-    by = {(r["norm"], r["precision"], r["batch_size"]): r for r in results}
+    """One row per (normalization, precision), one column per batch size; cell(runs) fills a cell
+    from the runs of that configuration (one per seed)."""
+    by = {}
+    for r in results:
+        by.setdefault((r["norm"], r["precision"], r["batch_size"]), []).append(r)
     rows = sorted({(r["norm"], r["precision"]) for r in results},
                   key=lambda k: (PRECISIONS.index(k[1]), NORMS.index(k[0])))
     head = "| normalization | precision | " + " | ".join(f"bs={b}" for b in batch_sizes) + " |"
@@ -268,11 +277,16 @@ def plot(results, batch_sizes, path, title):
     fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(11.5, 4.8), dpi=100)
     for norm in NORMS:
         for prec, style in (("fp32", "-o"), ("amp", "--s")):
-            runs = sorted((r for r in results if r["norm"] == norm and r["precision"] == prec),
-                          key=lambda r: r["batch_size"])
-            if not runs:
+            mine = [r for r in results if r["norm"] == norm and r["precision"] == prec]
+            bs = sorted({r["batch_size"] for r in mine})
+            if not bs:
                 continue
-            bs = [r["batch_size"] for r in runs]
+            # one point per batch size: the mean over seeds
+            runs = [{"batch_size": b, "val_acc": np.mean([r["val_acc"] for r in mine
+                                                          if r["batch_size"] == b]),
+                     "train_time_s": np.mean([r["train_time_s"] for r in mine
+                                              if r["batch_size"] == b]),
+                     "steps": next(r["steps"] for r in mine if r["batch_size"] == b)} for b in bs]
             kw = dict(color=COLORS[norm], markersize=4, linewidth=1.5,
                       label=f"{LABELS[norm]}, {'fp32' if prec == 'fp32' else 'AMP fp16'}",
                       alpha=1.0 if prec == "fp32" else 0.7)
@@ -317,7 +331,11 @@ def main(argv=None):
     p.add_argument("--norms", nargs="+", default=list(DEFAULT_NORMS), choices=NORMS)
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--base-lr", type=float, default=0.2, help="learning rate at batch size 32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data split (and of training)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="training seeds (initialization, batch order): each configuration runs "
+                        "once per seed on the --seed data split; tables show the mean and range "
+                        "(default: --seed alone)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "export", "results"),
                    help="output directory (default: %(default)s, ignored by git; --out "
@@ -351,19 +369,23 @@ def main(argv=None):
             print(f"AMP: {how}")
         for kind in args.norms:
             for bs in args.batch_sizes:
-                r = train_one(kind, prec, bs, data, args, ctx)
-                results.append(r)
-                if args.no_progress:
-                    print(f"  {LABELS[kind]:<27} {prec:>4} bs={bs:<2} val acc "
-                          f"{100 * r['val_acc']:.1f}%  ({r['train_time_s']:.1f}s)")
+                for seed in args.seeds or [args.seed]:
+                    r = train_one(kind, prec, bs, data, args, ctx, seed)
+                    results.append(r)
+                    if args.no_progress:
+                        print(f"  {LABELS[kind]:<27} {prec:>4} bs={bs:<2} seed {seed} val acc "
+                              f"{100 * r['val_acc']:.1f}%  ({r['train_time_s']:.1f}s)")
     elapsed = time.time() - t_start
 
     os.makedirs(args.out, exist_ok=True)
     stem = os.path.join(args.out, args.name or ("small_batch_quick" if args.quick else "small_batch"))
     table = results_table(results, args.batch_sizes)
     times = results_table(results, args.batch_sizes, cell=step_time_cell)
+    seeds = args.seeds or [args.seed]
+    seeds_text = (f"training seed {seeds[0]}" if len(seeds) == 1 else
+                  f"training seeds {', '.join(map(str, seeds))} (cells: mean, then min-max)")
     setup = (f"scikit-learn digits, {len(data[0])} train / {len(data[2])} val images, "
-             f"{args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
+             f"{seeds_text}, {args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
              f"context {ctx}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
              f"{elapsed:.0f} s total")
     load = load_average()

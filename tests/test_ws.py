@@ -435,3 +435,166 @@ def test_bad_inputs():
     }
     check_bad_inputs(prelude, cases, "mx.nd.gn_weight_standardize(mx.nd.array([[1., 3.]]), "
                      "mx.nd.ones(1))[0].asnumpy().round(3).tolist()", "[[-1.0, 1.0]]")
+
+
+# -------------------------------------------------------------------------------------------------
+# Mixed precision: the standardization stays float32 (the master weight, float32 statistics); the
+# convolution gets the cast result
+
+def _ws_net():
+    net = gluon.nn.HybridSequential()
+    net.add(gn_mx.WSConv2D(8, 3, padding=1, in_channels=3, use_gain=True),
+            gn_mx.GroupNorm(num_groups=4), gluon.nn.Activation("relu"),
+            gn_mx.WSConv2D(8, 3, padding=1, in_channels=8), gn_mx.GroupNorm(num_groups=4),
+            gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(4))
+    return net
+
+
+def _casts(sym, op):
+    """{node name: [amp_cast dtype or None per input]} of every `op` node."""
+    ns = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
+    return {n["name"]: [ns[i[0]]["attrs"]["dtype"] if ns[i[0]]["op"] == "amp_cast" else None
+                        for i in n["inputs"]] for n in ns if n["op"] == op}
+
+
+def test_amp_convert_symbol_float16_lists(tmp_path):
+    """AMP's default float16 lists (a GPU's: Convolution in float16): the weight reaches
+    gn_weight_standardize uncast (float32 master), its float32 result is cast to float16 for the
+    Convolution; the data path is float16 through GroupNorm. Converting needs no GPU."""
+    from mxnet.contrib import amp
+    assert "gn_weight_standardize" in amp.list_fp32_ops("float16")
+    from mxnet.contrib.amp.lists import symbol_bf16
+    assert "gn_weight_standardize" in symbol_bf16.FP32_FUNCS
+    net = _ws_net()
+    net.initialize()
+    net.hybridize()
+    net(mx.nd.ones((2, 3, 6, 6)))
+    net.export(str(tmp_path / "ws"))
+    sym = mx.sym.load(str(tmp_path / "ws-symbol.json"))
+    conv = amp.convert_symbol(sym, target_dtype="float16", data_names=["data"],
+                              cast_optional_params=False)
+    ws = _casts(conv, "gn_weight_standardize")
+    assert len(ws) == 2 and all(c[0] in (None, "float32") for c in ws.values()), ws
+    convs = _casts(conv, "Convolution")
+    assert len(convs) == 2 and all(c[1] == "float16" for c in convs.values()), convs
+    args, _, _ = conv.infer_type(data="float32")
+    types = dict(zip(conv.list_arguments(), args))
+    assert all(types[n] == np.float32 for n in types if n.endswith(("_weight", "_gain"))), types
+    internals = conv.get_internals()
+    names = internals.list_outputs()
+    _, outs, _ = internals.infer_type(data="float32")
+    ws_out = {n: t for n, t in zip(names, outs) if "_ws_output0" in n or n.endswith("ws_output")}
+    assert ws_out and all(t == np.float32 for t in ws_out.values()), ws_out
+
+
+def test_amp_cpu_training_and_conversion():
+    """amp.init on CPU (gn_mx.amp.cpu_init_kwargs: Convolution stays float32 there): a hybridized
+    WS net trains with float32 master weights and float32 standardization; converting a trained
+    net with the CPU lists reproduces its float32 output to float16 accuracy."""
+    code = """
+    import json, numpy as np, mxnet as mx
+    from mxnet import autograd, gluon
+    from mxnet.contrib import amp
+    import gn_mx
+    amp.init(**gn_mx.amp.cpu_init_kwargs())
+    mx.random.seed(3)
+    net = gluon.nn.HybridSequential()
+    net.add(gn_mx.WSConv2D(8, 3, padding=1, in_channels=3, use_gain=True),
+            gn_mx.GroupNorm(num_groups=4), gluon.nn.Activation("relu"),
+            gn_mx.WSConv2D(8, 3, padding=1, in_channels=8), gn_mx.GroupNorm(num_groups=4),
+            gluon.nn.GlobalAvgPool2D(), gluon.nn.Dense(4))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    tr = gluon.Trainer(net.collect_params(), "sgd", {"learning_rate": 0.2, "momentum": 0.9})
+    amp.init_trainer(tr)
+    x = mx.nd.random.normal(shape=(8, 3, 6, 6))
+    y = mx.nd.array(np.arange(8) % 4)
+    losses = []
+    for _ in range(12):
+        with autograd.record():
+            loss = gluon.loss.SoftmaxCrossEntropyLoss()(net(x), y)
+            with amp.scale_loss(loss, tr) as scaled:
+                autograd.backward(scaled)
+        tr.step(8)
+        losses.append(float(loss.mean().asscalar()))
+    sym = net._cached_graph[1]
+    ns = json.loads(sym.tojson(remove_amp_cast=False))["nodes"]
+    ws_in = [ns[i[0]]["attrs"].get("dtype") if ns[i[0]]["op"] == "amp_cast" else None
+             for n in ns if n["op"] == "gn_weight_standardize" for i in n["inputs"]]
+    gn_in = [ns[n["inputs"][0][0]]["attrs"].get("dtype") for n in ns if n["op"] == "gn_group_norm"
+             if ns[n["inputs"][0][0]]["op"] == "amp_cast"]
+    print("RESULT", json.dumps({
+        "losses": losses, "ws_in": ws_in, "gn_in": gn_in,
+        "dtypes": sorted({str(np.dtype(p.dtype)) for p in net.collect_params().values()}),
+        "finite": all(bool(np.isfinite(p.data().asnumpy()).all())
+                      for p in net.collect_params().values())}))
+    """
+    p = run_python(code)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = json.loads(p.stdout.split("RESULT ", 1)[1])
+    assert res["dtypes"] == ["float32"] and res["finite"], res
+    assert all(t in (None, "float32") for t in res["ws_in"]) and len(res["ws_in"]) == 4, res
+    assert res["gn_in"] and all(t == "float16" for t in res["gn_in"]), res  # GN still fp16
+    assert res["losses"][-1] < 0.7 * res["losses"][0], res["losses"]
+
+
+# -------------------------------------------------------------------------------------------------
+# Deployment: ONNX (onnxruntime) and the C predict API
+
+def _trained_ws_net(sample):
+    """A small WS + GroupNorm CNN with non-trivial gains (2-D or 3-D by `sample`'s rank)."""
+    conv = gn_mx.WSConv2D if len(sample) == 3 else gn_mx.WSConv3D
+    pool = gluon.nn.GlobalAvgPool2D() if len(sample) == 3 else gluon.nn.GlobalAvgPool3D()
+    net = gluon.nn.HybridSequential()
+    net.add(conv(8, 3, padding=1, use_gain=True), gn_mx.GroupNorm(num_groups=4),
+            gluon.nn.Activation("relu"), conv(8, 1, groups=2, use_bias=False),
+            gn_mx.GroupNorm(num_groups=2), pool, gluon.nn.Dense(3))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    net(mx.nd.zeros((2,) + sample))
+    rng = np.random.RandomState(5)
+    for p in net.collect_params().values():
+        if p.name.endswith("gain"):
+            p.set_data(mx.nd.array(rng.rand(*p.shape) + 0.5))
+    return net
+
+
+@pytest.mark.parametrize("sample", [(3, 6, 6), (2, 4, 5, 4)], ids=["2d", "3d"])
+def test_onnx_export_runs_in_onnxruntime(sample, tmp_path):
+    pytest.importorskip("onnxruntime", reason="needs onnx + onnxruntime (pip install 'gn_mx[onnx]')")
+    from test_onnx import compare, export
+    net = _trained_ws_net(sample)
+    path, model = export(net, tmp_path, (2,) + sample, (None, sample[0]) + (None,) * (len(sample) - 1))
+    ops = [n.op_type for n in model.graph.node]
+    assert "ReduceMean" in ops and ops.count("Conv") == 2, ops
+    shapes = [(2,) + sample, (5,) + sample, (1, sample[0]) + tuple(d + 2 for d in sample[1:])]
+    diffs = compare(net, path, shapes)
+    print(f"WS net {len(sample) - 1}-D: onnxruntime vs MXNet, max abs diff per input shape {diffs}")
+    assert max(diffs) <= 1e-5, diffs
+
+
+def test_c_predict_api_reload(tmp_path):
+    """examples/deploy_c/predict.c (MXLoadLib + MXPredCreate) runs an exported WS net and matches
+    Python."""
+    import shutil
+    import subprocess
+    from test_deploy import EXAMPLE, MX_ROOT, run_predictor
+    if not os.path.exists(os.path.join(MX_ROOT, "include", "mxnet", "c_predict_api.h")):
+        pytest.skip("the installed mxnet wheel ships no include/mxnet/c_predict_api.h")
+    cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not cc:
+        pytest.skip("no C compiler (cc/gcc) to build examples/deploy_c/predict.c")
+    exe = str(tmp_path / "predict")
+    p = subprocess.run([cc, "-std=c99", "-O2", os.path.join(EXAMPLE, "predict.c"),
+                        f"-I{MX_ROOT}/include", f"-L{MX_ROOT}", "-lmxnet",
+                        f"-Wl,-rpath,{MX_ROOT}", "-o", exe], capture_output=True, text=True)
+    assert p.returncode == 0, p.stderr[-3000:]
+    net = _trained_ws_net((3, 6, 6))
+    prefix = str(tmp_path / "wsnet")
+    net.export(prefix)
+    model = {"symbol": prefix + "-symbol.json", "params": prefix + "-0000.params"}
+    assert '"op": "gn_weight_standardize"' in open(model["symbol"]).read()
+    for n in (2, 1):
+        x = np.random.RandomState(n).randn(n, 3, 6, 6).astype(np.float32)
+        got = run_predictor(exe, model, x, tmp_path)
+        np.testing.assert_allclose(got, net(mx.nd.array(x)).asnumpy(), rtol=1e-5, atol=1e-5)
