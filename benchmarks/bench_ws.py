@@ -4,8 +4,8 @@
     flock /tmp/gnmx-bench.lock python benchmarks/bench_ws.py --out benchmarks/results   # ~3 min
     python benchmarks/bench_ws.py --quick
 
-One child process (2 OpenMP threads, glibc keeping freed memory: MALLOC_ARENA_MAX=1
-MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11, MKLDNN on), every table timed interleaved
+One child process (2 OpenMP threads with OMP_WAIT_POLICY=passive, glibc keeping freed memory:
+MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11, MKLDNN on), every table timed interleaved
 (round-robin), medians:
 
   step     the training step (forward, softmax cross-entropy, backward, SGD(momentum) update) of
@@ -102,7 +102,8 @@ def child(args):
     timer = Timer(args.min_sample_ms / 1e3, args.rounds, args.max_cell_s)
     out = {"threads": int(os.environ.get("OMP_NUM_THREADS", "0")), "env": {
         k: os.environ.get(k) for k in ("MALLOC_ARENA_MAX", "MALLOC_MMAP_MAX_",
-                                       "MALLOC_TRIM_THRESHOLD_", "MXNET_MKLDNN_ENABLED")},
+                                       "MALLOC_TRIM_THRESHOLD_", "MXNET_MKLDNN_ENABLED",
+                                       "OMP_WAIT_POLICY")},
         "mkldnn": mx.runtime.Features().is_enabled("MKLDNN"), "loadavg_start": os.getloadavg()}
 
     lossf = gluon.loss.SoftmaxCrossEntropyLoss()
@@ -201,20 +202,21 @@ def main():
     timing_defaults(args, quick=(3, 100.0, 15.0), full=(9, 250.0, 40.0))
     if args.child:
         return child(args)
-    runs = run_regimes(__file__, args, {"kept": KEPT})
+    import subprocess
+    up_before = subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    runs = run_regimes(__file__, args, {"kept": dict(KEPT, OMP_WAIT_POLICY="passive")})
     r = runs["kept"]
     text = report(r)
     print(text)
     if args.out is None:
         return
     import platform
-    import subprocess
     cpu = subprocess.run("lscpu | grep 'Model name'", shell=True, capture_output=True,
                          text=True).stdout.strip()
-    about = ("%s; nproc %d; %s; python %s; OMP_NUM_THREADS=%d, OMP_WAIT_POLICY=%s, glibc "
-             "keeps freed memory; one run, contenders interleaved" % (
+    about = ("%s; nproc %d; %s; python %s; OMP_NUM_THREADS=%d, OMP_WAIT_POLICY=passive, glibc "
+             "keeps freed memory; one run, contenders interleaved; uptime before: %s" % (
                  cpu, os.cpu_count(), platform.platform(), platform.python_version(), args.threads,
-                 os.environ.get("OMP_WAIT_POLICY", "unset")))
+                 up_before))
     write_results(os.path.join(args.out, "ws_cpu"),
                   "Weight Standardization, CPU (`benchmarks/bench_ws.py`)", about, text,
                   {"runs": runs, "cpu": cpu, "nproc": os.cpu_count()})
