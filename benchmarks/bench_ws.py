@@ -21,7 +21,8 @@ MALLOC_ARENA_MAX=1 MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=1e11, MKLDNN on), e
            15 conv weights, and one (256, 256, 3, 3) weight (fan-in 2304, ResNet-50's widest 3x3),
            gn_mx op vs the composed ops (imperative, autograd).
 
-Outputs: stdout; with --out DIR also DIR/ws_cpu.{md,json}.
+Outputs: stdout; with --out DIR also DIR/ws_cpu{--suffix}.{md,json} (the tracked ones: ws_cpu.*,
+2 threads, and ws_cpu_1t.* from --threads 1 --suffix _1t).
 """
 import argparse
 import json
@@ -172,7 +173,7 @@ def ms(v):
 
 def report(r):
     st = r["step_s"]
-    lines = ["", "%d threads, load average %.1f -> %.1f (1-min; the machine is shared)" % (
+    lines = ["", "%d thread(s), load average %.1f -> %.1f (1-min; the machine is shared)" % (
         r["threads"], r["loadavg_start"][0], r["loadavg_end"][0]), "",
         "Training step of the ResNet-style CNN (15 convs, gn_mx.GroupNorm) on 16x3x64x64 (ms):", "",
         "| convolutions | step | / plain |", "| --- | --- | --- |"]
@@ -198,6 +199,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_timing_args(ap, "kept")
+    ap.add_argument("--suffix", default="", help="appended to the result file names")
     args = ap.parse_args()
     timing_defaults(args, quick=(3, 100.0, 15.0), full=(9, 250.0, 40.0))
     if args.child:
@@ -217,7 +219,7 @@ def main():
              "keeps freed memory; one run, contenders interleaved; uptime before: %s" % (
                  cpu, os.cpu_count(), platform.platform(), platform.python_version(), args.threads,
                  up_before))
-    write_results(os.path.join(args.out, "ws_cpu"),
+    write_results(os.path.join(args.out, "ws_cpu%s" % args.suffix),
                   "Weight Standardization, CPU (`benchmarks/bench_ws.py`)", about, text,
                   {"runs": runs, "cpu": cpu, "nproc": os.cpu_count()})
 
