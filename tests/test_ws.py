@@ -598,3 +598,18 @@ def test_c_predict_api_reload(tmp_path):
         x = np.random.RandomState(n).randn(n, 3, 6, 6).astype(np.float32)
         got = run_predictor(exe, model, x, tmp_path)
         np.testing.assert_allclose(got, net(mx.nd.array(x)).asnumpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("hybrid_parent", [False, True])
+def test_deferred_in_channels(hybrid_parent):
+    """Without in_channels the weight's in-channel dim comes from the first input (the layer
+    fills it in, since MXNet cannot infer it back through gn_weight_standardize), also inside a
+    hybridized parent and with groups."""
+    net = gluon.nn.HybridSequential()
+    net.add(gn_mx.WSConv2D(8, 3, groups=2, padding=1), gn_mx.WSConv2D(4, 1))
+    net.initialize()
+    if hybrid_parent:
+        net.hybridize()
+    y = net(mx.nd.random.normal(shape=(2, 6, 5, 5)))
+    assert y.shape == (2, 4, 5, 5)
+    assert net[0].weight.shape == (8, 3, 3, 3) and net[1].weight.shape == (4, 8, 1, 1)
