@@ -613,3 +613,26 @@ def test_deferred_in_channels(hybrid_parent):
     y = net(mx.nd.random.normal(shape=(2, 6, 5, 5)))
     assert y.shape == (2, 4, 5, 5)
     assert net[0].weight.shape == (8, 3, 3, 3) and net[1].weight.shape == (4, 8, 1, 1)
+
+
+def test_standardize_convs_attribute_children():
+    """Convolutions held as attributes of a custom block (self.c1 = Conv2D(...)) are swapped in
+    the child registry and the attribute alike; the hybridized block runs the new graph."""
+    class Block(gluon.HybridBlock):
+        def __init__(self):
+            super().__init__()
+            with self.name_scope():
+                self.c1 = gluon.nn.Conv2D(4, 3, padding=1, in_channels=2)
+                self.n1 = gn_mx.GroupNorm(num_groups=2)
+
+        def hybrid_forward(self, F, x):
+            return self.n1(self.c1(x))
+    b = Block()
+    assert gn_mx.standardize_convs(b) == ["c1"]
+    assert type(b.c1) is gn_mx.WSConv2D and b._children["c1"] is b.c1
+    b.initialize()
+    b.hybridize()
+    x = mx.nd.random.normal(shape=(1, 2, 5, 5))
+    y = b(x)
+    ops = [n["op"] for n in json.loads(b._cached_graph[1].tojson())["nodes"] if n["op"] != "null"]
+    assert "gn_weight_standardize" in ops and y.shape == (1, 4, 5, 5)
