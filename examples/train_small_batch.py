@@ -9,6 +9,8 @@ the scikit-learn wheel: nothing is downloaded) with five normalization layers
     DBN ZCA (gn_mx)       gn_mx.DecorrelatedBatchNorm (group-wise ZCA whitening of the batch)
     DBN IterNorm (gn_mx)  gn_mx.DecorrelatedBatchNorm(whitening='iternorm', iterations=5)
                           (Newton-iteration whitening, Huang et al. CVPR 2019)
+    GroupNorm + WS        gn_mx.GroupNorm after gn_mx.WSConv2D convolutions (Weight
+                          Standardization, Qiao et al. 2019); not in the default --norms, see below
 
 at per-device batch sizes 2, 4, 8 and 32, in float32 and with AMP float16, and reports validation
 accuracy and the mean time of one training step (forward, backward, update; wall clock, including
@@ -23,6 +25,11 @@ hybridized (MXNet 1.9.1's imperative AMP casts do not handle float16 -> float32 
 
     python examples/train_small_batch.py            # full run (10-25 min on 2 CPU cores)
     python examples/train_small_batch.py --quick    # smoke run (< 2 min on 2 CPU cores)
+
+The Weight Standardization table (examples/results/small_batch_ws.*, docs/guide/weight_standardization.md):
+
+    python examples/train_small_batch.py --norms batchnorm groupnorm_gn_mx groupnorm_ws_gn_mx \
+        dbn_gn_mx --batch-sizes 1 2 32 --precisions fp32 --name small_batch_ws --out examples/results
 
 Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/export/results/, ignored
 by git; the tracked results are in examples/results/).
@@ -44,12 +51,15 @@ from mxnet.contrib import amp  # noqa: E402
 
 import gn_mx  # noqa: E402
 
-NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "dbn_gn_mx", "dbn_iternorm_gn_mx")
+NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "groupnorm_ws_gn_mx", "dbn_gn_mx",
+         "dbn_iternorm_gn_mx")
+DEFAULT_NORMS = tuple(n for n in NORMS if n != "groupnorm_ws_gn_mx")
 LABELS = {"batchnorm": "BatchNorm", "groupnorm_mxnet": "GroupNorm (MXNet built-in)",
-          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "dbn_gn_mx": "DBN ZCA (gn_mx)",
-          "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)"}
+          "groupnorm_gn_mx": "GroupNorm (gn_mx)", "groupnorm_ws_gn_mx": "GroupNorm + WS (gn_mx)",
+          "dbn_gn_mx": "DBN ZCA (gn_mx)", "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)"}
 COLORS = {"batchnorm": "tab:blue", "groupnorm_mxnet": "tab:gray", "groupnorm_gn_mx": "tab:orange",
-          "dbn_gn_mx": "tab:green", "dbn_iternorm_gn_mx": "tab:red"}
+          "groupnorm_ws_gn_mx": "tab:purple", "dbn_gn_mx": "tab:green",
+          "dbn_iternorm_gn_mx": "tab:red"}
 PRECISIONS = ("fp32", "amp")
 BATCH_SIZES = (2, 4, 8, 32)
 CHANNELS = (16, 32, 64, 64)
@@ -122,7 +132,7 @@ def make_norm(kind, channels):
         return gluon.nn.BatchNorm()
     if kind == "groupnorm_mxnet":
         return gluon.nn.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
-    if kind == "groupnorm_gn_mx":
+    if kind in ("groupnorm_gn_mx", "groupnorm_ws_gn_mx"):
         return gn_mx.GroupNorm(num_groups=channels // GN_GROUP_SIZE)
     if kind == "dbn_gn_mx":
         return gn_mx.DecorrelatedBatchNorm(num_groups=channels // DBN_GROUP_SIZE)
@@ -137,12 +147,14 @@ def make_net(kind):
 
     The last stage is 1x1, so there BatchNorm's statistics at batch size b come from b numbers per
     channel (as in detection/segmentation heads, or any late stage with small per-device batches);
-    GroupNorm's come from the channels of one sample and do not depend on b.
+    GroupNorm's come from the channels of one sample and do not depend on b. With
+    "groupnorm_ws_gn_mx" the convolutions are gn_mx.WSConv2D (weights standardized per filter).
     """
+    conv = gn_mx.WSConv2D if kind == "groupnorm_ws_gn_mx" else gluon.nn.Conv2D
     net = gluon.nn.HybridSequential()
     with net.name_scope():
         for c, s in zip(CHANNELS, STRIDES):
-            net.add(gluon.nn.Conv2D(c, 3, padding=1, strides=s, use_bias=False))
+            net.add(conv(c, 3, padding=1, strides=s, use_bias=False))
             net.add(make_norm(kind, c))
             net.add(gluon.nn.Activation("relu"))
         net.add(gluon.nn.GlobalAvgPool2D())
@@ -161,9 +173,9 @@ def evaluate(net, x, y, ctx, batch=120):
     return correct / len(x)
 
 
-def train_one(kind, precision, batch_size, data, args, ctx):
+def train_one(kind, precision, batch_size, data, args, ctx, seed=None):
     x_tr, y_tr, x_va, y_va = data
-    seed = args.seed
+    seed = args.seed if seed is None else seed
     mx.random.seed(seed)
     rng = np.random.RandomState(seed)
     net = make_net(kind)
@@ -207,7 +219,8 @@ def train_one(kind, precision, batch_size, data, args, ctx):
     bar.close()
     train_time = time.time() - t0
     acc = evaluate(net, x_va, y_va, ctx)
-    return {"norm": kind, "precision": precision, "batch_size": batch_size, "val_acc": acc,
+    return {"norm": kind, "precision": precision, "batch_size": batch_size, "seed": seed,
+            "val_acc": acc,
             "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 4),
             "steps": total, "step_ms": round(1000.0 * train_time / max(total, 1), 2)}
 
@@ -220,17 +233,25 @@ def step_ms(r):
     return 1000.0 * r["train_time_s"] / max(r["steps"], 1)
 
 
-def accuracy_cell(r):
-    return f"{100 * r['val_acc']:.1f}%" + (" (diverged)" if r["diverged"] else "")
+def accuracy_cell(runs):
+    """One run: its accuracy; several seeds: their mean, then (min-max)."""
+    acc = [100 * r["val_acc"] for r in runs]
+    div = sum(r["diverged"] for r in runs)
+    text = f"{acc[0]:.1f}%" if len(acc) == 1 else \
+        f"{np.mean(acc):.1f}% ({min(acc):.1f}-{max(acc):.1f})"
+    return text + ("" if not div else " (diverged)" if len(runs) == 1 else f" ({div} diverged)")
 
 
-def step_time_cell(r):
-    return f"{step_ms(r):.1f}"
+def step_time_cell(runs):
+    return f"{np.mean([step_ms(r) for r in runs]):.1f}"
 
 
 def results_table(results, batch_sizes, cell=accuracy_cell):
-    """One row per (normalization, precision), one column per batch size; cell(r) fills a cell."""
-    by = {(r["norm"], r["precision"], r["batch_size"]): r for r in results}
+    """One row per (normalization, precision), one column per batch size; cell(runs) fills a cell
+    from the runs of that configuration (one per seed)."""
+    by = {}
+    for r in results:
+        by.setdefault((r["norm"], r["precision"], r["batch_size"]), []).append(r)
     rows = sorted({(r["norm"], r["precision"]) for r in results},
                   key=lambda k: (PRECISIONS.index(k[1]), NORMS.index(k[0])))
     head = "| normalization | precision | " + " | ".join(f"bs={b}" for b in batch_sizes) + " |"
@@ -256,11 +277,16 @@ def plot(results, batch_sizes, path, title):
     fig, (ax, ax_t) = plt.subplots(1, 2, figsize=(11.5, 4.8), dpi=100)
     for norm in NORMS:
         for prec, style in (("fp32", "-o"), ("amp", "--s")):
-            runs = sorted((r for r in results if r["norm"] == norm and r["precision"] == prec),
-                          key=lambda r: r["batch_size"])
-            if not runs:
+            mine = [r for r in results if r["norm"] == norm and r["precision"] == prec]
+            bs = sorted({r["batch_size"] for r in mine})
+            if not bs:
                 continue
-            bs = [r["batch_size"] for r in runs]
+            # one point per batch size: the mean over seeds
+            runs = [{"batch_size": b, "val_acc": np.mean([r["val_acc"] for r in mine
+                                                          if r["batch_size"] == b]),
+                     "train_time_s": np.mean([r["train_time_s"] for r in mine
+                                              if r["batch_size"] == b]),
+                     "steps": next(r["steps"] for r in mine if r["batch_size"] == b)} for b in bs]
             kw = dict(color=COLORS[norm], markersize=4, linewidth=1.5,
                       label=f"{LABELS[norm]}, {'fp32' if prec == 'fp32' else 'AMP fp16'}",
                       alpha=1.0 if prec == "fp32" else 0.7)
@@ -302,15 +328,21 @@ def main(argv=None):
                         "only show that training works)")
     p.add_argument("--epochs", type=int, default=None, help="default 6 (2 with --quick)")
     p.add_argument("--batch-sizes", type=int, nargs="+", default=list(BATCH_SIZES))
-    p.add_argument("--norms", nargs="+", default=list(NORMS), choices=NORMS)
+    p.add_argument("--norms", nargs="+", default=list(DEFAULT_NORMS), choices=NORMS)
     p.add_argument("--precisions", nargs="+", default=list(PRECISIONS), choices=PRECISIONS)
     p.add_argument("--base-lr", type=float, default=0.2, help="learning rate at batch size 32")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the data split (and of training)")
+    p.add_argument("--seeds", type=int, nargs="+", default=None,
+                   help="training seeds (initialization, batch order): each configuration runs "
+                        "once per seed on the --seed data split; tables show the mean and range "
+                        "(default: --seed alone)")
     p.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)),
                                                  "export", "results"),
                    help="output directory (default: %(default)s, ignored by git; --out "
                         "examples/results refreshes the tracked results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--name", default=None, help="file name stem of the outputs (default "
+                   "small_batch, small_batch_quick with --quick)")
     args = p.parse_args(argv)
     if args.epochs is None:
         args.epochs = 2 if args.quick else 6
@@ -337,19 +369,23 @@ def main(argv=None):
             print(f"AMP: {how}")
         for kind in args.norms:
             for bs in args.batch_sizes:
-                r = train_one(kind, prec, bs, data, args, ctx)
-                results.append(r)
-                if args.no_progress:
-                    print(f"  {LABELS[kind]:<27} {prec:>4} bs={bs:<2} val acc "
-                          f"{100 * r['val_acc']:.1f}%  ({r['train_time_s']:.1f}s)")
+                for seed in args.seeds or [args.seed]:
+                    r = train_one(kind, prec, bs, data, args, ctx, seed)
+                    results.append(r)
+                    if args.no_progress:
+                        print(f"  {LABELS[kind]:<27} {prec:>4} bs={bs:<2} seed {seed} val acc "
+                              f"{100 * r['val_acc']:.1f}%  ({r['train_time_s']:.1f}s)")
     elapsed = time.time() - t_start
 
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "small_batch_quick" if args.quick else "small_batch")
+    stem = os.path.join(args.out, args.name or ("small_batch_quick" if args.quick else "small_batch"))
     table = results_table(results, args.batch_sizes)
     times = results_table(results, args.batch_sizes, cell=step_time_cell)
+    seeds = args.seeds or [args.seed]
+    seeds_text = (f"training seed {seeds[0]}" if len(seeds) == 1 else
+                  f"training seeds {', '.join(map(str, seeds))} (cells: mean, then min-max)")
     setup = (f"scikit-learn digits, {len(data[0])} train / {len(data[2])} val images, "
-             f"{args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
+             f"{seeds_text}, {args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
              f"context {ctx}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
              f"{elapsed:.0f} s total")
     load = load_average()

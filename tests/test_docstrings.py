@@ -14,7 +14,7 @@ import mxnet as mx
 import gn_mx
 
 #: The public modules (the reference documents these) besides the package itself.
-MODULES = ["gn_mx.nn", "gn_mx.ops", "gn_mx.sym", "gn_mx.amp", "gn_mx.zoo", "gn_mx.parallel",
+MODULES = ["gn_mx.nn", "gn_mx.ops", "gn_mx.sym", "gn_mx.amp", "gn_mx.zoo", "gn_mx.parallel", "gn_mx.ws",
            "gn_mx.convert", "gn_mx.onnx"]
 #: Objects that need no Examples (nor Returns) section: the command-line entry point.
 NO_EXAMPLE = {"gn_mx.convert.main"}

@@ -72,3 +72,22 @@ def test_quickstart_demo():
                           env=dict(os.environ, OMP_NUM_THREADS="1"))
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
     assert "-> OK" in proc.stdout and "training step 2" in proc.stdout
+
+
+def test_train_small_batch_ws_seeds(tmp_path):
+    """The GroupNorm + WS configuration and several training seeds: one result per seed, table
+    cells 'mean% (min-max)' (examples/results/small_batch_ws.* are written this way)."""
+    pytest.importorskip("sklearn", reason="train_small_batch.py needs scikit-learn (digits data)")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_small_batch.py"), "--quick",
+         "--epochs", "1", "--norms", "groupnorm_ws_gn_mx", "--batch-sizes", "32",
+         "--precisions", "fp32", "--seeds", "0", "1", "--name", "ws", "--out", str(tmp_path),
+         "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    results = json.loads((tmp_path / "ws.json").read_text())["results"]
+    assert [(r["norm"], r["seed"]) for r in results] == [("groupnorm_ws_gn_mx", 0), ("groupnorm_ws_gn_mx", 1)]
+    acc = [100 * r["val_acc"] for r in results]
+    row = next(ln for ln in (tmp_path / "ws.md").read_text().splitlines()
+               if ln.startswith("| GroupNorm + WS (gn_mx) | fp32 |"))
+    assert f"{sum(acc) / 2:.1f}% ({min(acc):.1f}-{max(acc):.1f})" in row, (row, acc)

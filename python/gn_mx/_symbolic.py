@@ -31,6 +31,7 @@ PARAM_RANKS = {
     "gn_channel_affine": (None, 1, 1),
     "gn_dbn": (None, 1, 3),
     "gn_dbn_inference": (None, 1, 3),
+    "gn_weight_standardize": (None, 1),  # the weight is the "data"; gain (O,) from it
 }
 _SHAPE_KEY = "__shape__"
 

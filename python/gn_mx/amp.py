@@ -11,6 +11,7 @@
    ``gn_group_norm``, ``gn_moments``     ``FP16_FUNCS``: fp16 data,   ``FP32_FUNCS`` (MXNet 1.9's
                                          fp32 accumulation and stats  ``lib_api`` has no bf16)
    ``gn_dbn``, ``gn_dbn_inference``      ``FP32_FUNCS``               ``FP32_FUNCS``
+   ``gn_weight_standardize`` (WSConv)    ``FP32_FUNCS``               ``FP32_FUNCS``
    ``gn_channel_affine`` (old DBN)       ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
    ===================================== ============================ ==========================
 
@@ -18,6 +19,8 @@
    covariance's (up to 1/eps); fp16's 10-bit mantissa and 65504 range would turn small eigenvalues
    into noise or inf, and the projection is an aux state updated in place, so DBN stays fp32 (the
    running statistics are never cast, which also keeps their in-place update visible).
+   Weight Standardization (``gn_mx.WSConv*D``) standardizes the float32 master weight with float32
+   statistics; AMP then casts only its output for the float16 convolution.
 
 2. keeps ``amp.init()`` working in both import orders. ``mx.library.load`` regenerates every op
    function in ``mx.nd`` / ``mx.sym`` and their submodules, which silently drops the wrappers an
@@ -50,8 +53,9 @@ __all__ = ["LP16_OPS", "FP32_OPS", "EITHER_OPS", "CPU_FP32_GEMM_OPS", "install",
 
 #: Ops that run in float16 under float16 AMP (fp32 accumulation and statistics inside the op).
 LP16_OPS = ("gn_group_norm", "gn_moments")
-#: Ops that AMP always runs in float32 (eigendecomposition, in-place running statistics).
-FP32_OPS = ("gn_dbn", "gn_dbn_inference")
+#: Ops that AMP always runs in float32 (eigendecomposition, in-place running statistics; the
+#: standardization of a float32 master weight).
+FP32_OPS = ("gn_dbn", "gn_dbn_inference", "gn_weight_standardize")
 #: Ops that run in whatever precision reaches them (AMP inserts no casts): DecorrelatedBatchNorm's
 #: fused affine takes float16 or float32 data, with float32 (master) gamma/beta for either.
 EITHER_OPS = ("gn_channel_affine",)
@@ -80,7 +84,7 @@ def registered_ops():
     Examples
     --------
     >>> gn_mx.amp.registered_ops()
-    (('gn_group_norm', 'gn_moments'), ('gn_dbn', 'gn_dbn_inference'))
+    (('gn_group_norm', 'gn_moments'), ('gn_dbn', 'gn_dbn_inference', 'gn_weight_standardize'))
     """
     return (tuple(n for n in LP16_OPS if _available(n)),
             tuple(n for n in FP32_OPS if _available(n)))

@@ -46,6 +46,10 @@ gn_dbn               not exported: it is the training op (``HybridBlock.export``
                      inference graph with ``gn_dbn_inference``); a clear error says so.
 ==================== ============================================================================
 
+``gn_weight_standardize`` (the ``WSConv*D`` weight): Reshape (O, -1) -> ReduceMean -> Sub ->
+ReduceMean of squares -> Add eps, Sqrt, Reciprocal, Mul -> Mul gain -> Reshape to the weight's
+shape; ``mean`` / ``rstd`` (O,) as for gn_group_norm.
+
 Every shape is taken at run time (Reshape with 0 / -1, Shape): batch and spatial sizes stay
 dynamic, and any number of spatial dims (0-3+) works. float16 data with float32 statistics
 (multi-precision) is computed in float32 and cast back, float64 stays float64.
@@ -203,7 +207,8 @@ def _wrap_graph_proto():
 
 _wrap_graph_proto()
 
-CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn")
+CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn",
+                 "gn_weight_standardize")
 ACT_TYPES = ("none", "relu", "silu")
 
 
@@ -405,6 +410,27 @@ def convert_channel_affine(node, **kwargs):
     y = b.reshape(y3, b.op("Shape", [x]))
     b.cast(y, cdt, xdt, b.name)
     return b.nodes, (xdt,)
+
+
+@_register("gn_weight_standardize")
+def convert_weight_standardize(node, **kwargs):
+    """MXNet exporter converter of ``gn_weight_standardize`` (Weight Standardization)."""
+    b = _Builder(node, kwargs)
+    eps = b.attr_float("eps", 1e-5)
+    w, gain = b.inputs
+    wdt, gdt = b.in_dtypes
+    cdt = _compute_dtype(wdt)
+    w2 = b.reshape(b.cast(w, wdt, cdt), [0, -1])  # (O, F): one row per output channel
+    mean = b.reduce_mean(w2, 1)
+    d = b.op("Sub", [w2, mean])
+    rstd = _rstd(b, b.reduce_mean(b.op("Mul", [d, d]), 1), eps, cdt)
+    y2 = b.op("Mul", [b.op("Mul", [d, rstd]), b.reshape(b.cast(gain, gdt, cdt), [-1, 1])])
+    b.cast(b.reshape(y2, b.op("Shape", [w])), cdt, wdt, b.name + "0")
+    if not (b.consumed(1) or b.consumed(2)):
+        return b.nodes, (wdt,)
+    b.reshape(mean, [-1], b.name + "1")
+    b.reshape(rstd, [-1], b.name + "2")
+    return b.nodes, (wdt, cdt, cdt)
 
 
 @_register("gn_dbn")

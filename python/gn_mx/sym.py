@@ -30,7 +30,9 @@ from . import _compat, _np
 from ._validate import check_dbn_numbers, check_groups, check_whitening, dbn_grouping
 from .nn import GroupIdentity
 
-__all__ = ["group_norm", "decorrelated_batch_norm", "inference_symbol"]
+from .ws import ws_convolution  # Weight Standardization (gn_mx/ws.py)
+
+__all__ = ["group_norm", "decorrelated_batch_norm", "inference_symbol", "ws_convolution"]
 
 
 def _auto_name(name, hint):
