@@ -356,10 +356,21 @@ GN_HOST_DEVICE void dbn_iternorm_start(Ex& ex, const double* Sigma, int D,
   ex.sync();
 }
 
+// Launch granularity: a device may run an iteration in kDbnIterFwdParts calls (part 0: R1, R2;
+// part 1: R3 and the update) and a back step in kDbnIterBwdParts (Y1, Y2 | Y3, dSn, G R2 |
+// the rest), so that no call has more than two D x D products (dbn_cuda.cu: the longest launch
+// then stays under ~100 ms at D = 512 on a T4's fp64, docs/performance/gpu.md). part = -1: all.
+constexpr int kDbnIterFwdParts = 2;
+constexpr int kDbnIterBwdParts = 3;
+// The k-blocks of the iteration's products (the executors' mm_it): each entry is summed as
+// partial sums of kDbnIterKb products (docs/numerics.md: blocked accumulation).
+constexpr int kDbnIterKb = 128;
+
 // Iteration k (Q_k -> Q_{k+1}; with keep R1_k, R2_k stay, else all in the two-slot buffers).
 // Returns the slot index of Q_{k+1}. Ends synced.
 template <class Ex, typename S>
-GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnIterScratch<S>& L) {
+GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnIterScratch<S>& L,
+                                     int part = -1) {
   const int64_t DD = int64_t(D) * D;
   const int cur = keep ? k : k % 2, nxt = keep ? k + 1 : (k + 1) % 2;
   const S* Qk = L.Q + cur * DD;
@@ -367,6 +378,7 @@ GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnI
   S* R1 = L.R1 + (keep ? k : 0) * DD;
   S* R2 = L.R2 + (keep ? k : 0) * DD;
   if (k == 0) {  // Q_0 = I: R1 = R2 = R3 = Sn, exactly what the products would give
+    if (part > 0) return nxt;
     ex.each_ij(D, [&](int i, int j) {
       const S s = L.Sn[i * D + j];
       R1[i * D + j] = R2[i * D + j] = s;
@@ -375,8 +387,11 @@ GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnI
     ex.sync();
     return nxt;
   }
-  ex.mm_it(L.Sn, Qk, R1, D);  // (P Sn)^T
-  ex.mm_it(R1, Qk, R2, D);    // (P^2 Sn)^T
+  if (part <= 0) {
+    ex.mm_it(L.Sn, Qk, R1, D);  // (P Sn)^T
+    ex.mm_it(R1, Qk, R2, D);    // (P^2 Sn)^T
+  }
+  if (part == 0) return nxt;
   ex.mm_it(R2, Qk, Qn, D);    // (P^3 Sn)^T
   ex.each_ij(D, [&](int i, int j) {
     Qn[i * D + j] = S(1.5) * Qk[i * D + j] - S(0.5) * Qn[i * D + j];
@@ -461,11 +476,13 @@ GN_HOST_DEVICE void dbn_bwd_iternorm_head(Ex& ex, const double* Sigma, double* G
 
 // Back step k: G = dL/dP_{k+1} -> dL/dP_k, dSn += -1/2 (P_k^3)^T G. Ends synced.
 template <class Ex, typename S>
-GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterScratch<S>& L) {
+GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterScratch<S>& L,
+                                          int part = -1) {
   const int64_t DD = int64_t(D) * D;
   S *G = L.G, *Y1 = L.Y1, *Y2 = L.Y2, *X = L.X;
   double* dSn = L.dSn;
   if (k == 0) {  // Q_0 = I
+    if (part > 0) return;
     ex.mm_it(G, L.Sn, X, D);
     ex.each_ij(D, [&](int i, int j) {
       const int e = i * D + j;
@@ -476,12 +493,18 @@ GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterScr
     return;
   }
   const S* Q = L.Q + k * DD;
-  ex.mm_it(Q, G, Y1, D);       // M^T G
-  ex.mm_it(Q, Y1, Y2, D);      // (M^2)^T G
-  ex.mm_it(Q, Y2, X, D);       // (M^3)^T G
-  ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * static_cast<double>(X[i * D + j]); });
-  ex.sync();
-  ex.mm_it(G, L.R2 + k * DD, X, D);   // G (M^2 Sn)^T
+  if (part <= 0) {
+    ex.mm_it(Q, G, Y1, D);       // M^T G
+    ex.mm_it(Q, Y1, Y2, D);      // (M^2)^T G
+  }
+  if (part == 0) return;
+  if (part < 0 || part == 1) {
+    ex.mm_it(Q, Y2, X, D);       // (M^3)^T G
+    ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * static_cast<double>(X[i * D + j]); });
+    ex.sync();
+    ex.mm_it(G, L.R2 + k * DD, X, D);   // G (M^2 Sn)^T
+  }
+  if (part == 1) return;
   ex.mm_it_acc(Y2, L.Sn, X, D);       // + (M^2)^T G Sn^T
   ex.mm_it_acc(Y1, L.R1 + k * DD, X, D);  // + M^T G (M Sn)^T
   ex.each_ij(D, [&](int i, int j) {
