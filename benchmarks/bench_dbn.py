@@ -22,7 +22,8 @@ round-robin: each round runs every contender once, one sample = a loop of calls 
   torch_it_fwd / torch_it_fwdbwd
                       IterNorm written in torch (the paper's algorithm in fp32, as its reference
                       code: trace-normalize, 5 Newton steps P <- 1.5 P - 0.5 P^3 Sigma_N), autograd
-The IterNorm table also runs group sizes 128 and 256 (LARGE_D).
+The IterNorm table also runs group sizes 128, 256 and 512 (LARGE_D), and shows the bound: the
+GFLOP/s of gn_mx IterNorm's forward + backward products (iternorm_flops) against the sgemm peak.
 Machine bounds measured in each child with torch: sgemm GFLOP/s (2048^3) and copy GB/s (64 MB
 clone: read + write), so the inference op is reported as GFLOP/s and GB/s against them.
 
@@ -58,9 +59,10 @@ SHAPES = [  # (N, C, H, W), num_groups: group sizes 16, 16, 64, 32
     ((128, 256, 8, 8), 4),
     ((16, 64, 32, 32), 2),
 ]
-LARGE_D = [  # the IterNorm comparison adds group sizes 128 and 256
+LARGE_D = [  # the IterNorm comparison adds group sizes 128, 256 and 512
     ((32, 256, 8, 8), 2),
     ((32, 256, 8, 8), 1),
+    ((32, 512, 8, 8), 1),
 ]
 ITERATIONS = 5  # IterNorm's T (the paper's and the op's default)
 EPS = 1e-5
@@ -236,7 +238,7 @@ def child_main(args):
                "it_fwdbwd": (it_fwdbwd, mxs), "torch_it_fwd": (torch_it_fwd, nos),
                "torch_it_fwdbwd": (torch_it_fwdbwd, nos)}
         if (shape, G) in LARGE_D:  # the IterNorm comparison only
-            fns = {k: v for k, v in fns.items() if k in ("gn_fwd", "gn_fwdbwd", "torch_fwdbwd",
+            fns = {k: v for k, v in fns.items() if k in ("gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwdbwd",
                                                          "it_fwd", "it_fwdbwd", "torch_it_fwd",
                                                          "torch_it_fwdbwd")}
         res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
@@ -367,11 +369,22 @@ def table(run):
     return "\n".join(lines)
 
 
+def iternorm_flops(G, D, m, T=ITERATIONS):
+    """Floating-point operations of gn_mx IterNorm's forward + backward products: per group the
+    D x D chains (forward 3 (T - 1) products, backward 3 (T - 1) again plus 6 (T - 1) + 1 back
+    step products, 2 D^3 each; dbn_math.h) and the data products (covariance D^2 m, whitening
+    2 D^2 m, backward gram 2 D^2 m and apply 4 D^2 m)."""
+    return G * ((12 * (T - 1) + 1) * 2 * D ** 3 + 9 * D ** 2 * m)
+
+
 def iternorm_table(run):
-    """ZCA vs IterNorm (gn_mx) vs torch, fwd and fwd+bwd ms; CPU ms in parentheses."""
+    """ZCA vs IterNorm (gn_mx) vs torch, fwd and fwd+bwd ms; CPU ms in parentheses; inference
+    (gn_dbn_inference, the same op for both whitenings); the products' GFLOP/s vs sgemm."""
     lines = ["| shape | G | D | ZCA fwd | ZCA fwd+bwd | IterNorm fwd | IterNorm fwd+bwd | "
-             "torch eigh fwd+bwd | torch IterNorm fwd | torch IterNorm fwd+bwd | fastest fwd+bwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "torch eigh fwd+bwd | torch IterNorm fwd | torch IterNorm fwd+bwd | inference | "
+             "IterNorm speed-up vs torch IterNorm (fwd+bwd) | IterNorm / ZCA fwd+bwd | "
+             "IterNorm fwd+bwd GFLOP/s (sgemm peak) | fastest fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in run["shapes"]:
         r = s["res"]
         if "it_fwd" not in r:
@@ -385,9 +398,14 @@ def iternorm_table(run):
         names = {"gn_fwdbwd": "ZCA", "it_fwdbwd": "IterNorm", "torch_fwdbwd": "torch eigh",
                  "torch_it_fwdbwd": "torch IterNorm"}
         best = names[min(fb, key=fb.get)]
+        sp = r["torch_it_fwdbwd"]["med_ms"] / r["it_fwdbwd"]["med_ms"]
+        vz = r["it_fwdbwd"]["med_ms"] / r["gn_fwdbwd"]["med_ms"]
+        gf = iternorm_flops(s["G"], s["D"], s["m"]) / (r["it_fwdbwd"]["min_ms"] * 1e-3) / 1e9
+        inf = f"{r['gn_inf']['med_ms']:.2f}" if "gn_inf" in r else "-"
         lines.append(f"| {shape} | {s['G']} | {s['D']} | {c('gn_fwd')} | {c('gn_fwdbwd')} | "
                      f"{c('it_fwd')} | {c('it_fwdbwd')} | {c('torch_fwdbwd')} | "
-                     f"{c('torch_it_fwd')} | {c('torch_it_fwdbwd')} | {best} |")
+                     f"{c('torch_it_fwd')} | {c('torch_it_fwdbwd')} | {inf} | **{sp:.2f}x** | "
+                     f"{vz:.2f}x | {gf:.0f} ({run['sgemm_gflops']:.0f}) | {best} |")
     return "\n".join(lines)
 
 
