@@ -24,15 +24,16 @@
  *           (W, B = (2/m) G_S)
  *           apply kernel: dX = W (dY - mean(dY)) + B Xc
  * Inference (and its backward, P^T): prep kernel (running stats -> AccT), apply kernel.
- * IterNorm (whitening = kIterNorm): eig_kernel runs dbn_iternorm_whitening instead of Jacobi and
- * saves Sigma; bwd_small_kernel runs dbn_bwd_iternorm on it (the same dbn_math.h code as the CPU).
+ * IterNorm (whitening = kIterNorm): eig_kernel only forms Sigma, bwd_small_kernel only sums G_W;
+ * iternorm_kernel runs dbn_math.h's iterations and back steps (the CPU's code) in launches of at
+ * most two D x D products each, in fp32 or fp64 by dbn_iternorm_fp32.
  * Fused affine (gamma/beta given): the eig / prep kernels scale the rows of W / P by gamma and the
  * apply kernel adds beta; the backward's small kernel scales G_W's rows and W's columns by gamma
  * and writes dgamma (dbn_affine_dgamma) and dbeta from the sums it already has; the inference
  * backward adds the gram kernel on (dy, x - r_mean) and affine_grad_kernel.
  * Everything runs on `stream` with no host round trip: 3-6 launches (the mean finalize and
  * gram_reduce_kernel only when columns are split), plus per group one cusolverDnDsyevd on the
- * cuSOLVER path and T + 2 bwd_small_kernel launches for the IterNorm backward.
+ * cuSOLVER path; IterNorm adds 2 T + 2 launches to the forward and 5 T + 3 to the backward.
  *
  * D x D matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64;
  * Jacobi's two in shared memory), their products go through shared-memory tiles (BlockExec::mm);
