@@ -608,15 +608,26 @@ struct BlockExec {
   __device__ void mm_it_acc(const S* A, const S* B, S* Cm, int D) const {
     mm_it_tiled(A, B, Cm, D, true);
   }
+  // A symmetric result (dbn_math.h): tiles reaching the upper triangle, then C_ij = C_ji (i > j),
+  // as the CPU's mm_square with sym.
+  template <typename S>
+  __device__ void mm_it_sym(const S* A, const S* B, S* Cm, int D) const {
+    mm_it_tiled(A, B, Cm, D, false, true);
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+      const int i = e / D, j = e - i * D;
+      if (i > j) Cm[e] = Cm[j * D + i];
+    }
+    __syncthreads();
+  }
   template <typename S>
   __device__ void mm_it_tiled(const S* __restrict__ A, const S* __restrict__ B, S* Cm, int D,
-                              bool acc) const {
+                              bool acc, bool sym = false) const {
     static_assert(kDbnIterKb % kTileK == 0, "k-blocks of whole panels");
     S* As = reinterpret_cast<S*>(tile);
     S* Bs = As + kTile * kTileLdA;
     const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
     for (int i0 = 0; i0 < D; i0 += kTile)
-      for (int j0 = 0; j0 < D; j0 += kTile) {
+      for (int j0 = sym ? i0 : 0; j0 < D; j0 += kTile) {
         S tot[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)

@@ -277,8 +277,12 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, doub
 // Written for row-major products C = A B only (the executor's mm), the iteration runs on the
 // transposes Q_k = P_k^T (Sn = Sigma_N is exactly symmetric: Sigma is stored symmetric):
 //   R1_k = Sn Q_k = (P_k Sn)^T,  R2_k = R1_k Q_k = (P_k^2 Sn)^T,  Q_{k+1} = 1.5 Q_k - 0.5 R2_k Q_k,
-// three products per iteration, none for k = 0 (Q_0 = I: R1 = R2 = R3 = Sn exactly). The
-// backward keeps Q_k, R1_k, R2_k of every iteration (3 T matrices) instead of recomputing them.
+// three products per iteration, none for k = 0 (Q_0 = I: R1 = R2 = R3 = Sn exactly). P_k is a
+// polynomial in Sn, so all of them are symmetric in exact arithmetic: the executor's mm_it_sym
+// computes the upper triangle (about half the work) and mirrors it, which keeps the whole
+// forward state exactly symmetric (Q_k = P_k). The backward keeps Q_k, R1_k, R2_k of every
+// iteration (3 T matrices) instead of recomputing them; its products (with the non-symmetric
+// G = dL/dP) are full.
 //
 // Precision (docs/numerics.md "IterNorm"): the iteration's state and products are in `S`, float
 // for fp16 / fp32 data when T <= kDbnIterNormFp32MaxT (dbn_iternorm_fp32), else double; the trace,
@@ -388,11 +392,11 @@ GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnI
     return nxt;
   }
   if (part <= 0) {
-    ex.mm_it(L.Sn, Qk, R1, D);  // (P Sn)^T
-    ex.mm_it(R1, Qk, R2, D);    // (P^2 Sn)^T
+    ex.mm_it_sym(L.Sn, Qk, R1, D);  // (P Sn)^T
+    ex.mm_it_sym(R1, Qk, R2, D);    // (P^2 Sn)^T
   }
   if (part == 0) return nxt;
-  ex.mm_it(R2, Qk, Qn, D);    // (P^3 Sn)^T
+  ex.mm_it_sym(R2, Qk, Qn, D);    // (P^3 Sn)^T
   ex.each_ij(D, [&](int i, int j) {
     Qn[i * D + j] = S(1.5) * Qk[i * D + j] - S(0.5) * Qn[i * D + j];
   });

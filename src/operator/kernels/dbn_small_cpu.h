@@ -13,6 +13,7 @@
  * float panel kernels of dbn_cpu.cc (GNMX_CPU_ISA=generic forces the portable loop).
  */
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -143,39 +144,49 @@ __attribute__((target("avx2,fma"), noinline)) void mm_tile_tail(const S* A, cons
   mm_tile_acc<S, R>(A, B, C, D, kn, acc);
 }
 
+// sym: only tiles reaching the upper triangle (j >= i) are computed (the caller mirrors).
 template <typename S>
 __attribute__((target("avx2,fma"))) void mm_block_avx2(const S* A, const S* B, S* C, int D,
-                                                       int k0, int kn, bool acc) {
+                                                       int k0, int kn, bool acc, bool sym) {
   constexpr int W = 2 * Avx2Vec<S>::kLanes;
   int j = 0;
   for (; j + W <= D; j += W) {
     const S* b = B + static_cast<long>(k0) * D + j;
+    const int iend = sym ? std::min(D, j + W) : D;  // rows past j + W - 1 are below the strip
     int i = 0;
-    for (; i + 6 <= D; i += 6)
+    for (; i + 6 <= iend; i += 6)
       mm_tile_acc<S, 6>(A + static_cast<long>(i) * D + k0, b, C + static_cast<long>(i) * D + j, D,
                         kn, acc);
+    if (i >= iend) continue;
+    const int rows = std::min(6, D - i);
     const S* a = A + static_cast<long>(i) * D + k0;
     S* c = C + static_cast<long>(i) * D + j;
-    with_tail_rows(D - i, [&](auto r) { mm_tile_tail<S, decltype(r)::value>(a, b, c, D, kn, acc); });
+    with_tail_rows(rows == 6 ? 0 : rows, [&](auto r) { mm_tile_tail<S, decltype(r)::value>(a, b, c, D, kn, acc); });
+    if (rows == 6) mm_tile_acc<S, 6>(a, b, c, D, kn, acc);
   }
   if (j < D) mm_block_generic(A, B, C, D, j, k0, kn, acc);  // remaining columns
 }
 #endif
 
-// C = A B (acc: C += A B), D x D row-major.
+// C = A B (acc: C += A B), D x D row-major. sym: the result is symmetric in exact arithmetic (a
+// product of commuting symmetric matrices): its upper triangle is computed (about half the
+// work) and mirrored, C_ij = C_ji for i > j, exactly as the CUDA executor does.
 template <typename S>
-void mm_square(const S* A, const S* B, S* C, int D, bool acc) {
+void mm_square(const S* A, const S* B, S* C, int D, bool acc, bool sym = false) {
   for (int k0 = 0; k0 < D; k0 += kKb) {
     const int kn = D - k0 < kKb ? D - k0 : kKb;
     const bool a = acc || k0 > 0;
 #if defined(GNMX_CPU_X86)
     if (cpu_has_avx2()) {
-      mm_block_avx2(A, B, C, D, k0, kn, a);
+      mm_block_avx2(A, B, C, D, k0, kn, a, sym);
       continue;
     }
 #endif
     mm_block_generic(A, B, C, D, 0, k0, kn, a);
   }
+  if (sym)
+    for (int i = 1; i < D; ++i)
+      for (int j = 0; j < i; ++j) C[static_cast<long>(i) * D + j] = C[static_cast<long>(j) * D + i];
 }
 
 // The host executor of dbn_math.h's D x D steps (dbn_whitening_matrix, dbn_bwd_small, IterNorm):
@@ -204,6 +215,9 @@ struct CpuExec {
   }
   template <typename S> void mm_it_acc(const S* A, const S* B, S* C, int D) const {
     mm_square(A, B, C, D, true);
+  }
+  template <typename S> void mm_it_sym(const S* A, const S* B, S* C, int D) const {
+    mm_square(A, B, C, D, false, true);
   }
 };
 
