@@ -348,7 +348,7 @@ def table(run):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in run["shapes"]:
         r = s["res"]
-        if "gn_inf" not in r:  # a LARGE_D shape: IterNorm table only
+        if "torch_fwd" not in r:  # a LARGE_D shape: IterNorm table only
             continue
         elems = s["shape"][1] * s["m"]  # C * N * spatial
         inf_s = r["gn_inf"]["med_ms"] * 1e-3
