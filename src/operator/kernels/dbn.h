@@ -76,7 +76,7 @@
  *   fp64 where it must be: U^T sym(G_W) U in the backward (its entries are then scaled by
  *     K_ij ~ l^-3/2, up to cond(Sigma)^{3/2} times the largest: a normwise fp32 error there is
  *     amplified), IterNorm's Newton iterations and their backward above T = 5 (their rounding
- *     errors grow by up to ~7000 at T = 6: dbn_math.h, kDbnIterNormFp32MaxT), and every product
+ *     errors grow by up to ~2e4 at T = 6: dbn_math.h, kDbnIterNormFp32MaxT), and every product
  *     for fp64 data. IterNorm at T <= 5 with fp16/fp32 data: fp32 on both devices.
  * So for fp64 data the CUDA and CPU W / B agree to FMA contraction, for fp16/fp32 data to fp32
  * rounding (normwise); the CPU sums every product in fp64.

@@ -288,12 +288,13 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, doub
 // for fp16 / fp32 data when T <= kDbnIterNormFp32MaxT (dbn_iternorm_fp32), else double; the trace,
 // Sigma_N's scale, W, dL/dSigma's trace terms and the dSn sum are double. A rounding error E made
 // in iteration k is propagated by the linearized iteration E -> 1.5 E - 0.5 (E P^2 + P E P +
-// P^2 E) Sn; in Sn's eigenbasis (P_k diagonal, p_i <= 1.5^k, s_j <= 1) entry (i, j) is scaled
-// by |1.5 - 0.5 (p_i^2 + p_i p_j + p_j^2) s_j| <= max(1.5, 1.5 * 2.25^k - 1.5): 0.9, 2.6, 6.4,
-// 14, 32, 74, 167 for k = 1..7, so the errors of T iterations grow by at most ~220 at T = 5 and
-// ~7000 at T = 6 (worst case s_j ~ 1: one dominant eigenvalue; measured: <= 1.1e-6 relative
-// in y and dx for fp32 iterations at T <= 5 across well-conditioned, rank-deficient and 1e6-spread
-// Sigma, 2e-5 at T = 6, 1e-3 .. 1e4 at T = 7 .. 10). fp32 output rounding is 6e-8, so fp32
+// P^2 E) Sn; in Sn's eigenbasis (P_k diagonal with p <= min(1.5^k, s^-1/2), s <= 1) entry (i, j)
+// is scaled by |1.5 - 0.5 (p_i^2 + p_i p_j + p_j^2) s_j| <= g_k = max(1.5, (2.25^k + 1.5^k + 1)/2
+// - 1.5): 1.5, 2.7, 6.4, 14, 32, 70 for k = 1..6. The errors made in iterations 0 .. T-1, each
+// amplified by the later g_k, sum to at most ~50 u at T = 4, ~720 u at T = 5 (4.3e-5 in fp32),
+// ~2.3e4 u at T = 6 (1.3e-3) and ~1.6e6 u at T = 7 (worst case s_j ~ 1: one dominant eigenvalue;
+// measured: <= 2e-6 relative in y and dx for fp32 iterations at T <= 5 across well-conditioned,
+// rank-deficient and 1e6-spread Sigma, 2e-5 at T = 6, 1e-3 .. 1e4 at T = 7 .. 10). So fp32
 // iterations stay at T <= 5; fp64 data keeps fp64 math.
 constexpr int kDbnIterNormFp32MaxT = 5;
 GN_HOST_DEVICE inline bool dbn_iternorm_fp32(DType dtype, int T) {
