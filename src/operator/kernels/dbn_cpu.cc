@@ -275,8 +275,9 @@ struct FwdPass {
 
   FwdPass(const DbnFwdArgs& args, Carver* cv)
       : a(args), q(make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)), nt(resolve_threads(a.num_threads)),
-        L(fwd_layout<A>(cv, q, nt, a)), iz(iter_sizes(q, a.dtype, a.whitening, a.iterations, false)), x(static_cast<const T*>(a.x)),
-        y(static_cast<T*>(a.y)),
+        L(fwd_layout<A>(cv, q, nt, a)),
+        iz(iter_sizes(q, a.dtype, a.whitening, a.iterations, false)),
+        x(static_cast<const T*>(a.x)), y(static_cast<T*>(a.y)),
         mean(static_cast<A*>(a.mean)), eigvec(static_cast<A*>(a.eigvec)),
         eigval(static_cast<A*>(a.eigval)), D(q.D), DD(q.D * q.D), Di(static_cast<int>(q.D)),
         affine(a.gamma != nullptr), Dw(Di + (affine ? 1 : 0)) {}

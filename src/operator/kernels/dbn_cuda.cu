@@ -603,7 +603,9 @@ struct BlockExec {
   // zero in ascending k, added to the running total, which starts at C (acc) or at the first
   // partial; the CPU and CUDA values agree up to FMA contraction.
   template <typename S>
-  __device__ void mm_it(const S* A, const S* B, S* Cm, int D) const { mm_it_tiled(A, B, Cm, D, false); }
+  __device__ void mm_it(const S* A, const S* B, S* Cm, int D) const {
+    mm_it_tiled(A, B, Cm, D, false);
+  }
   template <typename S>
   __device__ void mm_it_acc(const S* A, const S* B, S* Cm, int D) const {
     mm_it_tiled(A, B, Cm, D, true);
@@ -998,7 +1000,8 @@ iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {
       }
       for (int i = threadIdx.x; i < D; i += blockDim.x) {
         a.eigval[g * D + i] = static_cast<A>(z.sig[i * D + i]);
-        if (a.gamma) a.bias[g * D + i] = static_cast<A>(dbn_load_stat(a.param_dtype, a.beta, g * D + i));
+        if (a.gamma)
+          a.bias[g * D + i] = static_cast<A>(dbn_load_stat(a.param_dtype, a.beta, g * D + i));
       }
       dbn_update_running(ex, a.stat_dtype, a.running_proj, a.running_mean, g, D, z.W, a.mean,
                          a.momentum);

@@ -410,7 +410,8 @@ template <class Ex, typename S>
 GN_HOST_DEVICE void dbn_iternorm_w(Ex& ex, const S* QT, int D, double tr, double* W) {
   const double s = 1.0 / sqrt(tr);
   ex.each_lower(D, [&](int i, int j) {
-    const double w = 0.5 * (static_cast<double>(QT[i * D + j]) + static_cast<double>(QT[j * D + i])) * s;
+    const double w =
+        0.5 * (static_cast<double>(QT[i * D + j]) + static_cast<double>(QT[j * D + i])) * s;
     W[i * D + j] = W[j * D + i] = w;
   });
   ex.sync();

@@ -161,8 +161,13 @@ __attribute__((target("avx2,fma"))) void mm_block_avx2(const S* A, const S* B, S
     const int rows = std::min(6, D - i);
     const S* a = A + static_cast<long>(i) * D + k0;
     S* c = C + static_cast<long>(i) * D + j;
-    with_tail_rows(rows == 6 ? 0 : rows, [&](auto r) { mm_tile_tail<S, decltype(r)::value>(a, b, c, D, kn, acc); });
-    if (rows == 6) mm_tile_acc<S, 6>(a, b, c, D, kn, acc);
+    if (rows == 6) {
+      mm_tile_acc<S, 6>(a, b, c, D, kn, acc);
+      continue;
+    }
+    with_tail_rows(rows, [&](auto r) {
+      mm_tile_tail<S, decltype(r)::value>(a, b, c, D, kn, acc);
+    });
   }
   if (j < D) mm_block_generic(A, B, C, D, j, k0, kn, acc);  // remaining columns
 }
