@@ -22,7 +22,9 @@ round-robin: each round runs every contender once, one sample = a loop of calls 
   torch_it_fwd / torch_it_fwdbwd
                       IterNorm written in torch (the paper's algorithm in fp32, as its reference
                       code: trace-normalize, 5 Newton steps P <- 1.5 P - 0.5 P^3 Sigma_N), autograd
-The IterNorm table also runs group sizes 128 and 256 (LARGE_D).
+The IterNorm table also runs group sizes 128, 256 and 512 (LARGE_D), and shows the bound: the
+rate of gn_mx IterNorm's forward + backward products (iternorm_flops) per second of process CPU
+time against sgemm's, measured the same way (per busy core: meaningful on a loaded machine).
 Machine bounds measured in each child with torch: sgemm GFLOP/s (2048^3) and copy GB/s (64 MB
 clone: read + write), so the inference op is reported as GFLOP/s and GB/s against them.
 
@@ -58,9 +60,10 @@ SHAPES = [  # (N, C, H, W), num_groups: group sizes 16, 16, 64, 32
     ((128, 256, 8, 8), 4),
     ((16, 64, 32, 32), 2),
 ]
-LARGE_D = [  # the IterNorm comparison adds group sizes 128 and 256
+LARGE_D = [  # the IterNorm comparison adds group sizes 128, 256 and 512
     ((32, 256, 8, 8), 2),
     ((32, 256, 8, 8), 1),
+    ((32, 512, 8, 8), 1),
 ]
 ITERATIONS = 5  # IterNorm's T (the paper's and the op's default)
 EPS = 1e-5
@@ -139,6 +142,7 @@ def child_main(args):
     r = round_robin({"gemm": (gemm, lambda: None), "copy": (copy, lambda: None)},
                     rounds=max(5, args.rounds // 2), min_sample_s=0.05, max_time_s=10)
     out["sgemm_gflops"] = 2 * 2048 ** 3 / (r["gemm"]["min_ms"] * 1e-3) / 1e9
+    out["sgemm_gflops_cpu"] = 2 * 2048 ** 3 / (r["gemm"]["cpu_min_ms"] * 1e-3) / 1e9  # per CPU-s
     out["copy_gbs"] = 2 * big.numel() * 4 / (r["copy"]["min_ms"] * 1e-3) / 1e9
     del sink["c"], dst, big
 
@@ -236,7 +240,7 @@ def child_main(args):
                "it_fwdbwd": (it_fwdbwd, mxs), "torch_it_fwd": (torch_it_fwd, nos),
                "torch_it_fwdbwd": (torch_it_fwdbwd, nos)}
         if (shape, G) in LARGE_D:  # the IterNorm comparison only
-            fns = {k: v for k, v in fns.items() if k in ("gn_fwd", "gn_fwdbwd", "torch_fwdbwd",
+            fns = {k: v for k, v in fns.items() if k in ("gn_fwd", "gn_fwdbwd", "gn_inf", "torch_fwdbwd",
                                                          "it_fwd", "it_fwdbwd", "torch_it_fwd",
                                                          "torch_it_fwdbwd")}
         res = round_robin(fns, args.rounds, args.min_sample_s, args.max_time_s)
@@ -346,7 +350,7 @@ def table(run):
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in run["shapes"]:
         r = s["res"]
-        if "gn_inf" not in r:  # a LARGE_D shape: IterNorm table only
+        if "torch_fwd" not in r:  # a LARGE_D shape: IterNorm table only
             continue
         elems = s["shape"][1] * s["m"]  # C * N * spatial
         inf_s = r["gn_inf"]["med_ms"] * 1e-3
@@ -367,11 +371,23 @@ def table(run):
     return "\n".join(lines)
 
 
+def iternorm_flops(G, D, m, T=ITERATIONS):
+    """Floating-point operations of gn_mx IterNorm's forward + backward products: per group the
+    D x D chains (forward 3 (T - 1) symmetric products at half a product each, backward the same
+    again plus 6 (T - 1) + 1 full back step products, 2 D^3 each; dbn_math.h) and the data
+    products (covariance D^2 m, whitening 2 D^2 m, backward gram 2 D^2 m and apply 4 D^2 m)."""
+    return G * ((9 * (T - 1) + 1) * 2 * D ** 3 + 9 * D ** 2 * m)
+
+
 def iternorm_table(run):
-    """ZCA vs IterNorm (gn_mx) vs torch, fwd and fwd+bwd ms; CPU ms in parentheses."""
+    """ZCA vs IterNorm (gn_mx) vs torch, fwd and fwd+bwd ms; CPU ms in parentheses; inference
+    (gn_dbn_inference, the same op for both whitenings); the products' GFLOP/s vs sgemm."""
     lines = ["| shape | G | D | ZCA fwd | ZCA fwd+bwd | IterNorm fwd | IterNorm fwd+bwd | "
-             "torch eigh fwd+bwd | torch IterNorm fwd | torch IterNorm fwd+bwd | fastest fwd+bwd |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "torch eigh fwd+bwd | torch IterNorm fwd | torch IterNorm fwd+bwd | inference | "
+             "IterNorm fwd+bwd speed-up vs torch IterNorm: wall (CPU time) | IterNorm / ZCA "
+             "fwd+bwd: wall (CPU time) | bound: IterNorm fwd+bwd GFLOP per CPU-s (sgemm's) | "
+             "fastest fwd+bwd |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for s in run["shapes"]:
         r = s["res"]
         if "it_fwd" not in r:
@@ -385,9 +401,18 @@ def iternorm_table(run):
         names = {"gn_fwdbwd": "ZCA", "it_fwdbwd": "IterNorm", "torch_fwdbwd": "torch eigh",
                  "torch_it_fwdbwd": "torch IterNorm"}
         best = names[min(fb, key=fb.get)]
+        def ratio(a, b, k):
+            return r[a][k] / r[b][k]
+        sp = (ratio("torch_it_fwdbwd", "it_fwdbwd", "med_ms"),
+              ratio("torch_it_fwdbwd", "it_fwdbwd", "cpu_med_ms"))
+        vz = ratio("it_fwdbwd", "gn_fwdbwd", "med_ms"), ratio("it_fwdbwd", "gn_fwdbwd", "cpu_med_ms")
+        gf = iternorm_flops(s["G"], s["D"], s["m"]) / (r["it_fwdbwd"]["cpu_min_ms"] * 1e-3) / 1e9
+        inf = f"{r['gn_inf']['med_ms']:.2f}" if "gn_inf" in r else "-"
         lines.append(f"| {shape} | {s['G']} | {s['D']} | {c('gn_fwd')} | {c('gn_fwdbwd')} | "
                      f"{c('it_fwd')} | {c('it_fwdbwd')} | {c('torch_fwdbwd')} | "
-                     f"{c('torch_it_fwd')} | {c('torch_it_fwdbwd')} | {best} |")
+                     f"{c('torch_it_fwd')} | {c('torch_it_fwdbwd')} | {inf} | "
+                     f"**{sp[0]:.2f}x** ({sp[1]:.2f}x) | {vz[0]:.2f}x ({vz[1]:.2f}x) | "
+                     f"{gf:.0f} ({run['sgemm_gflops_cpu']:.0f}) | {best} |")
     return "\n".join(lines)
 
 

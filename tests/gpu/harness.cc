@@ -228,6 +228,53 @@ GNH_API const char* gnh_dbn_inference(int dtype, int stat_dtype, int backward, c
   return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
 }
 
+// IterNorm (whitening = iternorm, T iterations), no running statistics: workspace (fwd != 0: the
+// forward's, else the backward's), forward (eigvec / eigval: Sigma and its diagonal) and backward.
+GNH_API size_t gnh_dbn_it_workspace(int fwd, int dtype, int64_t N, int64_t C, int64_t G,
+                                    int64_t S, int T) {
+  if (fwd) {
+    DbnFwdArgs a;
+    a.dtype = a.stat_dtype = static_cast<DType>(dtype);
+    a.dims = group_dims(N, C, G, S);
+    a.whitening = DbnWhitening::kIterNorm;
+    a.iterations = T;
+    return dbn_fwd_workspace_cuda(a);
+  }
+  DbnBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.dims = group_dims(N, C, G, S);
+  a.whitening = DbnWhitening::kIterNorm;
+  a.iterations = T;
+  return dbn_bwd_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_dbn_it_fwd(int dtype, const void* x, void* y, void* mean, void* eigvec,
+                                   void* eigval, void* workspace, int64_t N, int64_t C, int64_t G,
+                                   int64_t S, double eps, int T, void* stream) {
+  DbnFwdArgs a;
+  a.dtype = a.stat_dtype = static_cast<DType>(dtype);
+  a.x = x; a.y = y; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval; a.workspace = workspace;
+  a.dims = group_dims(N, C, G, S);
+  a.eps = eps;
+  a.whitening = DbnWhitening::kIterNorm;
+  a.iterations = T;
+  return dbn_fwd_cuda(a, stream);
+}
+
+GNH_API const char* gnh_dbn_it_bwd(int dtype, const void* dy, const void* x, const void* mean,
+                                   const void* eigvec, const void* eigval, void* dx,
+                                   void* workspace, int64_t N, int64_t C, int64_t G, int64_t S,
+                                   int T, void* stream) {
+  DbnBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.dy = dy; a.x = x; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval; a.dx = dx;
+  a.workspace = workspace;
+  a.dims = group_dims(N, C, G, S);
+  a.whitening = DbnWhitening::kIterNorm;
+  a.iterations = T;
+  return dbn_bwd_cuda(a, stream);
+}
+
 // ---- Per-channel affine (gn_channel_affine) ------------------------------------------------------
 
 GNH_API const char* gnh_affine_fwd(int dtype, int param_dtype, const void* x, const void* gamma,

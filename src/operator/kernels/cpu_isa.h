@@ -54,6 +54,7 @@ template <> struct Avx2Vec<float> {
   GNMX_AVX2_INLINE V load(const float* p) { return _mm256_loadu_ps(p); }
   GNMX_AVX2_INLINE V bcast(const float* p) { return _mm256_broadcast_ss(p); }
   GNMX_AVX2_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+  GNMX_AVX2_INLINE V add(V a, V b) { return _mm256_add_ps(a, b); }
   GNMX_AVX2_INLINE void store(float* p, V v) { _mm256_storeu_ps(p, v); }
 };
 template <> struct Avx2Vec<double> {
@@ -63,6 +64,7 @@ template <> struct Avx2Vec<double> {
   GNMX_AVX2_INLINE V load(const double* p) { return _mm256_loadu_pd(p); }
   GNMX_AVX2_INLINE V bcast(const double* p) { return _mm256_broadcast_sd(p); }
   GNMX_AVX2_INLINE V fma(V a, V b, V c) { return _mm256_fmadd_pd(a, b, c); }
+  GNMX_AVX2_INLINE V add(V a, V b) { return _mm256_add_pd(a, b); }
   GNMX_AVX2_INLINE void store(double* p, V v) { _mm256_storeu_pd(p, v); }
 };
 #undef GNMX_AVX2_INLINE

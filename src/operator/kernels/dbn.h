@@ -33,7 +33,9 @@
  *
  * Dtypes: x/y/dy/dx have `dtype` (fp16 -> AccT fp32, fp32 -> fp32, fp64 -> fp64). Saved
  * mean/eigvec/eigval are AccT. Running stats have `stat_dtype`, either `dtype` or AccT (fp32 running
- * stats with fp16 data). The eigensolver and all D x D math run in fp64 for every dtype.
+ * stats with fp16 data). The eigensolver and the D x D math run in fp64 for every dtype, except
+ * IterNorm's Newton iterations and their backward, which run in fp32 for fp16/fp32 data at
+ * T <= kDbnIterNormFp32MaxT (dbn_math.h, docs/numerics.md), and three CUDA products (below).
  *
  * Forward statistics, CPU and CUDA differ on purpose (both exact two-pass quality, no
  * E[xx^T] - mu mu^T): the CPU reads x once, centring each column panel on its own mean while it
@@ -73,8 +75,9 @@
  *     pipes (~40 ms each at D = 512 on a T4 in fp64; estimates, docs/dbn.md "GPU").
  *   fp64 where it must be: U^T sym(G_W) U in the backward (its entries are then scaled by
  *     K_ij ~ l^-3/2, up to cond(Sigma)^{3/2} times the largest: a normwise fp32 error there is
- *     amplified), IterNorm's Newton iterations and their backward (rounding grows with
- *     cond(Sigma) per iteration, see kDbnMaxIterations), and every product for fp64 data.
+ *     amplified), IterNorm's Newton iterations and their backward above T = 5 (their rounding
+ *     errors grow by up to ~2e4 at T = 6: dbn_math.h, kDbnIterNormFp32MaxT), and every product
+ *     for fp64 data. IterNorm at T <= 5 with fp16/fp32 data: fp32 on both devices.
  * So for fp64 data the CUDA and CPU W / B agree to FMA contraction, for fp16/fp32 data to fp32
  * rounding (normwise); the CPU sums every product in fp64.
  * Every D x D step after the eigensolver (clamp, W = U diag(l^-1/2) U^T, running statistics,
@@ -189,8 +192,8 @@ const char* dbn_inference_bwd_cpu(const DbnInferenceArgs& a);
 // Largest group size D = C/num_groups per device. CPU: the D x D eigendecomposition per group
 // (O(D^3)) and the int-indexed D x D / panel buffers; CUDA: per-group arrays in static shared
 // memory (bwd_small_kernel) and the time of one block per group (estimated on an H200 at D = 512:
-// ~2 ms per D x D product, ~10 ms for the ZCA backward's small kernel, at most ~66 ms for one of
-// IterNorm's launches (T = 10); docs/dbn.md "GPU"). The adapter checks the CPU limit at shape inference (lib_api shape
+// ~2 ms per D x D product, ~10 ms for the ZCA backward's small kernel; IterNorm's launches hold
+// at most two products: ~4 ms, ~84 ms on a T4's fp64; docs/performance/gpu.md). The adapter checks the CPU limit at shape inference (lib_api shape
 // inference does not know the device); the GPU path checks the CUDA limit before any launch.
 constexpr int64_t kDbnMaxGroupSizeCpu = 4096;
 constexpr int64_t kDbnMaxGroupSizeCuda = 512;

@@ -156,6 +156,32 @@ void run_stages(const PanelGeo& q, bool per_group, int64_t gb, int prof, P1&& pa
   }
 }
 
+// ---- IterNorm scratch ---------------------------------------------------------------------------
+// One thread's IterNorm state (dbn_math.h's DbnIterScratch): its matrices in S (float when
+// dbn_iternorm_fp32, else double; bytes `s`) and its doubles `d`, carved per thread. keep: the
+// backward's (every iteration's Q, R1, R2 and the back steps' matrices), else the forward's.
+struct IterSizes {
+  bool fp32;
+  int T;
+  int64_t s_bytes, d;
+};
+IterSizes iter_sizes(const PanelGeo& q, DType dtype, DbnWhitening w, int iterations, bool keep) {
+  IterSizes z{false, 1, 0, 0};
+  if (w != DbnWhitening::kIterNorm) return z;
+  z.T = std::max(1, std::min(iterations, kDbnMaxIterations));  // invalid counts size nothing odd
+  z.fp32 = dbn_iternorm_fp32(dtype, z.T);
+  const int64_t bytes = dbn_iternorm_mats(z.T, keep) * q.D * q.D * (z.fp32 ? 4 : 8);
+  z.s_bytes = (bytes + kAlign - 1) / kAlign * kAlign;
+  z.d = dbn_iternorm_doubles(static_cast<int>(q.D), keep);
+  return z;
+}
+template <typename S>
+DbnIterScratch<S> iter_scratch(const IterSizes& z, char* s_all, double* d_all, int t, int D,
+                               bool keep) {
+  return dbn_iternorm_layout(reinterpret_cast<S*>(s_all + t * z.s_bytes), d_all + t * z.d, D, z.T,
+                             keep);
+}
+
 // ---- Training forward -------------------------------------------------------------------------
 template <typename A>
 struct FwdLayout {
@@ -174,18 +200,22 @@ struct FwdLayout {
   double* l;     // T x D
   double* Wd;    // T x D x D
   double* ea;    // T x D x D, eigensolver matrix
-  double* tmp;   // T x fwd_tmp(), dbn_whitening_matrix's (Ut, V, r) or dbn_iternorm_whitening's
+  double* tmp;   // T x fwd_tmp(), dbn_whitening_matrix's (Ut, V, r) (ZCA)
+  char* its;     // T x IterSizes::s_bytes, IterNorm's matrices (float or double)
+  double* itd;   // T x IterSizes::d, IterNorm's doubles
   double* work;  // T x lwork
   int* iwork;    // T x liwork
 };
 
-// Doubles of a thread's D x D scratch in the forward: ZCA 2 D^2 + D, IterNorm 5 D^2 + 1.
+// Doubles of a thread's D x D scratch in the forward: ZCA 2 D^2 + D (IterNorm: iter_sizes).
 int64_t fwd_tmp(const PanelGeo& q, DbnWhitening w) {
-  return w == DbnWhitening::kIterNorm ? 5 * q.D * q.D + 1 : 2 * q.D * q.D + q.D;
+  return w == DbnWhitening::kIterNorm ? 0 : 2 * q.D * q.D + q.D;
 }
 
 template <typename A>
-FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T, DbnWhitening w) {
+FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T, const DbnFwdArgs& a) {
+  const DbnWhitening w = a.whitening;
+  const IterSizes z = iter_sizes(q, a.dtype, w, a.iterations, false);
   FwdLayout<A> L;
   const size_t DD = q.D * q.D;
   L.acc = c->take<double>(T * q.G * DD);
@@ -203,6 +233,8 @@ FwdLayout<A> fwd_layout(Carver* c, const PanelGeo& q, int T, DbnWhitening w) {
   L.Wd = c->take<double>(T * DD);
   L.ea = c->take<double>(T * DD);
   L.tmp = c->take<double>(T * fwd_tmp(q, w));
+  L.its = c->take<char>(T * z.s_bytes);
+  L.itd = c->take<double>(T * z.d);
   L.work = c->take<double>(T * eig_lwork(q.D));
   L.iwork = c->take<int>(T * eig_liwork(q.D));
   return L;
@@ -220,6 +252,7 @@ struct FwdPass {
   PanelGeo q;
   int nt;
   FwdLayout<A> L;
+  IterSizes iz;
   const T* x;
   T* y;
   A* mean;
@@ -242,8 +275,9 @@ struct FwdPass {
 
   FwdPass(const DbnFwdArgs& args, Carver* cv)
       : a(args), q(make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)), nt(resolve_threads(a.num_threads)),
-        L(fwd_layout<A>(cv, q, nt, a.whitening)), x(static_cast<const T*>(a.x)),
-        y(static_cast<T*>(a.y)),
+        L(fwd_layout<A>(cv, q, nt, a)),
+        iz(iter_sizes(q, a.dtype, a.whitening, a.iterations, false)),
+        x(static_cast<const T*>(a.x)), y(static_cast<T*>(a.y)),
         mean(static_cast<A*>(a.mean)), eigvec(static_cast<A*>(a.eigvec)),
         eigval(static_cast<A*>(a.eigval)), D(q.D), DD(q.D * q.D), Di(static_cast<int>(q.D)),
         affine(a.gamma != nullptr), Dw(Di + (affine ? 1 : 0)) {}
@@ -351,8 +385,12 @@ struct FwdPass {
     const bool finite = covariance(Wd, s.sig);
     if (a.whitening == DbnWhitening::kIterNorm) {
       // W by the Newton iterations; saved: Sigma (eigvec) and its diagonal (eigval).
-      if (finite) {
-        dbn_iternorm_whitening(s.ex, s.sig, Di, a.iterations, Wd, s.tmp, s.tmp + 5 * DD);
+      if (finite && iz.fp32) {
+        dbn_iternorm_whitening(s.ex, s.sig, Di, a.iterations, Wd,
+                               iter_scratch<float>(iz, L.its, L.itd, s.t, Di, false));
+      } else if (finite) {
+        dbn_iternorm_whitening(s.ex, s.sig, Di, a.iterations, Wd,
+                               iter_scratch<double>(iz, L.its, L.itd, s.t, Di, false));
       } else {
         std::fill(Wd, Wd + DD, std::numeric_limits<double>::quiet_NaN());
       }
@@ -457,16 +495,15 @@ struct BwdLayout {
   double* GW;     // T x D x D
   double* W;      // T x D x D
   double* B;      // T x D x D
-  double* tmp;    // T x bwd_tmp(): dbn_bwd_small's (H, T, Ut, sq, r) or dbn_bwd_iternorm's
+  double* tmp;    // T x bwd_tmp(): dbn_bwd_small's (H, T, Ut, sq, r) (ZCA)
+  char* its;      // T x IterSizes::s_bytes, IterNorm's kept iterations and back-step matrices
+  double* itd;    // T x IterSizes::d
   double* gam;    // T x 2D, gamma and dgamma of a group (fp64)
 };
 
 // Doubles of a thread's D x D scratch in the backward.
 int64_t bwd_tmp(const PanelGeo& q, const DbnBwdArgs& a) {
-  return a.whitening == DbnWhitening::kIterNorm
-             ? dbn_iternorm_bwd_scratch(static_cast<int>(q.D),
-                                        std::max(1, std::min(a.iterations, kDbnMaxIterations)))
-             : 3 * q.D * q.D + 2 * q.D;
+  return a.whitening == DbnWhitening::kIterNorm ? 0 : 3 * q.D * q.D + 2 * q.D;
 }
 
 template <typename A>
@@ -487,6 +524,9 @@ BwdLayout<A> bwd_layout(Carver* c, const PanelGeo& q, int T, const DbnBwdArgs& a
   L.W = c->take<double>(T * DD);
   L.B = c->take<double>(T * DD);
   L.tmp = c->take<double>(T * bwd_tmp(q, a));
+  const IterSizes z = iter_sizes(q, a.dtype, a.whitening, a.iterations, true);
+  L.its = c->take<char>(T * z.s_bytes);
+  L.itd = c->take<double>(T * z.d);
   L.gam = c->take<double>(T * 2 * q.D);
   return L;
 }
@@ -502,6 +542,7 @@ struct BwdPass {
   PanelGeo q;
   int nt;
   BwdLayout<A> L;
+  IterSizes iz;
   const T *x, *dy;
   T* dx;
   const A *mean, *eigvec, *eigval;
@@ -520,7 +561,8 @@ struct BwdPass {
 
   BwdPass(const DbnBwdArgs& args, Carver* cv)
       : a(args), q(make_geo(a.dims.N, a.dims.C, a.dims.G, a.dims.S)), nt(resolve_threads(a.num_threads)),
-        L(bwd_layout<A>(cv, q, nt, a)), x(static_cast<const T*>(a.x)),
+        L(bwd_layout<A>(cv, q, nt, a)), iz(iter_sizes(q, a.dtype, a.whitening, a.iterations, true)),
+        x(static_cast<const T*>(a.x)),
         dy(static_cast<const T*>(a.dy)), dx(static_cast<T*>(a.dx)),
         mean(static_cast<const A*>(a.mean)), eigvec(static_cast<const A*>(a.eigvec)),
         eigval(static_cast<const A*>(a.eigval)), D(q.D), DD(q.D * q.D),
@@ -579,9 +621,14 @@ struct BwdPass {
         dbn_store_stat(a.param_dtype, a.dbeta, g * D + d, v);
       }
     }
-    if (a.whitening == DbnWhitening::kIterNorm)  // U holds the forward's Sigma
-      dbn_bwd_iternorm(s.ex, U, GW, Di, a.iterations, static_cast<double>(q.m),
-                       affine ? gam : nullptr, dgam, W, B, s.bs.H);
+    const double m = static_cast<double>(q.m);
+    const double* gm = affine ? gam : nullptr;
+    if (a.whitening == DbnWhitening::kIterNorm && iz.fp32)  // U holds the forward's Sigma
+      dbn_bwd_iternorm(s.ex, U, GW, Di, a.iterations, m, gm, dgam, W, B,
+                       iter_scratch<float>(iz, L.its, L.itd, s.t, Di, true));
+    else if (a.whitening == DbnWhitening::kIterNorm)
+      dbn_bwd_iternorm(s.ex, U, GW, Di, a.iterations, m, gm, dgam, W, B,
+                       iter_scratch<double>(iz, L.its, L.itd, s.t, Di, true));
     else
       dbn_bwd_small(s.ex, U, l, GW, Di, static_cast<double>(q.m), affine ? gam : nullptr, dgam, W,
                     B, s.bs);
@@ -810,7 +857,7 @@ size_t ws_size(const Args& a, L&& layout) {
 
 size_t dbn_fwd_workspace_cpu(const DbnFwdArgs& a) {
   return ws_size(a, [&a](auto tag, Carver* c, const PanelGeo& q, int nt) {
-    fwd_layout<AccT<decltype(tag)>>(c, q, nt, a.whitening);
+    fwd_layout<AccT<decltype(tag)>>(c, q, nt, a);
   });
 }
 

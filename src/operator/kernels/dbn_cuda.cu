@@ -24,15 +24,16 @@
  *           (W, B = (2/m) G_S)
  *           apply kernel: dX = W (dY - mean(dY)) + B Xc
  * Inference (and its backward, P^T): prep kernel (running stats -> AccT), apply kernel.
- * IterNorm (whitening = kIterNorm): eig_kernel runs dbn_iternorm_whitening instead of Jacobi and
- * saves Sigma; bwd_small_kernel runs dbn_bwd_iternorm on it (the same dbn_math.h code as the CPU).
+ * IterNorm (whitening = kIterNorm): eig_kernel only forms Sigma, bwd_small_kernel only sums G_W;
+ * iternorm_kernel runs dbn_math.h's iterations and back steps (the CPU's code) in launches of at
+ * most two D x D products each, in fp32 or fp64 by dbn_iternorm_fp32.
  * Fused affine (gamma/beta given): the eig / prep kernels scale the rows of W / P by gamma and the
  * apply kernel adds beta; the backward's small kernel scales G_W's rows and W's columns by gamma
  * and writes dgamma (dbn_affine_dgamma) and dbeta from the sums it already has; the inference
  * backward adds the gram kernel on (dy, x - r_mean) and affine_grad_kernel.
  * Everything runs on `stream` with no host round trip: 3-6 launches (the mean finalize and
  * gram_reduce_kernel only when columns are split), plus per group one cusolverDnDsyevd on the
- * cuSOLVER path and T + 2 bwd_small_kernel launches for the IterNorm backward.
+ * cuSOLVER path; IterNorm adds 2 T + 2 launches to the forward and 5 T + 3 to the backward.
  *
  * D x D matrices of the eig/small kernels live in the workspace (L1/L2-resident for D <= 64;
  * Jacobi's two in shared memory), their products go through shared-memory tiles (BlockExec::mm);
@@ -222,17 +223,37 @@ struct EigPlan {
 };
 
 // fp64 scratch doubles per group of the forward / backward small kernels, IterNorm included
-// (eig_kernel with IterNorm: Sigma, W + dbn_iternorm_whitening's 5 D x D + 1; bwd_small_kernel:
-// GW, H, T (unused), Sigma, W + dbn_iternorm_bwd_scratch). T is clamped so that an invalid count (rejected before any launch) sizes nothing odd.
-// The cuSOLVER path adds one double per group: whether Sigma was finite.
-int64_t fwd_scratch(int64_t D, DbnWhitening w, EigPath path) {
-  if (w == DbnWhitening::kIterNorm) return 7 * D * D + 1;
+// (IterScratch below). T is clamped so that an invalid count (rejected before any launch) sizes
+// nothing odd. The cuSOLVER path adds one double per group: whether Sigma was finite.
+// IterNorm's per-group scratch, in doubles: Sigma, W, G_W (then B; backward only), the
+// iteration's matrices (dbn_iternorm_mats of them, float or double: sized as doubles), its
+// doubles (dbn_iternorm_doubles), and a flag (Sigma finite).
+struct IterScratch {
+  double *sig, *W, *GW, *mats, *dbl, *flag;
+};
+__host__ __device__ inline int64_t iter_scratch_doubles(int64_t D, int T, bool bwd) {
+  return (bwd ? 3 : 2) * D * D + dbn_iternorm_mats(T, bwd) * D * D +
+         dbn_iternorm_doubles(static_cast<int>(D), bwd) + 1;
+}
+__host__ __device__ inline IterScratch iter_scratch(double* base, int D, int T, bool bwd) {
+  const int64_t DD = int64_t(D) * D;
+  IterScratch z;
+  z.sig = base;
+  z.W = z.sig + DD;
+  z.GW = bwd ? z.W + DD : nullptr;
+  z.mats = z.W + (bwd ? 2 : 1) * DD;
+  z.dbl = z.mats + dbn_iternorm_mats(T, bwd) * DD;
+  z.flag = z.dbl + dbn_iternorm_doubles(D, bwd);
+  return z;
+}
+int64_t fwd_scratch(int64_t D, DbnWhitening w, EigPath path, int T = 1) {
+  if (w == DbnWhitening::kIterNorm)
+    return iter_scratch_doubles(D, std::max(1, std::min(T, kDbnMaxIterations)), false);
   return kFwdScratchMats * D * D + (path == EigPath::kCusolver ? 1 : 0);
 }
 int64_t bwd_scratch(int64_t D, DbnWhitening w, int T) {
   if (w != DbnWhitening::kIterNorm) return kBwdScratchMats * D * D;
-  T = std::max(1, std::min(T, kDbnMaxIterations));
-  return 5 * D * D + dbn_iternorm_bwd_scratch(static_cast<int>(D), T);
+  return iter_scratch_doubles(D, std::max(1, std::min(T, kDbnMaxIterations)), true);
 }
 
 // Doubles of the gram kernel's split partials before gram_reduce_kernel (0 without it).
@@ -254,14 +275,14 @@ struct FwdWs {
   double* split;    // G x gram_splits x DD (only when gram_reduce_kernel runs)
 };
 template <typename A>
-FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, const EigPlan& ep) {
+FwdWs<A> fwd_ws(Carver* c, const DbnCudaPlan& q, DbnWhitening wh, const EigPlan& ep, int T) {
   const size_t DD = q.D * q.D;
   const bool cus = wh == DbnWhitening::kZca && ep.path == EigPath::kCusolver;
   FwdWs<A> w;
   w.part = c->take<double>(q.G * q.gram_chunks * DD);
   w.W = c->take<A>(q.G * DD);
   w.bias = c->take<A>(q.C);
-  w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh, ep.path));
+  w.scratch = c->take<double>(q.G * fwd_scratch(q.D, wh, ep.path, T));
   w.evals = c->take<double>(cus ? q.G * q.D : 0);
   w.info = c->take<int>(cus ? q.G : 0);
   w.work = c->take<double>(cus ? ep.lwork : 0);
@@ -577,6 +598,92 @@ struct BlockExec {
       }
     __syncthreads();
   }
+  // IterNorm's products (dbn_math.h), S = float or double: C = A B, C += A B. The same tiles,
+  // summed as the CPU's mm_square (dbn_small_cpu.h): per k-block of kDbnIterKb, a partial from
+  // zero in ascending k, added to the running total, which starts at C (acc) or at the first
+  // partial; the CPU and CUDA values agree up to FMA contraction.
+  template <typename S>
+  __device__ void mm_it(const S* A, const S* B, S* Cm, int D) const {
+    mm_it_tiled(A, B, Cm, D, false);
+  }
+  template <typename S>
+  __device__ void mm_it_acc(const S* A, const S* B, S* Cm, int D) const {
+    mm_it_tiled(A, B, Cm, D, true);
+  }
+  // A symmetric result (dbn_math.h): tiles reaching the upper triangle, then C_ij = C_ji (i > j),
+  // as the CPU's mm_square with sym.
+  template <typename S>
+  __device__ void mm_it_sym(const S* A, const S* B, S* Cm, int D) const {
+    mm_it_tiled(A, B, Cm, D, false, true);
+    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+      const int i = e / D, j = e - i * D;
+      if (i > j) Cm[e] = Cm[j * D + i];
+    }
+    __syncthreads();
+  }
+  template <typename S>
+  __device__ void mm_it_tiled(const S* __restrict__ A, const S* __restrict__ B, S* Cm, int D,
+                              bool acc, bool sym = false) const {
+    static_assert(kDbnIterKb % kTileK == 0, "k-blocks of whole panels");
+    S* As = reinterpret_cast<S*>(tile);
+    S* Bs = As + kTile * kTileLdA;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    for (int i0 = 0; i0 < D; i0 += kTile)
+      for (int j0 = sym ? i0 : 0; j0 < D; j0 += kTile) {
+        S tot[4][4];
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int i = i0 + ty + 16 * r, j = j0 + tx + 16 * c;
+            tot[r][c] = (acc && i < D && j < D) ? Cm[i * D + j] : S(0);
+          }
+        for (int kb = 0; kb < D; kb += kDbnIterKb) {
+          const int kend = D - kb < kDbnIterKb ? D : kb + kDbnIterKb;
+          S part[4][4];
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c) part[r][c] = S(0);
+          for (int k0 = kb; k0 < kend; k0 += kTileK) {
+            __syncthreads();  // the previous panel is no longer read
+            for (int e = threadIdx.x; e < kTile * kTileK; e += blockDim.x) {
+              const int r = e / kTileK, k = e - r * kTileK;
+              As[r * kTileLdA + k] = (i0 + r < D && k0 + k < D) ? A[(i0 + r) * D + k0 + k] : S(0);
+              const int kk = e / kTile, c = e - kk * kTile;
+              Bs[kk * kTile + c] = (k0 + kk < D && j0 + c < D) ? B[(k0 + kk) * D + j0 + c] : S(0);
+            }
+            __syncthreads();
+            const int kc = kend - k0 < kTileK ? kend - k0 : kTileK;
+            for (int k = 0; k < kc; ++k) {
+              S a[4], b[4];
+#pragma unroll
+              for (int r = 0; r < 4; ++r) a[r] = As[(ty + 16 * r) * kTileLdA + k];
+#pragma unroll
+              for (int c = 0; c < 4; ++c) b[c] = Bs[k * kTile + tx + 16 * c];
+#pragma unroll
+              for (int r = 0; r < 4; ++r)
+#pragma unroll
+                for (int c = 0; c < 4; ++c) part[r][c] += a[r] * b[c];
+            }
+          }
+#pragma unroll
+          for (int r = 0; r < 4; ++r)
+#pragma unroll
+            for (int c = 0; c < 4; ++c)
+              tot[r][c] = (kb == 0 && !acc) ? part[r][c] : tot[r][c] + part[r][c];
+        }
+        __syncthreads();  // every thread has read its C entries before any is written (acc)
+#pragma unroll
+        for (int r = 0; r < 4; ++r)
+#pragma unroll
+          for (int c = 0; c < 4; ++c) {
+            const int i = i0 + ty + 16 * r, j = j0 + tx + 16 * c;
+            if (i < D && j < D) Cm[i * D + j] = tot[r][c];
+          }
+      }
+    __syncthreads();
+  }
 };
 
 // Round-robin (circle method) pair k of round r for Dp (even) players; p < q.
@@ -703,36 +810,6 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
   }
 }
 
-// eig_kernel's IterNorm step of group g: W by the Newton iterations from Sigma (Am; scratch after
-// it: W, dbn_iternorm_whitening's 5 D x D and one double), saved Sigma / diag(Sigma), W
-// (diag(gamma) W with the affine), beta, running statistics.
-template <typename A>
-__device__ void eig_iternorm(const BlockExec& ex, double* Am, int finite, int D, int T, int64_t g,
-                             double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
-                             A* __restrict__ eigval, A* __restrict__ Wout, DType stat_dtype,
-                             void* running_mean, void* running_proj, DType param_dtype,
-                             const void* gamma, const void* beta, A* __restrict__ bias) {
-  const int DD = D * D;
-  double* W = Am + DD;
-  if (finite) {
-    dbn_iternorm_whitening(ex, Am, D, T, W, W + DD, W + 6 * DD);
-  } else {
-    const double nan = __longlong_as_double(0x7ff8000000000000LL);
-    for (int e = threadIdx.x; e < DD; e += blockDim.x) W[e] = nan;
-    __syncthreads();
-  }
-  for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    eigvec[g * DD + e] = static_cast<A>(Am[e]);
-    const double gi = gamma ? dbn_load_stat(param_dtype, gamma, g * D + e / D) : 1.0;
-    Wout[g * DD + e] = static_cast<A>(gamma ? gi * W[e] : W[e]);
-  }
-  for (int i = threadIdx.x; i < D; i += blockDim.x) {
-    eigval[g * D + i] = static_cast<A>(Am[i * D + i]);
-    if (gamma) bias[g * D + i] = static_cast<A>(dbn_load_stat(param_dtype, beta, g * D + i));
-  }
-  dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, W, mean, momentum);
-}
-
 // Sigma = (sum of the group's gram partials) / m + eps I into A (row stride ld). Returns 1 when
 // every entry is finite, 0 otherwise (the same on every thread of the block).
 __device__ int eig_load_sigma(const double* __restrict__ part, int64_t chunks, int64_t g, int D,
@@ -820,9 +897,8 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
     for (int i = threadIdx.x; i < D; i += blockDim.x) s_l[i] = evals[g * D + i];
   } else {
     finite = eig_load_sigma(part, chunks, g, D, m, eps, Aw, ld);
-    if (wh == DbnWhitening::kIterNorm) {
-      eig_iternorm(ex, Am, finite, D, T, g, momentum, mean, eigvec, eigval, Wout, stat_dtype,
-                   running_mean, running_proj, param_dtype, gamma, beta, bias);
+    if (wh == DbnWhitening::kIterNorm) {  // Sigma stays in the scratch for iternorm_kernel
+      if (threadIdx.x == 0) iter_scratch(Am, D, T, false).flag[0] = finite ? 1.0 : 0.0;
       return;
     }
     if (phase == EigPhase::kPrepare) {
@@ -853,69 +929,175 @@ eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, dou
   dbn_update_running(ex, stat_dtype, running_proj, running_mean, g, D, Us, mean, momentum);
 }
 
-// One block per group, dynamic shared memory kTileBytes. ZCA (one launch, stage 0): dbn_bwd_small
-// (W, B = (2/m) G_S) on the summed gram partials. IterNorm: T + 2 launches, so that no launch runs
-// all of its ~12 T D x D products (at D = 512 on an H200 ~1.5-2 ms each: over 100 ms for T >= 5
-// in one launch): stage 0 sums the partials and runs dbn_bwd_iternorm_head (and writes dgamma),
-// stage s = 1..T the back step k = T - s, stage T + 1 dbn_bwd_iternorm_tail and the outputs; the
-// state between them lives in the group's scratch (dbn_iternorm_bwd_layout).
+// ---- IterNorm: the Newton iterations and their backward, in launches of at most two products ---
+// The per-group state lives in the scratch (IterScratch; the iteration's matrices in S: float when
+// dbn_iternorm_fp32, else double). Forward: eig_kernel (Sigma, flag) -> kStart -> kIter (k, part)
+// for k < T, parts < kDbnIterFwdParts -> kFwdFinish (W, saved Sigma / diag, running statistics).
+// Backward: bwd_small_kernel stage 0 (G_W, Sigma, dymean, dbeta) -> kStart -> kIter ... ->
+// kHeadFinish (W, dgamma, G) -> kBack (k, part) for k = T-1 .. 0, parts < kDbnIterBwdParts ->
+// kTail (B; W and B out). At D = 512 a launch is then <= 2 products (docs/performance/gpu.md).
+enum class IterStage : int { kStart, kIter, kFwdFinish, kHeadFinish, kBack, kTail };
+
+template <typename A>
+struct IterArgs {
+  double* scratch;
+  int64_t spg;  // scratch doubles per group
+  int D, T;
+  bool bwd;
+  double m, momentum;
+  // forward
+  A* eigvec;
+  A* eigval;
+  const A* mean;
+  DType stat_dtype;
+  void* running_mean;
+  void* running_proj;
+  A* bias;
+  const void* beta;
+  // both (W: diag(gamma) W in the forward, W diag(gamma) in the backward)
+  A* Wout;
+  DType param_dtype;
+  const void* gamma;
+  // backward
+  A* Bout;
+  void* dgamma;
+};
+
+template <typename A, typename S>
+__global__ void __launch_bounds__(kBlock)
+iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {
+  __shared__ double s_gam[kMaxD], s_dgam[kMaxD];
+  extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec's tiles
+  const BlockExec ex{reinterpret_cast<double*>(smem), false};
+  const int64_t g = blockIdx.x;
+  const int D = a.D, DD = D * D, T = a.T;
+  const IterScratch z = iter_scratch(a.scratch + g * a.spg, D, T, a.bwd);
+  const DbnIterScratch<S> L =
+      dbn_iternorm_layout(reinterpret_cast<S*>(z.mats), z.dbl, D, T, a.bwd);
+  const bool finite = z.flag[0] != 0.0;  // uniform over the block
+  if (a.gamma)
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      s_gam[i] = dbn_load_stat(a.param_dtype, a.gamma, g * D + i);
+  __syncthreads();
+  switch (stage) {
+    case IterStage::kStart:
+      if (finite) dbn_iternorm_start(ex, z.sig, D, L);
+      return;
+    case IterStage::kIter:
+      if (finite) dbn_iternorm_iter(ex, D, k, a.bwd, L, part);
+      return;
+    case IterStage::kFwdFinish: {
+      if (finite) {
+        dbn_iternorm_w(ex, L.Q + int64_t(T % 2) * DD, D, *L.tr, z.W);
+      } else {
+        const double nan = __longlong_as_double(0x7ff8000000000000LL);
+        for (int e = threadIdx.x; e < DD; e += blockDim.x) z.W[e] = nan;
+        __syncthreads();
+      }
+      for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+        a.eigvec[g * DD + e] = static_cast<A>(z.sig[e]);
+        a.Wout[g * DD + e] = static_cast<A>(a.gamma ? s_gam[e / D] * z.W[e] : z.W[e]);
+      }
+      for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        a.eigval[g * D + i] = static_cast<A>(z.sig[i * D + i]);
+        if (a.gamma)
+          a.bias[g * D + i] = static_cast<A>(dbn_load_stat(a.param_dtype, a.beta, g * D + i));
+      }
+      dbn_update_running(ex, a.stat_dtype, a.running_proj, a.running_mean, g, D, z.W, a.mean,
+                         a.momentum);
+      return;
+    }
+    case IterStage::kHeadFinish:
+      dbn_bwd_iternorm_head_finish(ex, z.GW, D, T, a.gamma ? s_gam : nullptr, s_dgam, z.W, L);
+      if (a.gamma)
+        for (int i = threadIdx.x; i < D; i += blockDim.x)
+          dbn_store_stat(a.param_dtype, a.dgamma, g * D + i, s_dgam[i]);
+      return;
+    case IterStage::kBack:
+      dbn_bwd_iternorm_step(ex, D, k, L, part);
+      return;
+    case IterStage::kTail:
+      dbn_bwd_iternorm_tail(ex, z.sig, D, a.m, /*B=*/z.GW, L);
+      for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+        a.Bout[g * DD + e] = static_cast<A>(z.GW[e]);
+        a.Wout[g * DD + e] = static_cast<A>(a.gamma ? z.W[e] * s_gam[e % D] : z.W[e]);
+      }
+      return;
+  }
+}
+
+// The launches of one IterNorm forward (bwd = false: from kStart to kFwdFinish) or backward (from
+// kStart to kTail), S chosen by dbn_iternorm_fp32.
+template <typename A, typename S>
+const char* launch_iternorm_s(const IterArgs<A>& a, int64_t G, cudaStream_t st) {
+  auto run = [&](IterStage stage, int k, int part) -> const char* {
+    iternorm_kernel<A, S><<<static_cast<unsigned>(G), kBlock, kTileBytes, st>>>(a, stage, k, part);
+    GN_CUDA_CHECK_LAUNCH();
+    return nullptr;
+  };
+  const char* e = run(IterStage::kStart, 0, 0);
+  for (int k = 0; k < a.T && !e; ++k)
+    for (int p = 0; p < kDbnIterFwdParts && !e; ++p) e = run(IterStage::kIter, k, p);
+  if (e || !a.bwd) return e ? e : run(IterStage::kFwdFinish, 0, 0);
+  e = run(IterStage::kHeadFinish, 0, 0);
+  for (int k = a.T - 1; k >= 0 && !e; --k)
+    for (int p = 0; p < kDbnIterBwdParts && !e; ++p) e = run(IterStage::kBack, k, p);
+  return e ? e : run(IterStage::kTail, 0, 0);
+}
+template <typename A>
+const char* launch_iternorm(const IterArgs<A>& a, DType dtype, int64_t G, cudaStream_t st) {
+  return dbn_iternorm_fp32(dtype, a.T) ? launch_iternorm_s<A, float>(a, G, st)
+                                       : launch_iternorm_s<A, double>(a, G, st);
+}
+
+// One block per group, dynamic shared memory kTileBytes. ZCA: dbn_bwd_small (W, B = (2/m) G_S) on
+// the summed gram partials. IterNorm: the summed partials (G_W), the forward's Sigma and the
+// finite flag into the group's IterScratch; iternorm_kernel's launches do the rest.
 template <typename A>
 __global__ void __launch_bounds__(kBlock)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
                  A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch,
                  DType param_dtype, const void* gamma, void* dgamma, void* dbeta, DbnWhitening wh,
-                 int T, int64_t scratch_per_group, int stage) {
+                 int T, int64_t scratch_per_group) {
   __shared__ double s_l[kMaxD], s_sq[kMaxD], s_r[kMaxD], s_gam[kMaxD], s_dgam[kMaxD];
   extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec::mm's tiles
   const BlockExec ex{reinterpret_cast<double*>(smem), sizeof(A) == sizeof(float)};
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
   const bool iter = wh == DbnWhitening::kIterNorm;
-  double* GW = scratch + g * scratch_per_group;     // G_W, then B
+  const IterScratch z = iter_scratch(scratch + g * scratch_per_group, D, T, true);
+  double* GW = iter ? z.GW : scratch + g * scratch_per_group;  // G_W, then B
   double* H = GW + DD;
   double* Tm = H + DD;
-  double* U = Tm + DD;                              // U (ZCA) or Sigma (IterNorm)
-  double* Ut = U + DD;                              // IterNorm: W, then its scratch
-  double* W = iter ? Ut : Ut + DD;
-  if (stage == 0)
-    for (int e = threadIdx.x; e < E; e += blockDim.x) {
-      double s = 0.0;
-      for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
-      if (e < DD) {
-        GW[e] = s;
-        U[e] = static_cast<double>(eigvec[g * DD + e]);
-      } else {
-        dymean[g * D + (e - DD)] = static_cast<A>(s / m);
-        if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
-      }
+  double* U = iter ? z.sig : Tm + DD;               // U (ZCA) or Sigma (IterNorm)
+  double* Ut = Tm + 2 * DD;
+  double* W = Ut + DD;
+  for (int e = threadIdx.x; e < E; e += blockDim.x) {
+    double s = 0.0;
+    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+    if (e < DD) {
+      GW[e] = s;
+      U[e] = static_cast<double>(eigvec[g * DD + e]);
+    } else {
+      dymean[g * D + (e - DD)] = static_cast<A>(s / m);
+      if (gamma) dbn_store_stat(param_dtype, dbeta, g * D + (e - DD), s);
     }
+  }
   for (int i = threadIdx.x; i < D; i += blockDim.x) {
     s_l[i] = static_cast<double>(eigval[g * D + i]);
     if (gamma) s_gam[i] = dbn_load_stat(param_dtype, gamma, g * D + i);
   }
   __syncthreads();
   if (iter) {  // U holds the forward's Sigma
-    const DbnIterBwdScratch L = dbn_iternorm_bwd_layout(Ut + DD, D, T);
-    if (stage == 0) {
-      dbn_bwd_iternorm_head(ex, U, GW, D, T, gamma ? s_gam : nullptr, s_dgam, W, L);
-      if (gamma)
-        for (int i = threadIdx.x; i < D; i += blockDim.x)
-          dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
-      return;
-    }
-    if (stage <= T) {
-      dbn_bwd_iternorm_step(ex, D, T - stage, L);
-      return;
-    }
-    dbn_bwd_iternorm_tail(ex, U, D, m, /*B=*/GW, L);
-  } else {
-    dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
-                  DbnBwdScratch{H, Tm, Ut, s_sq, s_r});
-    if (gamma)
-      for (int i = threadIdx.x; i < D; i += blockDim.x)
-        dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
+    if (threadIdx.x == 0) z.flag[0] = 1.0;
+    return;
   }
+  dbn_bwd_small(ex, U, s_l, GW, D, m, gamma ? s_gam : nullptr, s_dgam, W, /*B=*/GW,
+                DbnBwdScratch{H, Tm, Ut, s_sq, s_r});
+  if (gamma)
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      dbn_store_stat(param_dtype, dgamma, g * D + i, s_dgam[i]);
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
     Bout[g * DD + e] = static_cast<A>(GW[e]);
     Wout[g * DD + e] = static_cast<A>(gamma ? W[e] * s_gam[e % D] : W[e]);
@@ -1268,13 +1450,13 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   Carver cv{static_cast<char*>(a.workspace)};
   EigPlan ep;
   if (const char* e = eig_plan<A>(static_cast<int>(q.D), a.whitening, &ep)) return e;
-  const FwdWs<A> w = fwd_ws<A>(&cv, q, a.whitening, ep);
+  const FwdWs<A> w = fwd_ws<A>(&cv, q, a.whitening, ep, a.iterations);
   const T* x = static_cast<const T*>(a.x);
   A* mean = static_cast<A*>(a.mean);
   const int D = static_cast<int>(q.D);
   if (const char* e = launch_mean<T>(q, x, mean, w.msum, st)) return e;
   if (const char* e = launch_gram<T, false>(q, x, mean, nullptr, w.part, w.split, st)) return e;
-  const int64_t spg = fwd_scratch(q.D, a.whitening, ep.path);
+  const int64_t spg = fwd_scratch(q.D, a.whitening, ep.path, a.iterations);
   auto eig = [&](EigPhase phase) -> const char* {
     eig_kernel<A><<<static_cast<unsigned>(q.G), kBlock, ep.smem, st>>>(
         w.part, q.gram_chunks, D, static_cast<double>(q.m), a.eps, a.momentum, mean,
@@ -1293,6 +1475,28 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
   } else if (const char* e = eig(EigPhase::kAll)) {
     return e;
   }
+  if (a.whitening == DbnWhitening::kIterNorm) {
+    IterArgs<A> it{};
+    it.scratch = w.scratch;
+    it.spg = spg;
+    it.D = D;
+    it.T = a.iterations;
+    it.bwd = false;
+    it.m = static_cast<double>(q.m);
+    it.momentum = a.momentum;
+    it.eigvec = static_cast<A*>(a.eigvec);
+    it.eigval = static_cast<A*>(a.eigval);
+    it.mean = mean;
+    it.stat_dtype = a.stat_dtype;
+    it.running_mean = a.running_mean;
+    it.running_proj = a.running_proj;
+    it.bias = w.bias;
+    it.beta = a.beta;
+    it.Wout = w.W;
+    it.param_dtype = a.param_dtype;
+    it.gamma = a.gamma;
+    if (const char* e = launch_iternorm(it, a.dtype, q.G, st)) return e;
+  }
   return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr,
                                 a.gamma ? w.bias : nullptr, static_cast<T*>(a.y), st);
 }
@@ -1309,15 +1513,27 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
   const A* mean = static_cast<const A*>(a.mean);
   const int D = static_cast<int>(q.D);
   if (const char* e = launch_gram<T, true>(q, x, mean, dy, w.part, w.split, st)) return e;
-  // ZCA: one launch; IterNorm: T + 2 (bwd_small_kernel's stages)
-  const int stages = a.whitening == DbnWhitening::kIterNorm ? a.iterations + 2 : 1;
-  for (int stage = 0; stage < stages; ++stage) {
-    bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, kTileBytes, st>>>(
-        w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
-        static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
-        a.dgamma, a.dbeta, a.whitening, a.iterations,
-        bwd_scratch(q.D, a.whitening, a.iterations), stage);
-    GN_CUDA_CHECK_LAUNCH();
+  // ZCA: one launch; IterNorm: the summed partials here, then launch_iternorm's launches
+  const int64_t spg = bwd_scratch(q.D, a.whitening, a.iterations);
+  bwd_small_kernel<A><<<static_cast<unsigned>(q.G), kBlock, kTileBytes, st>>>(
+      w.part, q.gram_chunks, D, static_cast<double>(q.m), static_cast<const A*>(a.eigvec),
+      static_cast<const A*>(a.eigval), w.W, w.B, w.dymean, w.scratch, a.param_dtype, a.gamma,
+      a.dgamma, a.dbeta, a.whitening, a.iterations, spg);
+  GN_CUDA_CHECK_LAUNCH();
+  if (a.whitening == DbnWhitening::kIterNorm) {
+    IterArgs<A> it{};
+    it.scratch = w.scratch;
+    it.spg = spg;
+    it.D = D;
+    it.T = a.iterations;
+    it.bwd = true;
+    it.m = static_cast<double>(q.m);
+    it.Wout = w.W;
+    it.param_dtype = a.param_dtype;
+    it.gamma = a.gamma;
+    it.Bout = w.B;
+    it.dgamma = a.dgamma;
+    if (const char* e = launch_iternorm(it, a.dtype, q.G, st)) return e;
   }
   return launch_apply<T, true>(q, dy, w.dymean, w.W, x, mean, w.B, nullptr, static_cast<T*>(a.dx),
                                st);
@@ -1392,7 +1608,7 @@ size_t dbn_fwd_workspace_cuda(const DbnFwdArgs& a) {
     using A = AccT<decltype(tag)>;
     EigPlan ep;  // on an error the forward fails before using the workspace: size without it
     if (eig_plan<A>(static_cast<int>(q.D), a.whitening, &ep)) ep = EigPlan{};
-    fwd_ws<A>(c, q, a.whitening, ep);
+    fwd_ws<A>(c, q, a.whitening, ep, a.iterations);
   });
 }
 

@@ -273,12 +273,32 @@ GN_HOST_DEVICE void dbn_bwd_small(Ex& ex, const double* U, const double* l, doub
 // W = P_T / sqrt(tr(Sigma)) ~ Sigma^{-1/2} (exact as T -> inf: the eigenvalues of Sigma_N lie in
 // (0, 1], where the iteration converges). Matrix products only: no eigensolver.
 // T in [1, kDbnMaxIterations] (dbn.h).
-
-// A^T into At (D x D). Ends synced.
-template <class Ex>
-GN_HOST_DEVICE void dbn_transpose(Ex& ex, const double* A, double* At, int D) {
-  ex.each_ij(D, [&](int i, int j) { At[j * D + i] = A[i * D + j]; });
-  ex.sync();
+//
+// Written for row-major products C = A B only (the executor's mm), the iteration runs on the
+// transposes Q_k = P_k^T (Sn = Sigma_N is exactly symmetric: Sigma is stored symmetric):
+//   R1_k = Sn Q_k = (P_k Sn)^T,  R2_k = R1_k Q_k = (P_k^2 Sn)^T,  Q_{k+1} = 1.5 Q_k - 0.5 R2_k Q_k,
+// three products per iteration, none for k = 0 (Q_0 = I: R1 = R2 = R3 = Sn exactly). P_k is a
+// polynomial in Sn, so all of them are symmetric in exact arithmetic: the executor's mm_it_sym
+// computes the upper triangle (about half the work) and mirrors it, which keeps the whole
+// forward state exactly symmetric (Q_k = P_k). The backward keeps Q_k, R1_k, R2_k of every
+// iteration (3 T matrices) instead of recomputing them; its products (with the non-symmetric
+// G = dL/dP) are full.
+//
+// Precision (docs/numerics.md "IterNorm"): the iteration's state and products are in `S`, float
+// for fp16 / fp32 data when T <= kDbnIterNormFp32MaxT (dbn_iternorm_fp32), else double; the trace,
+// Sigma_N's scale, W, dL/dSigma's trace terms and the dSn sum are double. A rounding error E made
+// in iteration k is propagated by the linearized iteration E -> 1.5 E - 0.5 (E P^2 + P E P +
+// P^2 E) Sn; in Sn's eigenbasis (P_k diagonal with p <= min(1.5^k, s^-1/2), s <= 1) entry (i, j)
+// is scaled by |1.5 - 0.5 (p_i^2 + p_i p_j + p_j^2) s_j| <= g_k = max(1.5, (2.25^k + 1.5^k + 1)/2
+// - 1.5): 1.5, 2.7, 6.4, 14, 32, 70 for k = 1..6. The errors made in iterations 0 .. T-1, each
+// amplified by the later g_k, sum to at most ~50 u at T = 4, ~720 u at T = 5 (4.3e-5 in fp32),
+// ~2.3e4 u at T = 6 (1.3e-3) and ~1.6e6 u at T = 7 (worst case s_j ~ 1: one dominant eigenvalue;
+// measured: <= 2e-6 relative in y and dx for fp32 iterations at T <= 5 across well-conditioned,
+// rank-deficient and 1e6-spread Sigma, 2e-5 at T = 6, 1e-3 .. 1e4 at T = 7 .. 10). So fp32
+// iterations stay at T <= 5; fp64 data keeps fp64 math.
+constexpr int kDbnIterNormFp32MaxT = 5;
+GN_HOST_DEVICE inline bool dbn_iternorm_fp32(DType dtype, int T) {
+  return dtype != DType::kFloat64 && T <= kDbnIterNormFp32MaxT;
 }
 
 // *tr = trace(A) by one thread (D additions), visible to all on return.
@@ -292,165 +312,217 @@ GN_HOST_DEVICE void dbn_trace(Ex& ex, const double* A, int D, double* tr) {
   ex.sync();
 }
 
-// The iterations from Sigma: Sn = Sigma_N, P[k] = P_k for k = 0..T (P: (T + 1) D x D matrices, or
-// two alternating ones when `keep` is false: then the result is in P[T % 2]); returns P_T's index.
-// Scratch: A, B (D x D); tr: one double. Ends synced.
-template <class Ex>
-GN_HOST_DEVICE int dbn_iternorm_iterate(Ex& ex, const double* Sigma, int D, int T, bool keep,
-                                        double* Sn, double* P, double* A, double* B, double* tr) {
-  const int DD = D * D;
-  dbn_trace(ex, Sigma, D, tr);
-  const double inv_tr = 1.0 / *tr;
-  ex.each_ij(D, [&](int i, int j) {
-    Sn[i * D + j] = Sigma[i * D + j] * inv_tr;
-    P[i * D + j] = i == j ? 1.0 : 0.0;
-  });
-  ex.sync();
-  int cur = 0;
-  for (int k = 0; k < T; ++k) {
-    const int nxt = keep ? k + 1 : (k + 1) % 2;
-    const double* Pk = P + cur * DD;
-    double* Pn = P + nxt * DD;
-    ex.mm(Pk, Pk, A, D);  // P^2
-    ex.mm(A, Pk, B, D);   // P^3
-    ex.mm(B, Sn, A, D);   // P^3 Sigma_N
-    ex.each_ij(D, [&](int i, int j) { Pn[i * D + j] = 1.5 * Pk[i * D + j] - 0.5 * A[i * D + j]; });
-    ex.sync();
-    cur = nxt;
-  }
-  return cur;
-}
-
-// IterNorm forward of one group: W = P_T / sqrt(tr(Sigma)), symmetrized (symmetric in exact
-// arithmetic). Scratch: 5 D x D (Sn, two P's, A, B) and one double. Ends synced.
-template <class Ex>
-GN_HOST_DEVICE void dbn_iternorm_whitening(Ex& ex, const double* Sigma, int D, int T, double* W,
-                                           double* scratch, double* tr) {
-  const int DD = D * D;
-  double *Sn = scratch, *P = scratch + DD, *A = scratch + 3 * DD, *B = scratch + 4 * DD;
-  const int last = dbn_iternorm_iterate(ex, Sigma, D, T, false, Sn, P, A, B, tr);
-  const double s = 1.0 / sqrt(*tr);
-  const double* PT = P + last * DD;
-  ex.each_ij(D, [&](int i, int j) { W[i * D + j] = PT[i * D + j] * s; });
-  ex.sync();
-  dbn_symmetrize(ex, W, D, 1.0);
-}
-
-// Scratch of one backward iteration: six D x D matrices.
-struct DbnIterBackScratch {
-  double *M2, *M3, *X, *Y, *Z, *Zt;
+// The iteration's state (S: float or double; row-major D x D matrices) and the double scalars.
+// Forward (keep = false): Q holds two alternating matrices, R1 / R2 one each. Backward (keep):
+// Q_0 .. Q_T, R1_0 .. R1_{T-1}, R2_0 .. R2_{T-1}, and the back steps' G (dL/dP_k), Y1, Y2, X.
+template <typename S>
+struct DbnIterScratch {
+  S *Sn, *Q, *R1, *R2, *G, *Y1, *Y2, *X;
+  double* dSn;  // backward: -1/2 sum_k (P_k^3)^T dL/dP_{k+1} (D x D)
+  double* tr;   // tr(Sigma), then the tail's diagonal term
+  double* dtr;  // dL/dtr through W's 1/sqrt(tr)
 };
-
-// One iteration back: with M = P_k and G = dL/dP_{k+1} on entry,
-//   dSn += -1/2 (M^3)^T G,
-//   G   <- 3/2 G - 1/2 (G (M^2 Sn)^T + (M^2)^T G Sn^T + M^T G (M Sn)^T)   (= dL/dP_k).
-// Ends synced.
-template <class Ex>
-GN_HOST_DEVICE void dbn_iternorm_back_step(Ex& ex, const double* M, const double* Sn, int D,
-                                           double* G, double* dSn, DbnIterBackScratch s) {
-  double *M2 = s.M2, *M3 = s.M3, *X = s.X, *Y = s.Y, *Z = s.Z, *Zt = s.Zt;
-  ex.mm(M, M, M2, D);     // M^2
-  ex.mm(M2, M, M3, D);    // M^3
-  dbn_transpose(ex, M3, Z, D);
-  ex.mm(Z, G, X, D);      // (M^3)^T G
-  ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * X[i * D + j]; });
-  ex.mm(M2, Sn, Z, D);    // M^2 Sn
-  dbn_transpose(ex, Z, Zt, D);
-  ex.mm(G, Zt, X, D);     // X = G (M^2 Sn)^T
-  dbn_transpose(ex, M2, Z, D);
-  ex.mm(Z, G, Y, D);      // (M^2)^T G
-  dbn_transpose(ex, Sn, Zt, D);
-  ex.mm(Y, Zt, Z, D);     // (M^2)^T G Sn^T
-  ex.each_ij(D, [&](int i, int j) { X[i * D + j] += Z[i * D + j]; });
-  ex.sync();
-  dbn_transpose(ex, M, Z, D);
-  ex.mm(Z, G, Y, D);      // M^T G
-  ex.mm(M, Sn, Z, D);     // M Sn
-  dbn_transpose(ex, Z, Zt, D);
-  ex.mm(Y, Zt, Z, D);     // M^T G (M Sn)^T
-  ex.each_ij(D, [&](int i, int j) {
-    G[i * D + j] = 1.5 * G[i * D + j] - 0.5 * (X[i * D + j] + Z[i * D + j]);
-  });
-  ex.sync();
+// Sizes: D x D matrices of type S, and doubles.
+GN_HOST_DEVICE inline int64_t dbn_iternorm_mats(int T, bool keep) {
+  return keep ? 3 * int64_t(T) + 6 : 5;
 }
-
-// Doubles of dbn_bwd_iternorm's scratch.
-GN_HOST_DEVICE inline int64_t dbn_iternorm_bwd_scratch(int D, int T) {
-  return int64_t(T + 1 + 9) * D * D + 2;
+GN_HOST_DEVICE inline int64_t dbn_iternorm_doubles(int D, bool keep) {
+  return (keep ? int64_t(D) * D : 0) + 2;
 }
-
-// dbn_bwd_iternorm's scratch: P_0 .. P_T, Sn, G = dL/dP_k, dSn, the back steps' six matrices, and
-// two doubles: tr(Sigma), then dL/dtr through W's 1/sqrt(tr) (kept between the stages).
-struct DbnIterBwdScratch {
-  double *P, *Sn, *G, *dSn;
-  DbnIterBackScratch step;
-  double *tr, *dtr;
-};
-GN_HOST_DEVICE inline DbnIterBwdScratch dbn_iternorm_bwd_layout(double* scratch, int D, int T) {
-  const int64_t DD = int64_t(D) * D;
-  DbnIterBwdScratch L;
-  L.P = scratch;  // (T + 1) x DD
-  L.Sn = L.P + (T + 1) * DD;
-  L.G = L.Sn + DD;
-  L.dSn = L.G + DD;
-  double* q = L.dSn + DD;
-  L.step = DbnIterBackScratch{q, q + DD, q + 2 * DD, q + 3 * DD, q + 4 * DD, q + 5 * DD};
-  L.tr = q + 6 * DD;
+template <typename S>
+GN_HOST_DEVICE inline DbnIterScratch<S> dbn_iternorm_layout(S* s, double* d, int D, int T,
+                                                            bool keep) {
+  const int64_t DD = int64_t(D) * D, nq = keep ? T + 1 : 2, nr = keep ? T : 1;
+  DbnIterScratch<S> L;
+  L.Sn = s;
+  L.Q = L.Sn + DD;
+  L.R1 = L.Q + nq * DD;
+  L.R2 = L.R1 + nr * DD;
+  L.G = keep ? L.R2 + nr * DD : nullptr;
+  L.Y1 = keep ? L.G + DD : nullptr;
+  L.Y2 = keep ? L.Y1 + DD : nullptr;
+  L.X = keep ? L.Y2 + DD : nullptr;
+  L.dSn = keep ? d : nullptr;
+  L.tr = d + (keep ? DD : 0);
   L.dtr = L.tr + 1;
   return L;
 }
 
+// tr = tr(Sigma), Sn = Sigma / tr, Q_0 = I. Ends synced.
+template <class Ex, typename S>
+GN_HOST_DEVICE void dbn_iternorm_start(Ex& ex, const double* Sigma, int D,
+                                       const DbnIterScratch<S>& L) {
+  dbn_trace(ex, Sigma, D, L.tr);
+  const double inv_tr = 1.0 / *L.tr;
+  ex.each_ij(D, [&](int i, int j) {
+    L.Sn[i * D + j] = static_cast<S>(Sigma[i * D + j] * inv_tr);
+    L.Q[i * D + j] = S(i == j ? 1 : 0);
+  });
+  ex.sync();
+}
+
+// Launch granularity: a device may run an iteration in kDbnIterFwdParts calls (part 0: R1, R2;
+// part 1: R3 and the update) and a back step in kDbnIterBwdParts (Y1, Y2 | Y3, dSn, G R2 |
+// the rest), so that no call has more than two D x D products (dbn_cuda.cu: the longest launch
+// then stays under ~100 ms at D = 512 on a T4's fp64, docs/performance/gpu.md). part = -1: all.
+constexpr int kDbnIterFwdParts = 2;
+constexpr int kDbnIterBwdParts = 3;
+// The k-blocks of the iteration's products (the executors' mm_it): each entry is summed as
+// partial sums of kDbnIterKb products (docs/numerics.md: blocked accumulation).
+constexpr int kDbnIterKb = 128;
+
+// Iteration k (Q_k -> Q_{k+1}; with keep R1_k, R2_k stay, else all in the two-slot buffers).
+// Returns the slot index of Q_{k+1}. Ends synced.
+template <class Ex, typename S>
+GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnIterScratch<S>& L,
+                                     int part = -1) {
+  const int64_t DD = int64_t(D) * D;
+  const int cur = keep ? k : k % 2, nxt = keep ? k + 1 : (k + 1) % 2;
+  const S* Qk = L.Q + cur * DD;
+  S* Qn = L.Q + nxt * DD;
+  S* R1 = L.R1 + (keep ? k : 0) * DD;
+  S* R2 = L.R2 + (keep ? k : 0) * DD;
+  if (k == 0) {  // Q_0 = I: R1 = R2 = R3 = Sn, exactly what the products would give
+    if (part > 0) return nxt;
+    ex.each_ij(D, [&](int i, int j) {
+      const S s = L.Sn[i * D + j];
+      R1[i * D + j] = R2[i * D + j] = s;
+      Qn[i * D + j] = S(1.5) * Qk[i * D + j] - S(0.5) * s;
+    });
+    ex.sync();
+    return nxt;
+  }
+  if (part <= 0) {
+    ex.mm_it_sym(L.Sn, Qk, R1, D);  // (P Sn)^T
+    ex.mm_it_sym(R1, Qk, R2, D);    // (P^2 Sn)^T
+  }
+  if (part == 0) return nxt;
+  ex.mm_it_sym(R2, Qk, Qn, D);    // (P^3 Sn)^T
+  ex.each_ij(D, [&](int i, int j) {
+    Qn[i * D + j] = S(1.5) * Qk[i * D + j] - S(0.5) * Qn[i * D + j];
+  });
+  ex.sync();
+  return nxt;
+}
+
+// W = sym(P_T) / sqrt(tr) in double (symmetric in exact arithmetic; its rounding is not).
+template <class Ex, typename S>
+GN_HOST_DEVICE void dbn_iternorm_w(Ex& ex, const S* QT, int D, double tr, double* W) {
+  const double s = 1.0 / sqrt(tr);
+  ex.each_lower(D, [&](int i, int j) {
+    const double w =
+        0.5 * (static_cast<double>(QT[i * D + j]) + static_cast<double>(QT[j * D + i])) * s;
+    W[i * D + j] = W[j * D + i] = w;
+  });
+  ex.sync();
+}
+
+// IterNorm forward of one group: W = sym(P_T) / sqrt(tr(Sigma)). Scratch: dbn_iternorm_layout
+// with keep = false. Ends synced.
+template <class Ex, typename S>
+GN_HOST_DEVICE void dbn_iternorm_whitening(Ex& ex, const double* Sigma, int D, int T, double* W,
+                                           const DbnIterScratch<S>& L) {
+  dbn_iternorm_start(ex, Sigma, D, L);
+  int cur = 0;
+  for (int k = 0; k < T; ++k) cur = dbn_iternorm_iter(ex, D, k, false, L);
+  dbn_iternorm_w(ex, L.Q + int64_t(cur) * D * D, D, *L.tr, W);
+}
+
 // IterNorm backward of one group, through the iterations written out (the paper's eqs.): from
-// GW = dY Xc^T (overwritten) and Sigma (the forward's, eps included):
-//   G = dL/dP_T = GW / sqrt(tr),  dL/dtr|W = -tr^-3/2 / 2 <GW, P_T>,  for k = T-1 .. 0 with
-//   M = P_k:  dSn += -1/2 (M^3)^T G,
-//             G <- 3/2 G - 1/2 (G (M^2 Sn)^T + (M^2)^T G Sn^T + M^T G (M Sn)^T)   (dL/dP_k)
+// GW = dY Xc^T (overwritten) and Sigma (the forward's, eps included). W = sym(P_T) / sqrt(tr), so
+//   G = dL/dP_T = sym(GW) / sqrt(tr),  dL/dtr|W = -tr^-3/2 / 2 <sym(GW), P_T>,  for k = T-1 .. 0
+//   with M = P_k:  dSn += -1/2 (M^3)^T G,
+//                  G <- 3/2 G - 1/2 (G (M^2 Sn)^T + (M^2)^T G Sn^T + M^T G (M Sn)^T)   (dL/dP_k)
 //   dL/dSigma = dSn / tr + (dL/dtr|W - <dSn, Sigma> / tr^2) I
-// and B = (2/m) sym(dL/dSigma), W = P_T / sqrt(tr) (symmetrized), so that dX = W (dY - mean(dY))
-// + B Xc as for ZCA (dbn_cpu.cc's derivation, steps 1, 3, 4). Fused affine as dbn_bwd_small.
+// and B = (2/m) sym(dL/dSigma), so that dX = W (dY - mean(dY)) + B Xc as for ZCA (dbn_cpu.cc's
+// derivation, steps 1, 3, 4). With the kept transposes (M^T = Q_k, (M Sn)^T = R1_k,
+// (M^2 Sn)^T = R2_k, Sn^T = Sn) a back step is six products:
+//   Y1 = Q G, Y2 = Q Y1, dSn -= 1/2 Q Y2, X = G R2 + Y2 Sn + Y1 R1, G <- 3/2 G - 1/2 X
+// and one for k = 0 (Q_0 = I: X = 3 G Sn, dSn -= G/2). Fused affine as dbn_bwd_small.
 // B may alias GW; W must not alias the scratch. Ends synced.
 // In three stages that keep all their state in the scratch (so that a device may run each in its
-// own launch, dbn_cuda.cu): head (the iterations, W, dgamma, G, dSn = 0), one back step per k =
-// T-1 .. 0, tail (B). dbn_bwd_iternorm runs them in order.
-template <class Ex>
-GN_HOST_DEVICE void dbn_bwd_iternorm_head(Ex& ex, const double* Sigma, double* GW, int D, int T,
-                                          const double* gamma, double* dgamma, double* W,
-                                          const DbnIterBwdScratch& L) {
+// own launch, dbn_cuda.cu): head (the iterations, W, dgamma, G, dSn = 0; the iterations may also
+// run as separate calls of dbn_iternorm_start / dbn_iternorm_iter with keep before
+// dbn_bwd_iternorm_head_finish), one back step per k = T-1 .. 0, tail (B).
+template <class Ex, typename S>
+GN_HOST_DEVICE void dbn_bwd_iternorm_head_finish(Ex& ex, double* GW, int D, int T,
+                                                 const double* gamma, double* dgamma, double* W,
+                                                 const DbnIterScratch<S>& L) {
   const int DD = D * D;
-  dbn_iternorm_iterate(ex, Sigma, D, T, true, L.Sn, L.P, L.step.X, L.step.Y, L.tr);
-  const double trv = *L.tr, rs = 1.0 / sqrt(trv);
-  const double* PT = L.P + T * DD;
-  ex.each_ij(D, [&](int i, int j) { W[i * D + j] = PT[i * D + j] * rs; });
-  ex.sync();
-  dbn_symmetrize(ex, W, D, 1.0);
+  const S* QT = L.Q + int64_t(T) * DD;
+  dbn_iternorm_w(ex, QT, D, *L.tr, W);
   if (gamma) {
     dbn_affine_dgamma(ex, W, GW, D, dgamma);
     ex.each_ij(D, [&](int i, int j) { GW[i * D + j] *= gamma[i]; });
     ex.sync();
   }
-  // dL/dtr through W's 1/sqrt(tr), by one thread; G = GW / sqrt(tr); dSn = 0.
-  double* dtr = L.dtr;
+  dbn_symmetrize(ex, GW, D, 1.0);
+  // dL/dtr through W's 1/sqrt(tr), by one thread: <sym(GW), P_T> = <sym(GW), Q_T>.
+  const double rs = 1.0 / sqrt(*L.tr);
   ex.each(1, [&](int) {
     double s = 0.0;
-    for (int e = 0; e < DD; ++e) s += GW[e] * PT[e];
-    *dtr = -0.5 * rs * rs * rs * s;
+    for (int e = 0; e < DD; ++e) s += GW[e] * static_cast<double>(QT[e]);
+    *L.dtr = -0.5 * rs * rs * rs * s;
   });
   ex.each_ij(D, [&](int i, int j) {
-    L.G[i * D + j] = GW[i * D + j] * rs;
+    L.G[i * D + j] = static_cast<S>(GW[i * D + j] * rs);
     L.dSn[i * D + j] = 0.0;
   });
   ex.sync();
 }
 
-template <class Ex>
-GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterBwdScratch& L) {
-  dbn_iternorm_back_step(ex, L.P + int64_t(k) * D * D, L.Sn, D, L.G, L.dSn, L.step);
+template <class Ex, typename S>
+GN_HOST_DEVICE void dbn_bwd_iternorm_head(Ex& ex, const double* Sigma, double* GW, int D, int T,
+                                          const double* gamma, double* dgamma, double* W,
+                                          const DbnIterScratch<S>& L) {
+  dbn_iternorm_start(ex, Sigma, D, L);
+  for (int k = 0; k < T; ++k) dbn_iternorm_iter(ex, D, k, true, L);
+  dbn_bwd_iternorm_head_finish(ex, GW, D, T, gamma, dgamma, W, L);
+}
+
+// Back step k: G = dL/dP_{k+1} -> dL/dP_k, dSn += -1/2 (P_k^3)^T G. Ends synced.
+template <class Ex, typename S>
+GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterScratch<S>& L,
+                                          int part = -1) {
+  const int64_t DD = int64_t(D) * D;
+  S *G = L.G, *Y1 = L.Y1, *Y2 = L.Y2, *X = L.X;
+  double* dSn = L.dSn;
+  if (k == 0) {  // Q_0 = I
+    if (part > 0) return;
+    ex.mm_it(G, L.Sn, X, D);
+    ex.each_ij(D, [&](int i, int j) {
+      const int e = i * D + j;
+      dSn[e] -= 0.5 * static_cast<double>(G[e]);
+      G[e] = S(1.5) * G[e] - S(1.5) * X[e];
+    });
+    ex.sync();
+    return;
+  }
+  const S* Q = L.Q + k * DD;
+  if (part <= 0) {
+    ex.mm_it(Q, G, Y1, D);       // M^T G
+    ex.mm_it(Q, Y1, Y2, D);      // (M^2)^T G
+  }
+  if (part == 0) return;
+  if (part < 0 || part == 1) {
+    ex.mm_it(Q, Y2, X, D);       // (M^3)^T G
+    ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * static_cast<double>(X[i * D + j]); });
+    ex.sync();
+    ex.mm_it(G, L.R2 + k * DD, X, D);   // G (M^2 Sn)^T
+  }
+  if (part == 1) return;
+  ex.mm_it_acc(Y2, L.Sn, X, D);       // + (M^2)^T G Sn^T
+  ex.mm_it_acc(Y1, L.R1 + k * DD, X, D);  // + M^T G (M Sn)^T
+  ex.each_ij(D, [&](int i, int j) {
+    G[i * D + j] = S(1.5) * G[i * D + j] - S(0.5) * X[i * D + j];
+  });
+  ex.sync();
 }
 
 // dL/dSigma = dSn / tr + (dtr_w - <dSn, Sigma> / tr^2) I; B = (2/m) sym(dL/dSigma).
-template <class Ex>
+template <class Ex, typename S>
 GN_HOST_DEVICE void dbn_bwd_iternorm_tail(Ex& ex, const double* Sigma, int D, double m, double* B,
-                                          const DbnIterBwdScratch& L) {
+                                          const DbnIterScratch<S>& L) {
   const int DD = D * D;
   const double trv = *L.tr, dtr_w = *L.dtr;
   const double* dSn = L.dSn;
@@ -467,11 +539,10 @@ GN_HOST_DEVICE void dbn_bwd_iternorm_tail(Ex& ex, const double* Sigma, int D, do
   dbn_symmetrize(ex, B, D, 2.0 / m);
 }
 
-template <class Ex>
+template <class Ex, typename S>
 GN_HOST_DEVICE void dbn_bwd_iternorm(Ex& ex, const double* Sigma, double* GW, int D, int T,
                                      double m, const double* gamma, double* dgamma, double* W,
-                                     double* B, double* scratch) {
-  const DbnIterBwdScratch L = dbn_iternorm_bwd_layout(scratch, D, T);
+                                     double* B, const DbnIterScratch<S>& L) {
   dbn_bwd_iternorm_head(ex, Sigma, GW, D, T, gamma, dgamma, W, L);
   for (int k = T - 1; k >= 0; --k) dbn_bwd_iternorm_step(ex, D, k, L);
   dbn_bwd_iternorm_tail(ex, Sigma, D, m, B, L);

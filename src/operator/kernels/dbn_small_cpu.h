@@ -13,6 +13,7 @@
  * float panel kernels of dbn_cpu.cc (GNMX_CPU_ISA=generic forces the portable loop).
  */
 #pragma once
+#include <algorithm>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -79,8 +80,123 @@ inline void dmm_nn(const double* A, int lda, const double* B, int ldb, double* C
   dmm_nn_generic(A, lda, B, ldb, C, ldc, M, N, K);
 }
 
-// The host executor of dbn_math.h's D x D steps (dbn_whitening_matrix, dbn_bwd_small): plain
-// loops, and C = A B by dmm_nn.
+// ---- IterNorm's D x D products: C (+)= A B, all D x D row-major, S = float or double ----------
+// The Newton iterations and their backward are chains of square products (dbn_math.h), ~10^2 of
+// them per group at T = 5 .. 10: a cache-blocked kernel, not dmm_nn's whole-K rows. Rows of B
+// are taken kKb at a time (a kKb x D block of B stays in L2: 256 KB for float at D = 512); within
+// a block the column strips (16 floats / 8 doubles wide) are the outer loop, so a strip of B
+// (kKb x 64 bytes) stays in L1 while 6-row tiles of A stream past it; each 6 x (2 lanes) tile of
+// C is summed from zero in 12 registers over the block's k (ascending) and then added to C. The
+// k-blocks also bound the accumulation error (docs/numerics.md): each entry is a sum of D / kKb
+// partial sums of kKb products, error <= (kKb + D / kKb) u |A| |B| instead of D u |A| |B|. The
+// CUDA executor sums in the same blocks and order (dbn_cuda.cu, BlockExec::mm_it).
+constexpr int kKb = 128;
+
+// Entry (i, j) of one k-block summed from zero in ascending k, then added to C when acc.
+template <typename S>
+inline S mm_entry(const S* A, const S* B, int D, int i, int j, int k0, int kn) {
+  S v = S(0);
+  for (int k = k0; k < k0 + kn; ++k)
+    v += A[static_cast<long>(i) * D + k] * B[static_cast<long>(k) * D + j];
+  return v;
+}
+template <typename S>
+inline void mm_block_generic(const S* A, const S* B, S* C, int D, int j0, int k0, int kn,
+                             bool acc) {
+  for (int i = 0; i < D; ++i)
+    for (int j = j0; j < D; ++j) {
+      const S v = mm_entry(A, B, D, i, j, k0, kn);
+      C[static_cast<long>(i) * D + j] = acc ? C[static_cast<long>(i) * D + j] + v : v;
+    }
+}
+
+#if defined(GNMX_CPU_X86)
+// C rows [0, R) x 2 lanes (+)= A (R x kn, row stride D) B (kn x 2 lanes, row stride D).
+template <typename S, int R>
+__attribute__((target("avx2,fma"), always_inline)) inline void mm_tile_acc(
+    const S* A, const S* B, S* C, int D, int kn, bool acc) {
+  using X = Avx2Vec<S>;
+  typename X::V c0[R], c1[R];
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = X::zero();
+  const S* b = B;
+  for (int k = 0; k < kn; ++k, b += D) {
+    const typename X::V b0 = X::load(b), b1 = X::load(b + X::kLanes);
+    for (int r = 0; r < R; ++r) {
+      const typename X::V w = X::bcast(A + r * D + k);
+      c0[r] = X::fma(w, b0, c0[r]);
+      c1[r] = X::fma(w, b1, c1[r]);
+    }
+  }
+  for (int r = 0; r < R; ++r) {
+    if (acc) {
+      c0[r] = X::add(X::load(C + r * D), c0[r]);
+      c1[r] = X::add(X::load(C + r * D + X::kLanes), c1[r]);
+    }
+    X::store(C + r * D, c0[r]);
+    X::store(C + r * D + X::kLanes, c1[r]);
+  }
+}
+
+// The tail rows' tile as a call (with_tail_rows' lambda is not an avx2 function to inline into).
+template <typename S, int R>
+__attribute__((target("avx2,fma"), noinline)) void mm_tile_tail(const S* A, const S* B, S* C,
+                                                                 int D, int kn, bool acc) {
+  mm_tile_acc<S, R>(A, B, C, D, kn, acc);
+}
+
+// sym: only tiles reaching the upper triangle (j >= i) are computed (the caller mirrors).
+template <typename S>
+__attribute__((target("avx2,fma"))) void mm_block_avx2(const S* A, const S* B, S* C, int D,
+                                                       int k0, int kn, bool acc, bool sym) {
+  constexpr int W = 2 * Avx2Vec<S>::kLanes;
+  int j = 0;
+  for (; j + W <= D; j += W) {
+    const S* b = B + static_cast<long>(k0) * D + j;
+    const int iend = sym ? std::min(D, j + W) : D;  // rows past j + W - 1 are below the strip
+    int i = 0;
+    for (; i + 6 <= iend; i += 6)
+      mm_tile_acc<S, 6>(A + static_cast<long>(i) * D + k0, b, C + static_cast<long>(i) * D + j, D,
+                        kn, acc);
+    if (i >= iend) continue;
+    const int rows = std::min(6, D - i);
+    const S* a = A + static_cast<long>(i) * D + k0;
+    S* c = C + static_cast<long>(i) * D + j;
+    if (rows == 6) {
+      mm_tile_acc<S, 6>(a, b, c, D, kn, acc);
+      continue;
+    }
+    with_tail_rows(rows, [&](auto r) {
+      mm_tile_tail<S, decltype(r)::value>(a, b, c, D, kn, acc);
+    });
+  }
+  if (j < D) mm_block_generic(A, B, C, D, j, k0, kn, acc);  // remaining columns
+}
+#endif
+
+// C = A B (acc: C += A B), D x D row-major. sym: the result is symmetric in exact arithmetic (a
+// product of commuting symmetric matrices): its upper triangle is computed (about half the
+// work) and mirrored, C_ij = C_ji for i > j, exactly as the CUDA executor does.
+template <typename S>
+void mm_square(const S* A, const S* B, S* C, int D, bool acc, bool sym = false) {
+  for (int k0 = 0; k0 < D; k0 += kKb) {
+    const int kn = D - k0 < kKb ? D - k0 : kKb;
+    const bool a = acc || k0 > 0;
+#if defined(GNMX_CPU_X86)
+    if (cpu_has_avx2()) {
+      mm_block_avx2(A, B, C, D, k0, kn, a, sym);
+      continue;
+    }
+#endif
+    mm_block_generic(A, B, C, D, 0, k0, kn, a);
+  }
+  if (sym)
+    for (int i = 1; i < D; ++i)
+      for (int j = 0; j < i; ++j) C[static_cast<long>(i) * D + j] = C[static_cast<long>(j) * D + i];
+}
+
+// The host executor of dbn_math.h's D x D steps (dbn_whitening_matrix, dbn_bwd_small, IterNorm):
+// plain loops; C = A B by dmm_nn (ZCA's few products) or mm_square (IterNorm's chains, float or
+// double).
 struct CpuExec {
   template <class F> void each(int n, F&& f) const {
     for (int e = 0; e < n; ++e) f(e);
@@ -98,6 +214,16 @@ struct CpuExec {
     dmm_nn(A, D, B, D, C, D, D, D, D);
   }
   void mm_orth(const double* A, const double* B, double* C, int D) const { mm(A, B, C, D); }
+  // IterNorm's products (dbn_math.h), S = float or double: C = A B and C += A B.
+  template <typename S> void mm_it(const S* A, const S* B, S* C, int D) const {
+    mm_square(A, B, C, D, false);
+  }
+  template <typename S> void mm_it_acc(const S* A, const S* B, S* C, int D) const {
+    mm_square(A, B, C, D, true);
+  }
+  template <typename S> void mm_it_sym(const S* A, const S* B, S* C, int D) const {
+    mm_square(A, B, C, D, false, true);
+  }
 };
 
 // ---- Symmetric eigensolver: Householder tridiagonalization + implicit QL -------------------------
