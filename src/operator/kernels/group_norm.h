@@ -3,6 +3,8 @@
  *
  * Layout (N, C, S) with S = prod(spatial) (S = 1 for 2-D data), G groups of D = C/G channels: every
  * Args struct embeds the one shape type GroupDims (common/group_shape.h), checked by check_group_dims().
+ * With dims.channels_last the same tensors are (N, S, C) in memory (the ops' axis = -1): the shapes
+ * written (N, C, S) below are then (N, S, C); statistics, parameters and formulas do not change.
  *   mean[n,g] = 1/(D*S) sum_{c in g, s} x[n,c,s]
  *   var[n,g]  = 1/(D*S) sum (x - mean)^2                      (population variance)
  *   rstd[n,g] = 1 / sqrt(var + eps)
@@ -53,6 +55,10 @@ constexpr const char* kGnActNeedsBeta = "backward with an activation needs beta"
 constexpr const char* kGnCudaGroupLimit =
     "the CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
 constexpr const char* kGnCudaGroupsLimit = "the CUDA kernels need N * num_groups < 2^31";
+// CUDA only, until its channels-last kernels exist: the CPU kernels take axis = -1.
+constexpr const char* kGnCudaChannelsLast =
+    "channels-last data (axis=-1) is not supported by the CUDA kernels yet; run the op on the CPU "
+    "or transpose to channels-first (axis=1)";
 
 // Fused activation of gn_group_norm (attribute act_type: 'none', 'relu', 'silu').
 enum class Act : int { kNone = 0, kRelu = 1, kSilu = 2 };

@@ -991,6 +991,7 @@ dim3 group_grid(const GroupPlan& p, int64_t NG) {
 // group_shape.h's rules, then the CUDA kernels' 32-bit limits.
 const char* check_dims(const GroupDims& d) {
   if (const char* e = check_group_dims(d)) return e;
+  if (d.channels_last) return kGnCudaChannelsLast;
   if (d.D * d.S > kMaxGroup) return kGnCudaGroupLimit;
   if (d.N * d.G > kMaxGroup) return kGnCudaGroupsLimit;
   return nullptr;

@@ -184,6 +184,7 @@ __global__ void moments_grad2_kernel(MomentsGrad2Args a) {
 
 const char* moments_grad2_cuda(const MomentsGrad2Args& a, void* stream) {
   if (const char* e = check_group_dims(a.dims)) return e;
+  if (a.dims.channels_last) return kGnCudaChannelsLast;
   if (!a.x || !a.mean || !a.ddmean_o || !a.ddvar_o || !a.dx || !a.dmean) return "null pointer";
   if (a.dims.N * a.dims.G > 2147483647) return "too many groups (N * num_groups >= 2^31)";
   return dispatch_data(a.dtype, [&](auto t) -> const char* {
@@ -203,6 +204,7 @@ size_t group_norm_grad2_workspace_cuda(const GroupNormGrad2Args& a) {
 
 const char* group_norm_grad2_cuda(const GroupNormGrad2Args& a, void* stream) {
   if (const char* e = check_group_dims(a.dims)) return e;
+  if (a.dims.channels_last) return kGnCudaChannelsLast;
   if (!a.dy || !a.x || !a.gamma || !a.beta || !a.mean || !a.rstd || !a.ddy || !a.ddmean_o ||
       !a.ddrstd_o || !a.dx || !a.dgamma || !a.dbeta || !a.dmean || !a.drstd || !a.workspace)
     return "null pointer";
