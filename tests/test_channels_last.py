@@ -424,3 +424,51 @@ def test_kernel_paths(env):
     p = subprocess.run([sys.executable, "-c", textwrap.dedent(code)], capture_output=True,
                        text=True, env={**os.environ, **env}, timeout=600)
     assert p.returncode == 0 and "PATH_OK" in p.stdout, p.stdout + p.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# gn_mx.convert
+
+
+def test_convert_instance_norm_last_axis():
+    """InstanceNorm over the last axis becomes GroupNorm(num_groups=C, axis=-1): same output."""
+    nn = gluon.nn
+    x = mx.nd.array(np.random.RandomState(3).randn(2, 5, 5, 6))
+    for axis, sample in ((-1, None), (3, x)):
+        net = nn.HybridSequential()
+        net.add(nn.Dense(6, flatten=False, in_units=6),
+                nn.InstanceNorm(axis=axis, in_channels=6, gamma_initializer=mx.init.Uniform(1.0),
+                                beta_initializer=mx.init.Uniform(1.0)))
+        net.initialize()
+        want = net(x).asnumpy()
+        gn_mx.convert(net, sample=sample)
+        assert isinstance(net[1], gn_mx.GroupNorm) and net[1]._axis == -1, net.gn_mx_report
+        assert "axis=-1" in repr(net[1]) and "num_groups=6" in repr(net[1])
+        np.testing.assert_allclose(net(x).asnumpy(), want, rtol=1e-4, atol=1e-5)
+
+
+def test_convert_warns_about_layers_left_in_place():
+    """A conversion that leaves a norm layer warns once, naming it and the reason:
+    LayerNorm(axis=-1) on (N, T, C) normalizes each position alone (no GroupNorm);
+    InstanceNorm(axis=3) without sample= has an unknown rank."""
+    nn = gluon.nn
+    net = nn.HybridSequential()
+    net.add(nn.Dense(8, flatten=False, in_units=4), nn.LayerNorm(axis=-1, in_channels=8))
+    net.initialize()
+    x = mx.nd.ones((2, 7, 4))
+    with pytest.warns(UserWarning, match=r"gn_mx.convert: 1 normalization layer\(s\) left in "
+                                         r"place .*1: LayerNorm\(axis=-1\) on 3-D input"):
+        gn_mx.convert(net, sample=x)
+    assert isinstance(net[1], nn.LayerNorm)
+    inst = nn.HybridSequential()
+    inst.add(nn.InstanceNorm(axis=3, in_channels=6))
+    inst.initialize()
+    with pytest.warns(UserWarning, match=r"InstanceNorm\(axis=3\).*input rank is unknown"):
+        gn_mx.convert(inst)
+    import warnings
+    ok = nn.HybridSequential()
+    ok.add(nn.InstanceNorm(in_channels=4))
+    ok.initialize()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gn_mx.convert(ok)  # everything converted: no warning

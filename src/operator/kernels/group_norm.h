@@ -55,10 +55,6 @@ constexpr const char* kGnActNeedsBeta = "backward with an activation needs beta"
 constexpr const char* kGnCudaGroupLimit =
     "the CUDA kernels need fewer than 2^31 elements per group (C/num_groups * spatial)";
 constexpr const char* kGnCudaGroupsLimit = "the CUDA kernels need N * num_groups < 2^31";
-// CUDA only, until its channels-last kernels exist: the CPU kernels take axis = -1.
-constexpr const char* kGnCudaChannelsLast =
-    "channels-last data (axis=-1) is not supported by the CUDA kernels yet; run the op on the CPU "
-    "or transpose to channels-first (axis=1)";
 
 // Fused activation of gn_group_norm (attribute act_type: 'none', 'relu', 'silu').
 enum class Act : int { kNone = 0, kRelu = 1, kSilu = 2 };
