@@ -472,3 +472,47 @@ def test_convert_warns_about_layers_left_in_place():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         gn_mx.convert(ok)  # everything converted: no warning
+
+
+# ---------------------------------------------------------------------------------------------
+# ONNX
+
+
+@pytest.mark.parametrize("act", [None, "silu"], ids=str)
+@pytest.mark.parametrize("spatial", [0, 1, 2, 3])
+def test_onnx_export_runs_in_onnxruntime(spatial, act, tmp_path):
+    """gn_group_norm(axis=-1) exports as a composition on an (N, S, G, D) view (no Transpose,
+    no GroupNormalization) that onnxruntime runs with MXNet's results, for other batch and spatial
+    sizes too (dynamic shapes); gn_moments(axis=-1) and the statistics outputs likewise."""
+    ort = pytest.importorskip("onnxruntime")
+    onnx = pytest.importorskip("onnx")
+    from gn_mx import onnx as gn_onnx
+    C, G = 12, 3
+    data = mx.sym.var("data")
+    gamma, beta = mx.sym.var("gamma"), mx.sym.var("beta")
+    kw = {"act_type": act} if act else {}
+    gn = mx.sym.gn_group_norm(data, gamma, beta, num_groups=G, eps=1e-3, axis=-1, name="gn", **kw)
+    mo = mx.sym.gn_moments(data, num_groups=2, axis=-1, name="mo")
+    sym = mx.sym.Group([gn[0], gn[1], gn[2], mo[0], mo[1]])
+    rng = np.random.RandomState(spatial)
+    params = {"gamma": mx.nd.array(rng.rand(C) + 0.5), "beta": mx.nd.array(rng.randn(C))}
+    sample = (2,) + (4, 5, 3)[:spatial] + (C,)
+    path = gn_onnx.export_model(sym, params, in_shapes=[sample], in_types=[np.float32],
+                                onnx_file_path=str(tmp_path / "nhwc.onnx"), dynamic=True,
+                                dynamic_input_shapes=[(None,) + (None,) * spatial + (C,)])
+    model = onnx.load(path)
+    onnx.checker.check_model(model, full_check=True)
+    ops = {n.op_type for n in model.graph.node}
+    assert "Transpose" not in ops and "GroupNormalization" not in ops, ops
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(path, so, providers=["CPUExecutionProvider"])
+    for shape in (sample, (3,) + tuple(d + 1 for d in sample[1:-1]) + (C,)):
+        x = (rng.randn(*shape) * 2 + 10).astype(np.float32)
+        ex = sym.bind(mx.cpu(), {"data": mx.nd.array(x), **params})
+        want = [o.asnumpy() for o in ex.forward()]
+        got = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, {"data": x})))
+        for key, w in zip(["gn0", "gn1", "gn2", "mo0", "mo1"], want):
+            assert got[key].shape == w.shape, key
+            np.testing.assert_allclose(got[key], w, rtol=1e-4, atol=1e-4 * max(1, np.abs(w).max()),
+                                       err_msg=key)
