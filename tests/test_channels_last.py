@@ -516,3 +516,31 @@ def test_onnx_export_runs_in_onnxruntime(spatial, act, tmp_path):
             assert got[key].shape == w.shape, key
             np.testing.assert_allclose(got[key], w, rtol=1e-4, atol=1e-4 * max(1, np.abs(w).max()),
                                        err_msg=key)
+
+
+# ---------------------------------------------------------------------------------------------
+# The C predict API (tests/test_deploy.py's predictor: examples/deploy_c/predict.c)
+
+from test_deploy import predictor, run_predictor  # noqa: E402,F401  (fixture and helper)
+
+
+def test_c_predictor_channels_last(predictor, tmp_path):  # noqa: F811
+    """A channels-last net (GroupNorm(axis=-1) with a fused silu) exported by Gluon runs through
+    MXNet's C predict API with the library loaded, with Python's outputs."""
+    net = gluon.nn.HybridSequential()
+    net.add(gluon.nn.Dense(8, flatten=False, in_units=3),
+            gn_mx.GroupNorm(4, axis=-1, activation="silu", in_channels=8,
+                            gamma_initializer=mx.init.Uniform(1.0),
+                            beta_initializer=mx.init.Uniform(1.0)),
+            gluon.nn.Dense(2, flatten=False, in_units=8))
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    x = np.random.RandomState(5).randn(2, 6, 6, 3).astype(np.float32)
+    want = net(mx.nd.array(x)).asnumpy()
+    prefix = str(tmp_path / "nhwc")
+    net.export(prefix)
+    assert '"axis": "-1"' in open(prefix + "-symbol.json").read()
+    model = {"symbol": prefix + "-symbol.json", "params": prefix + "-0000.params"}
+    got = run_predictor(predictor, model, x, tmp_path)
+    assert got.shape == want.shape
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
