@@ -893,8 +893,12 @@ void run_samples(const Job& job, int64_t N, int64_t S, int64_t C) {
   }
 }
 
-// Per-group chunk statistics of rows of C channels in G groups of D: the reduction of the
-// channels-last forward and gn_moments. w[g] accumulates the rows [lo, hi) of sample n.
+// Per-group statistics of rows of C channels in G groups of D: the reduction of the channels-last
+// forward and gn_moments. Per chunk of rows, every channel's exact (mean, M2) (column sums, then
+// the centred column M2 in a second read of the L1-resident chunk), merged into per-channel running
+// states with Chan's update (all channels hold the same count: vector loops, one division per
+// chunk); at the end the D channel states of each group merge into w[g]: the rows [lo, hi) of
+// sample n.
 template <typename T>
 struct RowStats {
   using A = AccT<T>;
@@ -904,31 +908,34 @@ struct RowStats {
   int64_t S, C, G, D;
 
   struct Buffers {
-    std::vector<A> buf, col, mu;
-    Buffers(int64_t C) : buf(RowIo<T>::kSame ? 0 : chunk_rows(C) * C), col(C), mu(C) {}
+    std::vector<A> buf, col, mu, mean, m2;
+    Buffers(int64_t C)
+        : buf(RowIo<T>::kSame ? 0 : chunk_rows(C) * C), col(C), mu(C), mean(C), m2(C) {}
   };
 
   void reduce(int64_t n, int64_t lo, int64_t hi, Welford<A>* w, Buffers& b) const {
     const RowIo<T> io{P};
     const int64_t rows = chunk_rows(C);
-    for (int64_t g = 0; g < G; ++g) w[g] = Welford<A>();
+    int64_t have = 0;  // rows merged into b.mean / b.m2
     for (int64_t r0 = lo; r0 < hi; r0 += rows) {
       const int64_t rr = std::min(rows, hi - r0);
       const A* xr = io.in(x + (n * S + r0) * C, b.buf.data(), rr * C);
-      R.col_sum(xr, rr, C, b.col.data());
-      const A cnt = static_cast<A>(rr * D);
-      for (int64_t g = 0; g < G; ++g) {
-        A s = 0;
-        for (int64_t d = g * D; d < (g + 1) * D; ++d) s += b.col[d];
-        const A m = s / cnt;
-        for (int64_t d = g * D; d < (g + 1) * D; ++d) b.mu[d] = m;
+      A* cm = have ? b.mu.data() : b.mean.data();  // the first chunk is the state
+      A* cm2 = have ? b.col.data() : b.m2.data();
+      R.col_sum(xr, rr, C, A(1) / static_cast<A>(rr), cm);
+      R.col_m2(xr, rr, C, cm, cm2);
+      if (have) {
+        const A na = static_cast<A>(have), nb = static_cast<A>(rr), tot = na + nb;
+        R.chan_merge(b.mean.data(), b.m2.data(), cm, cm2, C, nb / tot, na * nb / tot);
       }
-      R.col_m2(xr, rr, C, b.mu.data(), b.col.data());
-      for (int64_t g = 0; g < G; ++g) {
-        A q = 0;
-        for (int64_t d = g * D; d < (g + 1) * D; ++d) q += b.col[d];
-        w[g].merge(make_welford<A>(cnt, b.mu[g * D], q));
-      }
+      have += rr;
+    }
+    const A cnt = static_cast<A>(have);
+    for (int64_t g = 0; g < G; ++g) {
+      w[g] = Welford<A>();
+      if (have == 0) continue;
+      for (int64_t c = g * D; c < (g + 1) * D; ++c)
+        w[g].merge(make_welford<A>(cnt, b.mean[c], b.m2[c]));
     }
   }
 };

@@ -8,8 +8,9 @@
  * "for each of R rows, for each channel c" over AccT rows (fp16 data is widened by simd_cpu.h's
  * load/store first), vectorized over c. The arithmetic is group_norm_math.h's, the formulas of the
  * channels-first primitives with per-channel instead of per-group scalars:
- *   col_sum:  out[c] = sum_r x[r, c]
+ *   col_sum:  out[c] = scale * sum_r x[r, c]
  *   col_m2:   out[c] = sum_r (x[r, c] - mu[c])^2
+ *   chan_merge: Chan's update of per-channel (mean, M2) states by a chunk's (welford.h)
  *   affine:   y = act(x * a[c] + b[c])
  *   sums:     g = act'(x * a[c] + b[c]) dy;  s1[c] += sum_r g (x - mu[c]),  s2[c] += sum_r g
  *   dx:       dx = c1[c] g + c2[c] (x - mu[c]) + c3[c]
@@ -29,31 +30,102 @@ namespace simd {
 
 #define GNMX_ROW_INLINE __attribute__((always_inline)) inline
 
+// Column loops run over blocks of channels whose accumulators stay in registers (GCC vector
+// extensions: 32-byte vectors, 8 floats / 4 doubles, which the AVX2 instantiation keeps in ymm
+// registers and the baseline one in pairs of xmm) while the rows stream past; a row-by-row
+// `out[c] += x[r, c]` would load and store every accumulator once per row (store-bound). The last
+// C % block channels take plain loops.
 template <typename A>
-GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, A* out) {
-#pragma omp simd
-  for (int64_t c = 0; c < C; ++c) out[c] = x[c];
-  for (int64_t r = 1; r < R; ++r) {
+struct Vec32 {
+  typedef A type __attribute__((vector_size(32)));
+  static constexpr int64_t kWidth = 32 / static_cast<int64_t>(sizeof(A));
+  static GNMX_ROW_INLINE type load(const A* p) {
+    type v;
+    __builtin_memcpy(&v, p, sizeof(v));
+    return v;
+  }
+  static GNMX_ROW_INLINE void store(A* p, type v) { __builtin_memcpy(p, &v, sizeof(v)); }
+};
+
+// out[c] = scale * sum_r x[r, c]
+template <typename A>
+GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, A scale, A* out) {
+  using Q = Vec32<A>;
+  using V = typename Q::type;
+  constexpr int64_t W = Q::kWidth, B = 4 * W;
+  int64_t c0 = 0;
+  for (; c0 + B <= C; c0 += B) {
+    V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    for (int64_t r = 0; r < R; ++r) {
+      const A* p = x + r * C + c0;
+      a0 += Q::load(p);
+      a1 += Q::load(p + W);
+      a2 += Q::load(p + 2 * W);
+      a3 += Q::load(p + 3 * W);
+    }
+    Q::store(out + c0, a0 * scale);
+    Q::store(out + c0 + W, a1 * scale);
+    Q::store(out + c0 + 2 * W, a2 * scale);
+    Q::store(out + c0 + 3 * W, a3 * scale);
+  }
+  if (c0 == C) return;
+  for (int64_t c = c0; c < C; ++c) out[c] = 0;
+  for (int64_t r = 0; r < R; ++r) {
     const A* xr = x + r * C;
 #pragma omp simd
-    for (int64_t c = 0; c < C; ++c) out[c] += xr[c];
+    for (int64_t c = c0; c < C; ++c) out[c] += xr[c];
   }
+  for (int64_t c = c0; c < C; ++c) out[c] *= scale;
 }
 
+// out[c] = sum_r (x[r, c] - mu[c])^2
 template <typename A>
 GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, const A* mu, A* out) {
-#pragma omp simd
-  for (int64_t c = 0; c < C; ++c) {
-    const A d = x[c] - mu[c];
-    out[c] = d * d;
+  using Q = Vec32<A>;
+  using V = typename Q::type;
+  constexpr int64_t W = Q::kWidth, B = 4 * W;
+  int64_t c0 = 0;
+  for (; c0 + B <= C; c0 += B) {
+    V a0 = {}, a1 = {}, a2 = {}, a3 = {};
+    const V m0 = Q::load(mu + c0), m1 = Q::load(mu + c0 + W), m2 = Q::load(mu + c0 + 2 * W),
+            m3 = Q::load(mu + c0 + 3 * W);
+    for (int64_t r = 0; r < R; ++r) {
+      const A* p = x + r * C + c0;
+      const V d0 = Q::load(p) - m0, d1 = Q::load(p + W) - m1, d2 = Q::load(p + 2 * W) - m2,
+              d3 = Q::load(p + 3 * W) - m3;
+      a0 += d0 * d0;
+      a1 += d1 * d1;
+      a2 += d2 * d2;
+      a3 += d3 * d3;
+    }
+    Q::store(out + c0, a0);
+    Q::store(out + c0 + W, a1);
+    Q::store(out + c0 + 2 * W, a2);
+    Q::store(out + c0 + 3 * W, a3);
   }
-  for (int64_t r = 1; r < R; ++r) {
+  if (c0 == C) return;
+  for (int64_t c = c0; c < C; ++c) out[c] = 0;
+  for (int64_t r = 0; r < R; ++r) {
     const A* xr = x + r * C;
 #pragma omp simd
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = c0; c < C; ++c) {
       const A d = xr[c] - mu[c];
       out[c] += d * d;
     }
+  }
+}
+
+// Chan's update of per-channel states (mean, m2) that all hold n_a rows with a chunk's exact
+// (cm, cm2) of n_b rows: wb = n_b / (n_a + n_b), wab = n_a * n_b / (n_a + n_b) (welford.h's merge,
+// one count for every channel).
+template <typename A>
+GNMX_ROW_INLINE void chan_merge_impl(A* mean, A* m2, const A* cm, const A* cm2, int64_t C, A wb,
+                                     A wab) {
+#pragma omp simd
+  for (int64_t c = 0; c < C; ++c) {
+    const A d = cm[c] - mean[c];
+    mean[c] += d * wb;
+    m2[c] += cm2[c] + d * d * wab;
   }
 }
 
@@ -67,14 +139,39 @@ GNMX_ROW_INLINE void affine_impl(const A* x, A* y, int64_t R, int64_t C, const A
   }
 }
 
+// s1[c] += sum_r g (x - mu[c]), s2[c] += sum_r g, g = act'(x a[c] + b[c]) dy (blocks of two
+// vectors: their sums, means and pre-activation coefficients stay in registers).
 template <typename A, Act ACT>
 GNMX_ROW_INLINE void sums_impl(const A* x, const A* dy, int64_t R, int64_t C, const A* mu,
                                const A* a, const A* b, A* s1, A* s2) {
-  for (int64_t r = 0; r < R; ++r) {
+  using Q = Vec32<A>;
+  using V = typename Q::type;
+  constexpr int64_t W = Q::kWidth, B = 2 * W;
+  int64_t c0 = 0;
+  if (ACT == Act::kNone) {
+    for (; c0 + B <= C; c0 += B) {
+      V t10 = {}, t11 = {}, t20 = {}, t21 = {};
+      const V m0 = Q::load(mu + c0), m1 = Q::load(mu + c0 + W);
+      for (int64_t r = 0; r < R; ++r) {
+        const A* p = x + r * C + c0;
+        const A* q = dy + r * C + c0;
+        const V g0 = Q::load(q), g1 = Q::load(q + W);
+        t10 += g0 * (Q::load(p) - m0);
+        t11 += g1 * (Q::load(p + W) - m1);
+        t20 += g0;
+        t21 += g1;
+      }
+      Q::store(s1 + c0, Q::load(s1 + c0) + t10);
+      Q::store(s1 + c0 + W, Q::load(s1 + c0 + W) + t11);
+      Q::store(s2 + c0, Q::load(s2 + c0) + t20);
+      Q::store(s2 + c0 + W, Q::load(s2 + c0 + W) + t21);
+    }
+  }
+  for (int64_t r = 0; r < R && c0 < C; ++r) {
     const A* xr = x + r * C;
     const A* gr = dy + r * C;
 #pragma omp simd
-    for (int64_t c = 0; c < C; ++c) {
+    for (int64_t c = c0; c < C; ++c) {
       const A g = ACT == Act::kNone ? gr[c] : gn_act_grad<ACT>(xr[c] * a[c] + b[c], gr[c]);
       s1[c] += g * (xr[c] - mu[c]);
       s2[c] += g;
@@ -99,8 +196,9 @@ GNMX_ROW_INLINE void dx_impl(const A* x, const A* dy, A* dx, int64_t R, int64_t 
 
 template <typename A>
 struct RowPrims {
-  void (*col_sum)(const A* x, int64_t R, int64_t C, A* out);
+  void (*col_sum)(const A* x, int64_t R, int64_t C, A scale, A* out);
   void (*col_m2)(const A* x, int64_t R, int64_t C, const A* mu, A* out);
+  void (*chan_merge)(A* mean, A* m2, const A* cm, const A* cm2, int64_t C, A wb, A wab);
   // indexed by Act (kNone, kRelu, kSilu); x and y / dy and dx may be the same rows
   void (*affine[3])(const A* x, A* y, int64_t R, int64_t C, const A* a, const A* b);
   void (*sums[3])(const A* x, const A* dy, int64_t R, int64_t C, const A* mu, const A* a,
@@ -113,8 +211,12 @@ struct RowPrims {
 #define GNMX_ROW_PRIMS(NAME, ATTR)                                                                \
   template <typename A>                                                                          \
   struct NAME {                                                                                  \
-    ATTR static void col_sum(const A* x, int64_t R, int64_t C, A* out) {                         \
-      col_sum_impl<A>(x, R, C, out);                                                             \
+    ATTR static void col_sum(const A* x, int64_t R, int64_t C, A scale, A* out) {                \
+      col_sum_impl<A>(x, R, C, scale, out);                                                      \
+    }                                                                                            \
+    ATTR static void chan_merge(A* mean, A* m2, const A* cm, const A* cm2, int64_t C, A wb,      \
+                                A wab) {                                                         \
+      chan_merge_impl<A>(mean, m2, cm, cm2, C, wb, wab);                                         \
     }                                                                                            \
     ATTR static void col_m2(const A* x, int64_t R, int64_t C, const A* mu, A* out) {             \
       col_m2_impl<A>(x, R, C, mu, out);                                                          \
@@ -137,6 +239,7 @@ struct RowPrims {
       RowPrims<A> p{};                                                                           \
       p.col_sum = col_sum;                                                                       \
       p.col_m2 = col_m2;                                                                         \
+      p.chan_merge = chan_merge;                                                                 \
       p.affine[0] = affine<Act::kNone>;                                                          \
       p.affine[1] = affine<Act::kRelu>;                                                          \
       p.affine[2] = affine<Act::kSilu>;                                                          \
