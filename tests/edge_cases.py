@@ -380,3 +380,71 @@ CASES = (
 
 def case_id(case):
     return case.id
+
+
+# -------------------------------------------------------------------------------------------------
+# Channels-last layout (the ops' axis = -1): the same list on the same data stored (N, *spatial, C).
+# Self-contained: nothing above depends on it. A runner for this layout must accept `axis`
+# (group_norm(..., axis=-1), moments(..., axis=-1)).
+
+
+def _to_last(a):
+    return None if a is None or a.ndim < 3 else np.ascontiguousarray(np.moveaxis(a, 1, -1))
+
+
+def _to_first(a):
+    return a if a.ndim < 3 else np.ascontiguousarray(np.moveaxis(a, -1, 1))
+
+
+class ChannelsLast:
+    """Wraps a runner: the case's (N, C, *spatial) arrays go to the op as (N, *spatial, C) with
+    axis=-1 and data-shaped results come back as (N, C, *spatial), so every case states the same
+    guarantee for channels-last data (statistics and parameter gradients do not depend on the
+    layout). (N, C) data is the same memory in both layouts (it still passes axis=-1)."""
+
+    def __init__(self, run):
+        self.run = run
+        self.name = getattr(run, "name", "") + "-channels_last"
+
+    def group_norm(self, x, gamma, beta, G, eps, act=None, dy=None, dmean=None, drstd=None):
+        last = (lambda a: a if a is None or a.ndim < 3 else _to_last(a))
+        r = self.run.group_norm(last(x), gamma, beta, G, eps, act=act, dy=last(dy), dmean=dmean,
+                                drstd=drstd, axis=-1)
+        return {k: _to_first(v) if k in ("y", "dx") else v for k, v in r.items()}
+
+    def moments(self, x, G, dmean=None, dvar=None):
+        r = self.run.moments(x if x.ndim < 3 else _to_last(x), G, dmean=dmean, dvar=dvar, axis=-1)
+        return {k: _to_first(v) if k == "dx" else v for k, v in r.items()}
+
+
+def tiny_spatial_groups(run, dtype, D, S, offset):
+    """Groups of D*S = 2..4 elements spread over positions (D channels at S positions, not
+    contiguous in channels-last memory) at |mean| >> spread: the tiny-group guarantee of
+    tiny_groups_with_large_offsets, checked on (N, C, S) data."""
+    rng = np.random.RandomState(40 + D * S)
+    G, N = 3, 4
+    x = (offset + TINY_SPREAD[dtype][offset] * rng.randn(N, G * D, S)).astype(dtype)
+    x64 = x.astype(np.float64) - offset
+    gamma, beta = rng.randn(G * D).astype(dtype), rng.randn(G * D).astype(dtype)
+    dy = rng.randn(N, G * D, S).astype(dtype)
+    r = run.group_norm(x, gamma, beta, G, 1e-5, dy=dy)
+    ref, rmean, _ = group_norm_ref(x64, gamma, beta, G, 1e-5)
+    np.testing.assert_allclose(r["mean"], rmean + offset, rtol=4 * np.finfo(r["mean"].dtype).eps)
+    ulp = _ulp(dtype)
+    np.testing.assert_allclose(r["y"], ref, rtol=4 * ulp, atol=4 * ulp * np.abs(ref).max())
+    rdx, rdg, rdb = group_norm_bwd_ref(x64, gamma, dy, G, 1e-5)
+    np.testing.assert_allclose(r["dx"], rdx, rtol=16 * ulp, atol=16 * ulp * np.abs(rdx).max())
+    np.testing.assert_allclose(r["dgamma"], rdg, rtol=16 * ulp, atol=16 * ulp * np.abs(rdg).max())
+    np.testing.assert_allclose(r["dbeta"], rdb, rtol=16 * ulp, atol=16 * ulp * np.abs(rdb).max())
+    m = run.moments(x, G)
+    np.testing.assert_allclose(m["mean"], rmean + offset, rtol=4 * np.finfo(m["mean"].dtype).eps)
+
+
+#: Cases of the channels-last list beyond CASES (run in both layouts).
+LAYOUT_EXTRA_CASES = [Case(tiny_spatial_groups, dtype=d, D=dd, S=s, offset=o)
+                      for d in ALL for dd, s in ((1, 2), (1, 4), (2, 2)) for o in (300.0, -3e4)]
+
+
+def channels_last(run):
+    """`run` on channels-last data (ChannelsLast); run CASES + LAYOUT_EXTRA_CASES through it."""
+    return ChannelsLast(run)

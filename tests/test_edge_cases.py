@@ -23,11 +23,13 @@ class MxRunner:
         a = np.asarray(a)
         return mx.nd.array(a, ctx=self.ctx, dtype=dtype or a.dtype)
 
-    def group_norm(self, x, gamma, beta, G, eps, act=None, dy=None, dmean=None, drstd=None):
+    def group_norm(self, x, gamma, beta, G, eps, act=None, dy=None, dmean=None, drstd=None,
+                   axis=1):
         xs, gs, bs = self._nd(x), self._nd(gamma), self._nd(beta)
         for a in (xs, gs, bs):
             a.attach_grad()
         kw = {} if act is None else {"act_type": act}
+        kw.update({} if axis == 1 else {"axis": axis})
         with autograd.record():
             y, mean, rstd = mx.nd.gn_group_norm(xs, gs, bs, num_groups=G, eps=eps, **kw)
         res = {"y": y, "mean": mean, "rstd": rstd}
@@ -42,11 +44,12 @@ class MxRunner:
             res.update(dx=xs.grad, dgamma=gs.grad, dbeta=bs.grad)
         return {k: v.asnumpy() for k, v in res.items()}
 
-    def moments(self, x, G, dmean=None, dvar=None):
+    def moments(self, x, G, dmean=None, dvar=None, axis=1):
         xs = self._nd(x)
         xs.attach_grad()
+        kw = {} if axis == 1 else {"axis": axis}
         with autograd.record():
-            mean, var = mx.nd.gn_moments(xs, num_groups=G)
+            mean, var = mx.nd.gn_moments(xs, num_groups=G, **kw)
         res = {"mean": mean, "var": var}
         if dmean is not None:
             autograd.backward([mean, var], [self._nd(dmean, mean.dtype), self._nd(dvar, var.dtype)])
@@ -56,4 +59,18 @@ class MxRunner:
 
 @pytest.mark.parametrize("case", edge_cases.CASES, ids=edge_cases.case_id)
 def test_edge_case(ctx, case):
+    case(MxRunner(ctx))
+
+
+LAYOUT_CASES = list(edge_cases.CASES) + edge_cases.LAYOUT_EXTRA_CASES
+
+
+@pytest.mark.parametrize("case", LAYOUT_CASES, ids=edge_cases.case_id)
+def test_edge_case_channels_last(ctx, case):
+    """The same list on channels-last data (axis=-1; edge_cases.ChannelsLast)."""
+    case(edge_cases.channels_last(MxRunner(ctx)))
+
+
+@pytest.mark.parametrize("case", edge_cases.LAYOUT_EXTRA_CASES, ids=edge_cases.case_id)
+def test_edge_case_layout_extra(ctx, case):
     case(MxRunner(ctx))

@@ -52,10 +52,12 @@ CLASSES = {
     "misaligned": "fp16, odd group length or a pointer off by one element",
     "affine": "per-channel affine (affine_cuda.cu)",
     "sd_unet": "Stable-Diffusion UNet GroupNorm(32)",
+    "sd_unet_nhwc": "the same, channels last (NHWC, axis=-1): group_norm_nsc_cuda.cu",
     "dbn": "Decorrelated BN (ZCA), small and large m = N*S",
 }
 PASSES = {"tiny_groups": ("fwd", "bwd"), "large_n_s1": ("fwd", "bwd"), "misaligned": ("fwd", "bwd"),
-          "affine": ("fwd", "bwd"), "sd_unet": ("fwd", "bwd"), "dbn": ("fwd", "bwd", "inference")}
+          "affine": ("fwd", "bwd"), "sd_unet": ("fwd", "bwd"), "sd_unet_nhwc": ("fwd", "bwd"),
+          "dbn": ("fwd", "bwd", "inference")}
 EPS = 1e-5
 EIG_ENV = "GNMX_DBN_CUDA_EIG"  # the DBN forward's eigensolver (dbn_cuda.cu, issue 23 item 1)
 
@@ -124,6 +126,9 @@ def full_cases(dbn_eig=()):
     for dt in ("float16", "float32"):
         cases += [Case("sd_unet", (2, c, hw, hw), dt, 32) for c in (320, 640, 1280)
                   for hw in (64, 32, 16, 8)]
+    for dt in ("float16", "float32"):  # shape written (N, C, H, W); the data is NHWC
+        cases += [Case("sd_unet_nhwc", (2, c, hw, hw), dt, 32) for c in (320, 640, 1280)
+                  for hw in (64, 32)]
     for eig in ("",) + tuple(dbn_eig):
         for D in DBN_DS:
             for G in DBN_GS:
@@ -139,7 +144,8 @@ def smoke_cases():
              Case("misaligned", (2, 6, 5, 7), "float16", 3),
              Case("misaligned", (2, 8, 4, 4), "float16", 4, offset=1),
              Case("affine", (16, 8), "float32"), Case("affine", (2, 8, 6, 6), "float16"),
-             Case("sd_unet", (1, 32, 4, 4), "float32", 8)]
+             Case("sd_unet", (1, 32, 4, 4), "float32", 8),
+             Case("sd_unet_nhwc", (1, 32, 4, 4), "float32", 8)]
     for D, G in ((4, 1), (8, 2)):
         cases += [Case("dbn", shape, "float32", G) for shape in dbn_layouts(G * D, smoke=True)]
     return cases + [Case("dbn", (32, 4), "float32", 1, eig="shared")]  # the --dbn-eig plumbing
@@ -291,6 +297,8 @@ class Bench:
     # ---- per class: {pass: Pass}
 
     def gn_passes(self, c):
+        if c.cls == "sd_unet_nhwc":
+            return self.gn_nhwc_passes(c)
         dt = getattr(torch, c.dtype)
         N, C = c.shape[:2]
         S = bounds.numel(c.shape[2:])
@@ -313,6 +321,49 @@ class Bench:
             return aten.native_group_norm_backward(dy, x, tm, tr, gamma, N, C, S, c.G, [True] * 3)
 
         return {"fwd": Pass(fwd, t_fwd, True), "bwd": Pass(bwd, t_bwd, True)}
+
+    def gn_nhwc_passes(self, c):
+        """Channels-last data: the kernels see (N, S, C) memory (gnh_set_channels_last around
+        every call; the tensors are allocated (N, C, S)-shaped, which only labels the dims); torch
+        runs its group_norm on an NCHW-shaped tensor in channels_last memory format."""
+        import ctypes
+        dt = getattr(torch, c.dtype)
+        N, C = c.shape[:2]
+        S = bounds.numel(c.shape[2:])
+        lib = gnh.load()
+        layout = lib.gnh_set_channels_last
+        layout.argtypes, layout.restype = [ctypes.c_int], None
+
+        def nhwc(f):
+            def call():
+                layout(1)
+                try:
+                    return f()
+                finally:
+                    layout(0)
+            return call
+
+        x, dy = self.tensor((N, C, S), dt), self.tensor((N, C, S), dt)
+        y, dx = self.tensor((N, C, S), dt, 0, None), self.tensor((N, C, S), dt, 0, None)
+        gamma = (torch.rand(C, device=self.dev) + 0.5).to(dt)
+        beta = torch.randn(C, device=self.dev).to(dt)
+        fwd = nhwc(lambda: gnh.GroupNormFwd(x, gamma, beta, c.G, EPS, y=y))()
+        nhwc(fwd)()
+        bwd = nhwc(lambda: gnh.GroupNormBwd(dy, x, fwd.mean, fwd.rstd, gamma, c.G, dx=dx))()
+        cl = torch.channels_last
+        xt = torch.randn(c.shape, device=self.dev).to(dt).to(memory_format=cl)
+        dyt = torch.randn(c.shape, device=self.dev).to(dt).to(memory_format=cl)
+        aten = torch.ops.aten
+
+        def t_fwd():
+            return aten.native_group_norm(xt, gamma, beta, N, C, S, c.G, EPS)
+
+        _, tm, tr = t_fwd()
+
+        def t_bwd():
+            return aten.native_group_norm_backward(dyt, xt, tm, tr, gamma, N, C, S, c.G, [True] * 3)
+
+        return {"fwd": Pass(nhwc(fwd), t_fwd, True), "bwd": Pass(nhwc(bwd), t_bwd, True)}
 
     def affine_passes(self, c):
         dt = getattr(torch, c.dtype)

@@ -6,20 +6,26 @@ does the latter on files. Only exact mappings are made:
 
 - ``gluon.nn.GroupNorm`` (MXNet 1.x: gamma/beta per *group*, shape (G,)) -> ``gn_mx.GroupNorm`` with
   per-channel gamma/beta (C,) = the group's value repeated over its C/G channels;
-- ``gluon.nn.InstanceNorm(axis=1)`` -> ``gn_mx.GroupNorm(num_groups=C)`` (same gamma/beta);
+- ``gluon.nn.InstanceNorm(axis=1)`` -> ``gn_mx.GroupNorm(num_groups=C)`` (same gamma/beta), and
+  ``InstanceNorm`` over the last axis (``axis=-1``, or ``axis=ndim-1`` with ``sample=``: NWC/NHWC
+  data) -> ``gn_mx.GroupNorm(num_groups=C, axis=-1)``;
 - GluonCV's composed ``GroupNorm`` (a BatchNorm over a (1, N*G, -1) reshape, then a per-channel
   affine; recognized by structure, gluoncv is not imported) -> ``gn_mx.GroupNorm`` (same gamma/beta);
 - ``gluon.nn.LayerNorm`` over the channel axis of 2-D (N, C) input -> ``gn_mx.GroupNorm(num_groups=1)``
   (only with ``sample=``: the input rank decides whether it is a GroupNorm at all).
 
-Anything else that looks like a norm layer (an ``axis`` other than 1, a LayerNorm over other axes
-or of unknown input rank, a symbol GroupNorm whose channel count cannot be inferred, ...) is left
-in place and listed in the report with the reason. Nothing is approximated.
+Anything else that looks like a norm layer (a channel axis that is neither 1 nor the last, a
+LayerNorm over other axes or of unknown input rank, e.g. ``LayerNorm(axis=-1)`` on (N, T, C), which
+normalizes each position alone and is no GroupNorm, a GluonCV GroupNorm with ``axis`` other than 1,
+whose BatchNorm then normalizes along another axis of its (1, N*G, -1) view, a symbol GroupNorm whose
+channel count cannot be inferred, ...) is left in place, listed in the report with the reason, and
+named in a ``UserWarning`` (one per conversion). Nothing is approximated.
 """
 import argparse
 import copy
 import json
 import sys
+import warnings
 
 import mxnet as mx
 from mxnet import gluon
@@ -116,9 +122,12 @@ def _plan(b, ndim):
     if isinstance(b, nn.GroupNorm):
         return "mx_group_norm", int(b._num_groups), float(b._epsilon), None
     if isinstance(b, nn.InstanceNorm):
-        if b._axis != 1:
-            return "instance_norm", None, None, (f"InstanceNorm(axis={b._axis}): gn_mx normalizes "
-                                                 "axis 1 (NCHW) only")
+        if _instance_norm_axis(b, ndim) is None:
+            unknown = ndim is None and b._axis not in (0, 1, -1)
+            return "instance_norm", None, None, (
+                f"InstanceNorm(axis={b._axis}): gn_mx.GroupNorm takes the channels on axis 1 or on "
+                "the last axis; " + ("the input rank is unknown (pass sample= to convert)" if unknown
+                                     else f"axis {b._axis} of {ndim}-D input is neither"))
         return "instance_norm", None, float(b._epsilon), None
     if isinstance(b, nn.LayerNorm):
         axis = b._axis
@@ -138,6 +147,23 @@ def _plan(b, ndim):
                                                       "BatchNorm then normalizes another axis")
         return "gluoncv_group_norm", int(b.ngroups), float(b._kwargs["eps"]), None
     return None, None, None, None
+
+
+def _instance_norm_axis(b, ndim):
+    """gn_mx.GroupNorm's axis for InstanceNorm b: 1, -1 (its axis is the input's last), or None
+    (neither, or not known without the input rank ``ndim``)."""
+    axis = b._axis
+    if axis == 1 or axis == -1:
+        return axis
+    if ndim is None:
+        return None
+    a = axis + ndim if axis < 0 else axis
+    return 1 if a == 1 else -1 if a == ndim - 1 and a > 1 else None
+
+
+def _norm_axis(b):
+    """The axis whose size is C for a norm layer (the sample hook's channel count)."""
+    return b._axis if isinstance(b, gluon.nn.InstanceNorm) else 1
 
 
 def _new_block(old, kind, num_groups, eps, act):
@@ -161,16 +187,18 @@ def _new_block(old, kind, num_groups, eps, act):
         beta_v = beta_v.repeat(c // num_groups)
     if kind == "gluoncv_group_norm" and not old.scale and gamma_v is not None:
         gamma_v = gamma_v.ones_like()  # its forward ignores gamma: y + beta
+    axis = 1
     if kind == "instance_norm":
         if not c:
             return None, ("InstanceNorm: the channel count is unknown (parameters not initialized; "
                           "pass sample= to convert)")
         num_groups = c
+        axis = _instance_norm_axis(old, getattr(old, "_gn_mx_ndim", None))
     scale = g_old.grad_req != "null" and not (kind == "gluoncv_group_norm" and not old.scale)
     center = b_old.grad_req != "null"
     new = GroupNorm(num_groups=num_groups, epsilon=eps, center=center, scale=scale,
                     gamma_initializer=g_old.init or "ones", beta_initializer=b_old.init or "zeros",
-                    in_channels=c or 0, activation=act, prefix=old.prefix)
+                    in_channels=c or 0, activation=act, axis=axis, prefix=old.prefix)
     for p_new, p_old in ((new.gamma, g_old), (new.beta, b_old)):
         p_new.lr_mult, p_new.wd_mult = p_old.lr_mult, p_old.wd_mult
         if p_old.dtype is not None:
@@ -211,7 +239,10 @@ def _record_input_ranks(block, sample):
         x = args[0]
         b._gn_mx_ndim = len(x.shape)
         if len(x.shape) >= 2:
-            b._gn_mx_channels = int(x.shape[1])
+            try:
+                b._gn_mx_channels = int(x.shape[_norm_axis(b)])
+            except IndexError:  # an axis the input does not have: _plan reports it
+                pass
 
     for b in blocks:
         if _plan(b, 0)[0] is not None:
@@ -314,9 +345,19 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
             b.__dict__.pop(attr, None)
     result = root._children["0"] if root is not block else block
     result.gn_mx_report = report
+    _warn_left("gn_mx.convert", report)
     if verbose:
         print(report)
     return result
+
+
+def _warn_left(who, report):
+    """One UserWarning naming every norm layer a conversion left in place, with its reason (the
+    report has them too; a warning keeps them from going unnoticed)."""
+    if report.left:
+        items = "; ".join(f"{p}: {r}" for p, r in report.left)
+        warnings.warn(f"{who}: {len(report.left)} normalization layer(s) left in place "
+                      f"(not converted to gn_mx): {items}", UserWarning, stacklevel=3)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -437,7 +478,9 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     ``fuse_activation`` a norm whose only consumer is ``Activation(act_type='relu')`` / ``relu``, or
     whose only use is a swish ``x * sigmoid(x)`` (gluon.nn.Swish(beta=1)), becomes one
     ``gn_group_norm(act_type='relu' | 'silu')`` node (named as the activation / the product). Nodes that cannot be mapped
-    exactly stay, with the reason in ``report`` (a :class:`ConversionReport`, when given).
+    exactly stay, with the reason in ``report`` (a :class:`ConversionReport`, when given) and in
+    one ``UserWarning``. Gluon's ``InstanceNorm(axis=-1)`` exports as swapaxes around the op: its
+    node is converted as channels first, the swapaxes stay.
 
     Parameters
     ----------
@@ -588,6 +631,7 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     for k in new_nout:
         result["node_row_ptr"].append(result["node_row_ptr"][-1] + k)
     new_sym = mx.sym.load_json(json.dumps(result))
+    _warn_left("gn_mx.convert_symbol", report)
     return new_sym, arg_params, aux_params
 
 

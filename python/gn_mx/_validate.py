@@ -27,6 +27,30 @@ def act_type(activation):
                          f"got {activation!r}") from None
 
 
+def axis_attr(who, axis):
+    """The ops' optional ``axis`` attribute for a channel-axis argument: ``{}`` for the default 1
+    (channels first; the attribute is left out, so graphs stay as before), else ``{"axis": axis}``.
+    The axis is 1 or the data's last axis (-1, or ndim - 1: channels last); which one the data's
+    rank allows is checked at the call (``channel_axis``) and by the op. 0 (the batch axis) and
+    non-integers are refused here."""
+    if isinstance(axis, bool) or not isinstance(axis, numbers.Integral) or axis == 0:
+        raise ValueError(f"{who}: axis must be 1 (channels first, (N, C, *spatial)) or -1 "
+                         f"(channels last, (N, *spatial, C)); got {axis!r}")
+    return {} if axis == 1 else {"axis": int(axis)}
+
+
+def channel_axis(who, axis, shape):
+    """The position of the channel axis ``axis`` (1 or the last axis, counted from the end when
+    negative) in an input of ``shape`` (at least 2 dims); ValueError for any other axis."""
+    nd = len(shape)
+    a = axis + nd if axis < 0 else axis
+    if a != 1 and a != nd - 1:
+        raise ValueError(f"{who}: axis must be 1 (channels first, (N, C, *spatial)) or the last "
+                         f"axis (-1 or {nd - 1}, channels last, (N, *spatial, C)); got axis={axis} "
+                         f"for input shape {tuple(shape)}")
+    return a
+
+
 def check_groups(who, num_groups, epsilon, in_channels):
     """num_groups a positive integer, epsilon finite and >= 0, in_channels an integer >= 0
     (0 = inferred later) divisible by num_groups."""
@@ -119,12 +143,13 @@ def check_channels(who, C, shape, num_groups=None, group_size=None, channels=0,
                          f"{max_group_size}{of}; use more groups (or a smaller group_size)")
 
 
-def check_data_shape(who, shape, **rules):
-    """An input of known ``shape``: at least 2 dims (N, C, *spatial), then ``check_channels``."""
+def check_data_shape(who, shape, axis=1, **rules):
+    """An input of known ``shape``: at least 2 dims (N, C, *spatial), or (N, *spatial, C) with
+    ``axis`` the last axis (``channel_axis``), then ``check_channels``."""
     if len(shape) < 2:
         raise ValueError(f"{who}: input must have at least 2 dims (N, C, *spatial); got shape "
                          f"{tuple(shape)}")
-    check_channels(who, shape[1], shape, **rules)
+    check_channels(who, shape[channel_axis(who, axis, shape)], shape, **rules)
 
 
 def check_float_dtype(who, dtype):

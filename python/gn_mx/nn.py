@@ -7,7 +7,8 @@ from mxnet.gluon import HybridBlock
 from mxnet.ndarray import NDArray
 
 from . import _hybrid, _np
-from ._validate import (DBN_MAX_GROUP_SIZE_CPU, act_type, check_channels, check_data_shape,
+from ._validate import (DBN_MAX_GROUP_SIZE_CPU, act_type, axis_attr, channel_axis, check_channels,
+                        check_data_shape,
                         check_dbn_numbers, check_float_dtype, check_group_size, check_groups, check_nonempty,
                         check_whitening, dbn_grouping)
 
@@ -32,7 +33,7 @@ def _known_channels(block):
     return max(int(shape[0]), 0) if shape else 0
 
 
-def checked_forward(block, x, args, **rules):
+def checked_forward(block, x, args, axis=1, **rules):
     """A gn_mx block's forward: the shape rules of ``rules`` (``_validate.check_channels``) checked
     on the input with the layer's name in the message, before Gluon's deferred initialization or a
     graph can bury the op's error; then ``HybridBlock.forward``. (Internal: not in ``__all__``.)
@@ -40,7 +41,8 @@ def checked_forward(block, x, args, **rules):
     Empty batches: a legacy NDArray gets a ValueError; a NumPy-interface array (``npx.set_np()``,
     NumPy shape semantics) gets an empty output of the input's shape and dtype (no samples in, no
     samples out; nothing is computed, no running statistics change). In a symbolic trace (the
-    block inside a hybridized parent) only C is known, from the trace's concrete inputs."""
+    block inside a hybridized parent) only C is known, from the trace's concrete inputs.
+    ``axis``: the channel axis (1, or the last axis for channels-last layers)."""
     if isinstance(x, NDArray):
         shape = x.shape
         key = (shape, x.dtype)
@@ -49,18 +51,19 @@ def checked_forward(block, x, args, **rules):
         who = f"{type(block).__name__} '{block.name}'"
         check_float_dtype(who, x.dtype)
         if 0 in shape and _np.is_np(x) and len(shape) >= 2:
-            if shape[1]:
-                check_data_shape(who, shape, channels=_known_channels(block), **rules)
+            if shape[channel_axis(who, axis, shape)]:
+                check_data_shape(who, shape, axis, channels=_known_channels(block), **rules)
             return x.copy()
         check_nonempty(who, x)
-        check_data_shape(who, shape, channels=_known_channels(block), **rules)
+        check_data_shape(who, shape, axis, channels=_known_channels(block), **rules)
         block.__dict__["_gnmx_ok_input"] = key
     else:
         who = f"{type(block).__name__} '{block.name}'"
         shape = _hybrid.traced_shape(_np.to_legacy(x))
         if shape is not None and len(shape) == 1 and shape[0] > 0:  # a known rank-1 input
-            check_data_shape(who, shape, channels=_known_channels(block), **rules)
-        C = max(shape[1], 0) if shape is not None and len(shape) >= 2 else 0
+            check_data_shape(who, shape, axis, channels=_known_channels(block), **rules)
+        C = max(shape[channel_axis(who, axis, shape)], 0) \
+            if shape is not None and len(shape) >= 2 else 0
         if C:
             check_channels(who, C, None, channels=_known_channels(block), **rules)
     return HybridBlock.forward(block, x, *args)
@@ -139,9 +142,10 @@ class GroupNorm(HybridBlock):
     float16 data is reduced in float32 straight from float16 memory; gamma/beta may be float32 with
     float16 data (multi-precision).
 
-    Inputs: ``x`` of shape (N, C, *spatial), float16, float32 or float64 (legacy ``mx.nd`` or,
-    under ``npx.set_np()``, ``mx.np``). Output: the same shape, dtype and kind. An empty
-    NumPy-interface batch (N = 0) gives an empty output of the input's shape.
+    Inputs: ``x`` of shape (N, C, *spatial), or (N, *spatial, C) with ``axis=-1``, float16,
+    float32 or float64 (legacy ``mx.nd`` or, under ``npx.set_np()``, ``mx.np``). Output: the same
+    shape, dtype and kind. An empty NumPy-interface batch (N = 0) gives an empty output of the
+    input's shape.
 
     Parameters
     ----------
@@ -163,16 +167,21 @@ class GroupNorm(HybridBlock):
         Apply the activation inside the op (``gn_group_norm``'s ``act_type``): saves the separate
         activation layer's read and write of the tensor in forward and in backward. 'silu' is
         x * sigmoid(x) (``gluon.nn.Swish()``, 'swish' is accepted as a synonym).
+    axis : int, default 1
+        The channel axis: 1 (channels first, NCW/NCHW/NCDHW) or the last axis (-1, or ndim - 1:
+        channels last, NWC/NHWC/NDHWC, as after ``Conv2D(layout='NHWC')``; normalized in place,
+        without transposes). Written into the graph (op attribute ``axis``) only when not 1.
     **kwargs
         Passed to ``HybridBlock`` (``prefix``, ``params``).
 
     Raises
     ------
     ValueError
-        At construction: a bad ``num_groups``, ``epsilon``, ``in_channels`` or ``activation``. At
-        the first call (with the layer's name, also under deferred initialization): C not divisible
-        by ``num_groups``, an input with fewer than 2 dims or with C other than ``in_channels``, an
-        empty legacy NDArray.
+        At construction: a bad ``num_groups``, ``epsilon``, ``in_channels``, ``activation`` or
+        ``axis``. At the first call (with the layer's name, also under deferred initialization):
+        C not divisible by ``num_groups``, an input with fewer than 2 dims or with C other than
+        ``in_channels``, an ``axis`` that is neither 1 nor the input's last axis, an empty legacy
+        NDArray.
 
     Examples
     --------
@@ -186,13 +195,19 @@ class GroupNorm(HybridBlock):
     >>> norm2(mx.nd.ones((2, 4, 3)))  # doctest: +ELLIPSIS
     Traceback (most recent call last):
     ValueError: GroupNorm '...': channels (C=4) must be divisible by num_groups (3)...
+    >>> nhwc = gn_mx.GroupNorm(num_groups=2, axis=-1)
+    >>> nhwc.initialize()
+    >>> nhwc(mx.nd.random.normal(shape=(2, 8, 8, 4))).shape, nhwc.gamma.shape
+    ((2, 8, 8, 4), (4,))
     """
 
     def __init__(self, num_groups=32, epsilon=1e-5, center=True, scale=True,
                  beta_initializer="zeros", gamma_initializer="ones", in_channels=0,
-                 activation=None, **kwargs):
+                 activation=None, axis=1, **kwargs):
         super().__init__(**kwargs)
         check_groups("GroupNorm", num_groups, epsilon, in_channels)
+        self._axis_kw = axis_attr("GroupNorm", axis)
+        self._axis = int(axis)
         self._act = act_type(activation)
         self._num_groups = int(num_groups)
         self._epsilon = float(epsilon)
@@ -207,19 +222,21 @@ class GroupNorm(HybridBlock):
 
     def forward(self, x, *args):
         """Checks ``x``'s shape (layer name in the message), then ``HybridBlock.forward``."""
-        return checked_forward(self, x, args, num_groups=self._num_groups)
+        return checked_forward(self, x, args, self._axis, num_groups=self._num_groups)
 
     @numpy_interface
     def hybrid_forward(self, F, x, gamma, beta):
         """``gn_group_norm(x, gamma, beta)``'s output (``F``: ``mx.nd`` or ``mx.sym``)."""
         gamma, beta = accumulating_params(F, gamma, beta, block=self)
         kw = {} if self._act == "none" else {"act_type": self._act}
+        kw.update(self._axis_kw)
         return F.gn_group_norm(x, gamma, beta, num_groups=self._num_groups, eps=self._epsilon,
                                **kw)[0]
 
     def __repr__(self):
         c = self.gamma.shape[0] if self.gamma.shape else 0
         act = "" if self._act == "none" else f", activation={self._act!r}"
+        act += f", axis={self._axis}" if self._axis != 1 else ""
         return (f"{self.__class__.__name__}(num_groups={self._num_groups}, eps={self._epsilon}, "
                 f"center={self._center}, scale={self._scale}, in_channels={c or None}{act})")
 

@@ -32,12 +32,16 @@ gn_group_norm        the exact two-pass composition Reshape (N, G, -1) -> Reduce
                      gn_mx) on an (N, C, -1) view. (GroupNormalization-18 scales per *group*: never
                      used.) The optional
                      ``act_type`` attribute ('none', 'relu', 'silu') adds Relu or x*Sigmoid(x).
+                     ``axis=-1`` (channels last, (N, *spatial, C)): the same composition on an
+                     (N, S, G, D) view, ReduceMean over axes (1, 3), gamma/beta broadcast along
+                     the last axis: no Transpose (GroupNormalization takes channels on axis 1,
+                     so it is never used for this layout).
                      ``mean`` / ``rstd`` are emitted when a later node reads them, or when no
                      node reads any output of the op (then it is a graph output). (A graph
                      output ``mean`` next to an ``out`` that a node reads is not detected: the
                      converter does not see the graph's heads.)
 gn_moments           Reshape (N, G, -1) -> ReduceMean -> mean; ReduceMean of squared deviations
-                     -> var (population variance), both (N, G).
+                     -> var (population variance), both (N, G); ``axis=-1`` as gn_group_norm's.
 gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x as (N, G, D, -1))
                      -> Reshape back; with ``affine=True`` (gamma, beta inputs) then the
                      per-channel Mul / Add of gn_channel_affine.
@@ -241,10 +245,11 @@ class _Builder:
         return out
 
     def reduce_mean(self, x, axis, out=None):
+        axes = list(axis) if isinstance(axis, (list, tuple)) else [axis]
         if self.opset >= 18:  # axes became an input in ReduceMean-18
-            return self.op("ReduceMean", [x, self.const("axes", np.array([axis], np.int64))], out,
+            return self.op("ReduceMean", [x, self.const("axes", np.array(axes, np.int64))], out,
                            keepdims=1)
-        return self.op("ReduceMean", [x], out, axes=[axis], keepdims=1)
+        return self.op("ReduceMean", [x], out, axes=axes, keepdims=1)
 
     def cast(self, x, from_dtype, to_dtype, out=None):
         if np.dtype(from_dtype) == np.dtype(to_dtype):
@@ -294,6 +299,29 @@ def _group_stats(b, x, G):
     return mean, d, var
 
 
+def _channels_last(b):
+    """Whether the node's ``axis`` attribute (absent: 1) puts the channels on the last axis. The
+    op accepts only an axis that resolves to 1 or to ndim - 1 (src/operator/mx/validate.h), so
+    without knowing the rank: -1 and any axis > 1 are the last axis, any other (1, or -ndim + 1) is
+    axis 1."""
+    axis = b.attr_int("axis", 1)
+    return axis == -1 or axis > 1
+
+
+def _group_stats_last(b, x, G):
+    """Channels-last (N, *spatial, C) data viewed as (N, S, G, D) (no transpose: a group is D
+    contiguous values at each of S positions): (mean, centred x, var), mean and var (N, 1, G, 1).
+    D = C / G is taken from the input's shape at run time."""
+    c = b.op("Gather", [b.op("Shape", [x]), b.const("last", np.array([-1], np.int64))], axis=0)
+    d = b.op("Div", [c, b.const("g", np.array([G], np.int64))])
+    view = b.op("Concat", [b.const("nsg", np.array([0, -1, G], np.int64)), d], axis=0)
+    xg = b.reshape(x, view)
+    mean = b.reduce_mean(xg, [1, 3])
+    dev = b.op("Sub", [xg, mean])
+    var = b.reduce_mean(b.op("Mul", [dev, dev]), [1, 3])
+    return mean, dev, var
+
+
 def _rstd(b, var, eps, dtype):
     return b.op("Reciprocal", [b.op("Sqrt", [b.op("Add", [var, b.const("eps",
                                                                         np.array(eps, dtype))])])])
@@ -322,8 +350,21 @@ def convert_group_norm(node, **kwargs):
     xdt, gdt, bdt = b.in_dtypes
     cdt = _compute_dtype(xdt)
     xc = b.cast(x, xdt, cdt)
-    x3 = b.reshape(xc, [0, 0, -1])  # (N, C, S): rank-agnostic, 0 spatial dims included
     want_stats = b.consumed(1) or b.consumed(2)
+    if _channels_last(b):
+        # (N, S, G, D) view; gamma/beta (C,) broadcast along the last axis of (N, S, C)
+        mean, d, var = _group_stats_last(b, xc, G)
+        rstd = _rstd(b, var, eps, cdt)
+        xhat = b.reshape(b.op("Mul", [d, rstd]), b.op("Shape", [x]))  # (S, G, D) = (*spatial, C)
+        y = _activation(b, b.op("Add", [b.op("Mul", [xhat, b.cast(gamma, gdt, cdt)]),
+                                        b.cast(beta, bdt, cdt)]), act)
+        b.cast(y, cdt, xdt, b.name + "0")
+        if not want_stats:
+            return b.nodes, (xdt,)
+        b.reshape(mean, [0, -1], b.name + "1")
+        b.reshape(rstd, [0, -1], b.name + "2")
+        return b.nodes, (xdt, cdt, cdt)
+    x3 = b.reshape(xc, [0, 0, -1])  # (N, C, S): rank-agnostic, 0 spatial dims included
     if USE_GROUP_NORMALIZATION and b.opset >= 21:
         # per-channel scale/bias (GroupNormalization-21), on the (N, C, S) view
         y3 = b.op("GroupNormalization", [x3, b.cast(gamma, gdt, cdt), b.cast(beta, bdt, cdt)],
@@ -354,7 +395,8 @@ def convert_moments(node, **kwargs):
     G = b.attr_int("num_groups", 1)
     (x,), (xdt,) = b.inputs, b.in_dtypes
     cdt = _compute_dtype(xdt)
-    mean, _, var = _group_stats(b, b.cast(x, xdt, cdt), G)
+    stats = _group_stats_last if _channels_last(b) else _group_stats
+    mean, _, var = stats(b, b.cast(x, xdt, cdt), G)
     b.reshape(mean, [0, -1], b.name + "0")
     b.reshape(var, [0, -1], b.name + "1")
     return b.nodes, (cdt, cdt)

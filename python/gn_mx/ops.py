@@ -11,6 +11,7 @@ import mxnet as mx
 
 from . import _np
 from ._validate import act_type as _act_type
+from ._validate import axis_attr as _axis_attr
 
 __all__ = ["moments", "group_norm", "dbn", "dbn_inference"]
 
@@ -56,7 +57,7 @@ def _both_kinds(fn):
 
 
 @_both_kinds
-def moments(data, num_groups=1):
+def moments(data, num_groups=1, axis=1):
     """Group-wise mean and population variance (op ``gn_moments``).
 
     Parameters
@@ -66,6 +67,9 @@ def moments(data, num_groups=1):
         (``mx.nd`` / ``mx.sym``) or NumPy interface (``mx.np``); the results are of the same kind.
     num_groups : int, default 1
         Number of channel groups G; C must be divisible by it.
+    axis : int, default 1
+        The channel axis: 1 (data (N, C, *spatial)) or the last axis (-1: channels-last data
+        (N, *spatial, C), read in place).
 
     Returns
     -------
@@ -86,12 +90,13 @@ def moments(data, num_groups=1):
     >>> mean.asnumpy(), var.asnumpy()
     (array([[4.]], dtype=float32), array([[5.]], dtype=float32))
     """
-    out = _F(data).gn_moments(data, num_groups=num_groups)
+    out = _F(data).gn_moments(data, num_groups=num_groups, **_axis_attr("gn_mx.ops.moments", axis))
     return out[0], out[1]
 
 
 @_both_kinds
-def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False, act_type=None):
+def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False, act_type=None,
+               axis=1):
     """Group normalization with per-channel affine (Wu & He, 2018), optionally fused with an
     activation (op ``gn_group_norm``).
 
@@ -115,6 +120,10 @@ def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False, ac
         Activation applied after the affine inside the op ('silu' is x * sigmoid(x), MXNet's swish
         with beta=1; 'swish' is accepted as a synonym). None/'none' leaves the attribute out of the
         symbol.
+    axis : int, default 1
+        The channel axis: 1 (data (N, C, *spatial)) or the last axis (-1: channels-last data
+        (N, *spatial, C) such as NHWC, normalized in place without a transpose). 1 leaves the
+        attribute out of the symbol.
 
     Returns
     -------
@@ -145,6 +154,7 @@ def group_norm(data, gamma, beta, num_groups=1, eps=1e-5, return_stats=False, ac
     """
     act = _act_type(act_type)
     kw = {} if act == "none" else {"act_type": act}
+    kw.update(_axis_attr("gn_mx.ops.group_norm", axis))
     out = _F(data).gn_group_norm(data, gamma, beta, num_groups=num_groups, eps=eps, **kw)
     return (out[0], out[1], out[2]) if return_stats else out[0]
 

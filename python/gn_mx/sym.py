@@ -27,7 +27,7 @@ import json
 import mxnet as mx
 
 from . import _compat, _np
-from ._validate import check_dbn_numbers, check_groups, check_whitening, dbn_grouping
+from ._validate import axis_attr, check_dbn_numbers, check_groups, check_whitening, dbn_grouping
 from .nn import GroupIdentity
 
 from .ws import ws_convolution  # Weight Standardization (gn_mx/ws.py)
@@ -54,7 +54,7 @@ def _init(initializer):
 
 
 def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_channels=0,
-               gamma_initializer=None, beta_initializer=None):
+               gamma_initializer=None, beta_initializer=None, axis=1):
     """GroupNorm with per-channel affine: ``gn_group_norm(data, {name}_gamma, {name}_beta)[0]``.
 
     Parameters
@@ -79,6 +79,9 @@ def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_
         initializer handles the ``_gamma`` suffix (ones), as for ``mx.sym.BatchNorm``.
     beta_initializer : str or Initializer, optional
         The same for ``{name}_beta`` (default zeros by its suffix).
+    axis : int, default 1
+        The channel axis: 1 (data (N, C, *spatial)) or the last axis (-1: channels-last data
+        (N, *spatial, C)). 1 leaves the attribute out of the graph.
 
     Returns
     -------
@@ -99,13 +102,14 @@ def group_norm(data, num_groups, eps=1e-5, name=None, gamma=None, beta=None, in_
     [(2, 4, 5)]
     """
     check_groups("gn_mx.sym.group_norm", num_groups, eps, in_channels)
+    kw = axis_attr("gn_mx.sym.group_norm", axis)
     np_kind = _np.is_np(data)
     name = _auto_name(name, "groupnorm")
     shape = (in_channels,) if in_channels else None
     g = _param(gamma, f"{name}_gamma", shape, _init(gamma_initializer))
     b = _param(beta, f"{name}_beta", shape, _init(beta_initializer))
     out = mx.sym.gn_group_norm(_np.to_legacy(data), g, b, num_groups=int(num_groups),
-                               eps=float(eps), name=name)[0]
+                               eps=float(eps), name=name, **kw)[0]
     return _np.like(out, np_kind)
 
 

@@ -52,12 +52,24 @@ GNH_API const char* gnh_copy(void* dst, const void* src, size_t bytes, int to_de
 
 GNH_API const char* gnh_synchronize() { return cuda_result(cudaDeviceSynchronize()); }
 
+// ---- Layout --------------------------------------------------------------------------------------
+// The GroupNorm / moments entry points below take (N, C, G, S) data, channels first by default;
+// gnh_set_channels_last(1) makes the following calls (on this thread) treat the same buffers as
+// channels-last (N, S, C) data (GroupDims::channels_last, the ops' axis = -1).
+static thread_local bool g_channels_last = false;
+
+GNH_API void gnh_set_channels_last(int on) { g_channels_last = on != 0; }
+
+static GroupDims gn_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
+  return group_dims(N, C, G, S, g_channels_last);
+}
+
 GNH_API size_t gnh_moments_workspace(int dtype, const void* x, int64_t N, int64_t C, int64_t G,
                                      int64_t S) {
   MomentsArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.x = x;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return moments_workspace_cuda(a);
 }
 
@@ -67,7 +79,7 @@ GNH_API const char* gnh_moments(int dtype, const void* x, void* mean, void* var,
   a.dtype = static_cast<DType>(dtype);
   a.x = x; a.mean = mean; a.var = var;
   a.workspace = workspace;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return moments_cuda(a, stream);
 }
 
@@ -77,7 +89,7 @@ GNH_API const char* gnh_moments_bwd(int dtype, const void* dmean, const void* dv
   MomentsBwdArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.dmean = dmean; a.dvar = dvar; a.x = x; a.mean = mean; a.dx = dx;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return moments_bwd_cuda(a, stream);
 }
 
@@ -87,7 +99,7 @@ GNH_API size_t gnh_gn_fwd_workspace(int dtype, int param_dtype, const void* x, c
   a.dtype = static_cast<DType>(dtype);
   a.param_dtype = static_cast<DType>(param_dtype);
   a.x = x; a.y = const_cast<void*>(y);
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return group_norm_fwd_workspace_cuda(a);
 }
 
@@ -102,7 +114,7 @@ GNH_API const char* gnh_gn_fwd_act(int dtype, int param_dtype, const void* x, co
   a.param_dtype = static_cast<DType>(param_dtype);
   a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.rstd = rstd;
   a.workspace = workspace;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   a.eps = eps;
   a.act = static_cast<Act>(act);
   return group_norm_fwd_cuda(a, stream);
@@ -126,7 +138,7 @@ static GroupNormBwdArgs bwd_args(int dtype, int param_dtype, const void* dy, con
   a.dy = dy; a.x = x; a.mean = mean; a.rstd = rstd; a.gamma = gamma;
   a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta; a.dmean = dmean; a.drstd = drstd;
   a.workspace = workspace;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return a;
 }
 
@@ -168,7 +180,7 @@ GNH_API size_t gnh_dbn_fwd_workspace(int dtype, int stat_dtype, int64_t N, int64
   DbnFwdArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.stat_dtype = static_cast<DType>(stat_dtype);
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return dbn_fwd_workspace_cuda(a);
 }
 
@@ -181,7 +193,7 @@ GNH_API const char* gnh_dbn_fwd(int dtype, int stat_dtype, const void* x, void* 
   a.stat_dtype = static_cast<DType>(stat_dtype);
   a.x = x; a.y = y; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval;
   a.running_mean = running_mean; a.running_proj = running_proj; a.workspace = workspace;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   a.eps = eps;
   a.momentum = momentum;
   return dbn_fwd_cuda(a, stream);
@@ -190,7 +202,7 @@ GNH_API const char* gnh_dbn_fwd(int dtype, int stat_dtype, const void* x, void* 
 GNH_API size_t gnh_dbn_bwd_workspace(int dtype, int64_t N, int64_t C, int64_t G, int64_t S) {
   DbnBwdArgs a;
   a.dtype = static_cast<DType>(dtype);
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return dbn_bwd_workspace_cuda(a);
 }
 
@@ -201,7 +213,7 @@ GNH_API const char* gnh_dbn_bwd(int dtype, const void* dy, const void* x, const 
   a.dtype = static_cast<DType>(dtype);
   a.dy = dy; a.x = x; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval; a.dx = dx;
   a.workspace = workspace;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return dbn_bwd_cuda(a, stream);
 }
 
@@ -210,7 +222,7 @@ GNH_API size_t gnh_dbn_inference_workspace(int dtype, int stat_dtype, int64_t N,
   DbnInferenceArgs a;
   a.dtype = static_cast<DType>(dtype);
   a.stat_dtype = static_cast<DType>(stat_dtype);
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return dbn_inference_workspace_cuda(a);
 }
 
@@ -224,7 +236,7 @@ GNH_API const char* gnh_dbn_inference(int dtype, int stat_dtype, int backward, c
   a.stat_dtype = static_cast<DType>(stat_dtype);
   a.x = x; a.running_mean = running_mean; a.running_proj = running_proj; a.y = y;
   a.workspace = workspace;
-  a.dims = group_dims(N, C, G, S);
+  a.dims = gn_dims(N, C, G, S);
   return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
 }
 

@@ -5,6 +5,11 @@
  * S = prod(spatial) (S = 1 for (N, C) data) and G groups of D = C/G channels, so the group (n, g) is
  * one contiguous block of D*S elements starting at (n*C + g*D)*S. Per-channel ops without groups
  * (gn_channel_affine) use G = 1, D = C.
+ * Channels-last data (N, *spatial, C) (the ops' axis = -1) sets `channels_last`: seen as (N, S, C),
+ * the group (n, g) is then D contiguous values at each of S positions, element (n, c, s) at
+ * (n*S + s)*C + c. Only where S > 1: with S = 1 both layouts are the same memory and the flag stays
+ * false, so the channels-first kernels run. gn_elem_strides() is the one place the two layouts'
+ * element offsets are written.
  *
  * Every kernel Args struct embeds a GroupDims (`dims`); the adapter fills it from the data shape
  * (mx/validate.h data_groups()), a harness or benchmark with group_dims(). check_group_dims() is the
@@ -22,12 +27,23 @@ namespace gn_mx {
 
 struct GroupDims {
   int64_t N = 0, C = 0, G = 1, D = 0, S = 1;
+  bool channels_last = false;  // (N, S, C) memory instead of (N, C, S); see above
 };
+
+// Element (n, c, s) lies at n*sample + c*chan + s*pos.
+struct ElemStrides {
+  int64_t sample, chan, pos;
+};
+inline ElemStrides gn_elem_strides(const GroupDims& d) {
+  return d.channels_last ? ElemStrides{d.S * d.C, 1, d.C} : ElemStrides{d.C * d.S, d.S, 1};
+}
 
 // The dims of (N, C, S) data in G groups; D = C/G (0 when G does not divide C: check_group_dims
 // then reports it).
-inline GroupDims group_dims(int64_t N, int64_t C, int64_t G, int64_t S) {
+inline GroupDims group_dims(int64_t N, int64_t C, int64_t G, int64_t S,
+                            bool channels_last = false) {
   GroupDims d;
+  d.channels_last = channels_last && S > 1;
   d.N = N;
   d.C = C;
   d.G = G;

@@ -3,6 +3,8 @@
  *
  * Layout (N, C, S) with S = prod(spatial) (S = 1 for 2-D data), G groups of D = C/G channels: every
  * Args struct embeds the one shape type GroupDims (common/group_shape.h), checked by check_group_dims().
+ * With dims.channels_last the same tensors are (N, S, C) in memory (the ops' axis = -1): the shapes
+ * written (N, C, S) below are then (N, S, C); statistics, parameters and formulas do not change.
  *   mean[n,g] = 1/(D*S) sum_{c in g, s} x[n,c,s]
  *   var[n,g]  = 1/(D*S) sum (x - mean)^2                      (population variance)
  *   rstd[n,g] = 1 / sqrt(var + eps)

@@ -3,7 +3,8 @@
  * group_norm_grad2_math.h, shared with the CUDA twin).
  *
  * The N*G groups are independent: each is read twice (sums, then the element-wise results) by one
- * thread of the OpenMP team. Per-(n, c) partial sums of d gamma / d beta go to the workspace and are
+ * thread of the OpenMP team. Either layout (channels first or last, group_shape.h's
+ * gn_elem_strides): a group's channel is S elements e.pos apart. Per-(n, c) partial sums of d gamma / d beta go to the workspace and are
  * reduced over n afterwards in a fixed order (deterministic, no atomics). Plain scalar loops: this
  * op runs only when a second derivative is asked for.
  */
@@ -30,6 +31,7 @@ struct Grad2Impl {
   static void group(const GroupNormGrad2Args& a, int64_t n, int64_t g, A* pg, A* pb) {
     const int64_t D = a.dims.C / a.dims.G, S = a.dims.S, M = D * S;
     const int64_t ng = n * a.dims.G + g;
+    const ElemStrides e = gn_elem_strides(a.dims);  // either layout: (n, c, s) at off(n, c) + s*e.pos
     const A mu = load<A>(a.mean, ng), r = load<A>(a.rstd, ng);
     const A dmo = load<A>(a.dmean_o, ng), dro = load<A>(a.drstd_o, ng);
     const A inv_m = A(1) / static_cast<A>(M);
@@ -37,10 +39,10 @@ struct Grad2Impl {
     const T* dy = static_cast<const T*>(a.dy);
     Grad2Sums<A> s;
     for (int64_t d = 0; d < D; ++d) {
-      const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
+      const int64_t c = g * D + d, off = n * e.sample + c * e.chan;
       const A gam = load<P>(a.gamma, c), bet = load<P>(a.beta, c), ggam = load<P>(a.gdgamma, c);
       A gxg = 0, dsc = 0, db = 0;
-      for (int64_t i = off; i < off + S; ++i) {
+      for (int64_t i = off; i < off + S * e.pos; i += e.pos) {
         const A u = to_acc(x[i]) - mu;
         const A gv = gn_act_grad<ACT>(u * r * gam + bet, static_cast<A>(to_acc(dy[i])));
         const A gx = load<T>(a.gdx, i);
@@ -63,11 +65,11 @@ struct Grad2Impl {
     T* dx = static_cast<T*>(a.dx);
     A sdx = 0, shug = 0;
     for (int64_t d = 0; d < D; ++d) {
-      const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
+      const int64_t c = g * D + d, off = n * e.sample + c * e.chan;
       const A gam = load<P>(a.gamma, c), bet = load<P>(a.beta, c);
       const A ggam = load<P>(a.gdgamma, c), gbet = load<P>(a.gdbeta, c);
       A hu = 0, hs = 0;
-      for (int64_t i = off; i < off + S; ++i) {
+      for (int64_t i = off; i < off + S * e.pos; i += e.pos) {
         const A u = to_acc(x[i]) - mu;
         const A z = u * r * gam + bet;
         A vddy, vdx, h;
@@ -118,6 +120,7 @@ template <typename T>
 void moments_grad2_typed(const MomentsGrad2Args& a) {
   using A = AccT<T>;
   const int64_t D = a.dims.C / a.dims.G, M = D * a.dims.S, NG = a.dims.N * a.dims.G;
+  const ElemStrides e = gn_elem_strides(a.dims);
   const T* x = static_cast<const T*>(a.x);
   const T* gdx = static_cast<const T*>(a.gdx);
   T* dx = static_cast<T*>(a.dx);
@@ -126,14 +129,17 @@ void moments_grad2_typed(const MomentsGrad2Args& a) {
   for (int64_t ng = 0; ng < NG; ++ng) {
     const A mu = static_cast<const A*>(a.mean)[ng];
     const A dvo = a.dvar_o ? static_cast<const A*>(a.dvar_o)[ng] : A(0);
-    const int64_t off = ng * M;  // a group is contiguous: (n, g*D .. g*D+D-1, S)
+    // the group's D channels at S positions, in either layout
+    const int64_t n = ng / a.dims.G, c0 = (ng % a.dims.G) * D;
     A P = 0, Q = 0;
-    for (int64_t i = off; i < off + M; ++i) {
-      const A g = gdx ? static_cast<A>(to_acc(gdx[i])) : A(0);
-      P += g * (to_acc(x[i]) - mu);
-      Q += g;
-      dx[i] = from_acc<T>(A(2) * dvo * g * inv_m);
-    }
+    for (int64_t c = c0; c < c0 + D; ++c)
+      for (int64_t s = 0; s < a.dims.S; ++s) {
+        const int64_t i = n * e.sample + c * e.chan + s * e.pos;
+        const A g = gdx ? static_cast<A>(to_acc(gdx[i])) : A(0);
+        P += g * (to_acc(x[i]) - mu);
+        Q += g;
+        dx[i] = from_acc<T>(A(2) * dvo * g * inv_m);
+      }
     static_cast<A*>(a.ddmean_o)[ng] = Q * inv_m;
     static_cast<A*>(a.ddvar_o)[ng] = A(2) * P * inv_m;
     static_cast<A*>(a.dmean)[ng] = -A(2) * dvo * Q * inv_m;

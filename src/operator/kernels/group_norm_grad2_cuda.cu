@@ -27,6 +27,21 @@ __device__ __forceinline__ A ld(const void* p, int64_t i) {
   return p ? static_cast<A>(to_acc(static_cast<const V*>(p)[i])) : A(0);
 }
 
+// Either layout (group_shape.h): the first element of row (n, c), the distance between its
+// positions, and the j-th element of group ng (channels first: the contiguous run; channels last:
+// position j / D, channel j % D of the group, so consecutive j stay coalesced).
+__device__ __forceinline__ int64_t chan_base(const GroupDims& d, int64_t n, int64_t c) {
+  return d.channels_last ? n * d.S * d.C + c : (n * d.C + c) * d.S;
+}
+__device__ __forceinline__ int64_t pos_stride(const GroupDims& d) {
+  return d.channels_last ? d.C : 1;
+}
+__device__ __forceinline__ int64_t group_elem(const GroupDims& d, int64_t ng, int64_t j, int64_t D) {
+  if (!d.channels_last) return ng * D * d.S + j;
+  const int64_t n = ng / d.G, g = ng % d.G;
+  return (n * d.S + j / D) * d.C + g * D + j % D;
+}
+
 template <typename T, typename P, Act ACT>
 __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
   using A = AccT<T>;
@@ -43,11 +58,11 @@ __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
   Grad2Sums<A> s;
   A tP = 0, tQ = 0;
   for (int64_t d = 0; d < D; ++d) {
-    const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
+    const int64_t c = g * D + d, off = chan_base(a.dims, n, c), ps = pos_stride(a.dims);
     const A gam = ld<P, A>(a.gamma, c), bet = ld<P, A>(a.beta, c);
     const A ggam = ld<P, A>(a.gdgamma, c);
     A gxg = 0, dsc = 0, db = 0;
-    for (int64_t i = off + threadIdx.x; i < off + S; i += blockDim.x) {
+    for (int64_t i = off + threadIdx.x * ps; i < off + S * ps; i += blockDim.x * ps) {
       const A u = to_acc(x[i]) - mu;
       const A gv = gn_act_grad<ACT>(u * r * gam + bet, static_cast<A>(to_acc(dy[i])));
       const A gx = ld<T, A>(a.gdx, i);
@@ -76,11 +91,11 @@ __global__ void grad2_group_kernel(GroupNormGrad2Args a) {
   T* dx = static_cast<T*>(a.dx);
   A sdx = 0, shug = 0;
   for (int64_t d = 0; d < D; ++d) {
-    const int64_t c = g * D + d, off = (n * a.dims.C + c) * S;
+    const int64_t c = g * D + d, off = chan_base(a.dims, n, c), ps = pos_stride(a.dims);
     const A gam = ld<P, A>(a.gamma, c), bet = ld<P, A>(a.beta, c);
     const A ggam = ld<P, A>(a.gdgamma, c), gbet = ld<P, A>(a.gdbeta, c);
     A hu = 0, hs = 0;
-    for (int64_t i = off + threadIdx.x; i < off + S; i += blockDim.x) {
+    for (int64_t i = off + threadIdx.x * ps; i < off + S * ps; i += blockDim.x * ps) {
       const A u = to_acc(x[i]) - mu;
       const A z = u * r * gam + bet;
       A vddy, vdx, h;
@@ -159,14 +174,15 @@ const char* grad2_typed(const GroupNormGrad2Args& a, cudaStream_t st) {
 template <typename T>
 __global__ void moments_grad2_kernel(MomentsGrad2Args a) {
   using A = AccT<T>;
-  const int64_t ng = blockIdx.x, M = (a.dims.C / a.dims.G) * a.dims.S, off = ng * M;
+  const int64_t ng = blockIdx.x, D = a.dims.C / a.dims.G, M = D * a.dims.S;
   const T* x = static_cast<const T*>(a.x);
   T* dx = static_cast<T*>(a.dx);
   const A inv_m = A(1) / static_cast<A>(M);
   const A mu = static_cast<const A*>(a.mean)[ng];
   const A dvo = ld<A, A>(a.dvar_o, ng);
   A P = 0, Q = 0;
-  for (int64_t i = off + threadIdx.x; i < off + M; i += blockDim.x) {
+  for (int64_t j = threadIdx.x; j < M; j += blockDim.x) {
+    const int64_t i = group_elem(a.dims, ng, j, D);
     const A g = ld<T, A>(a.gdx, i);
     P += g * (to_acc(x[i]) - mu);
     Q += g;

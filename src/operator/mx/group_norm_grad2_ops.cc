@@ -100,7 +100,7 @@ MXReturnValue infer_shape(const AttrMap& attrs, std::vector<std::vector<unsigned
     for (int i : {kData, kDOut, kOut})
       if (!shape_unknown((*in)[i])) { ds = (*in)[i]; break; }
     if (ds.empty()) return MX_SUCCESS;
-    const GroupDims gs = data_groups(kOp, to_i64(ds), p.num_groups);
+    const GroupDims gs = data_groups(kOp, to_i64(ds), p.num_groups, p.axis);
     const std::vector<unsigned> stat = {static_cast<unsigned>(gs.N), static_cast<unsigned>(gs.G)};
     const std::vector<unsigned> chan = {static_cast<unsigned>(gs.C)};
     for (int i = 0; i < kNumIn; ++i) {
@@ -127,7 +127,7 @@ MXReturnValue grad2(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector
     const GroupNormAttrs p = group_norm_attrs(attrs);
     const MXTensor& x = (*in)[kGIn + kData];
     const Device dev = device_of(kOp, x, res);
-    const GroupDims gs = data_groups(kOp, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kOp, x.shape, p.num_groups, p.axis);
     check_param_tensor(kOp, (*in)[kGIn + kGamma], gs, kAffGamma);
     check_param_tensor(kOp, (*in)[kGIn + kBeta], gs, kAffBeta);
     const int pt = static_cast<int>((*in)[kGIn + kGamma].dtype);
@@ -180,7 +180,7 @@ const char* m_input_name(int i) {
 
 MXReturnValue m_parse(const AttrMap& attrs, int* num_in, int* num_out) {
   return guarded(kMOp, [&] {
-    moments_num_groups(attrs);
+    moments_attrs(attrs);
     *num_in = kMNumIn;
     *num_out = 1;
     return MX_SUCCESS;
@@ -210,7 +210,8 @@ MXReturnValue m_infer_shape(const AttrMap& attrs, std::vector<std::vector<unsign
   return guarded(kMOp, [&] {
     const auto& ds = (*in)[kMData];
     if (data_shape_unknown(kMOp, ds)) return MX_SUCCESS;
-    const GroupDims gs = data_groups(kMOp, to_i64(ds), moments_num_groups(attrs));
+    const GroupNormAttrs p = moments_attrs(attrs);
+    const GroupDims gs = data_groups(kMOp, to_i64(ds), p.num_groups, p.axis);
     const std::vector<unsigned> stat = {static_cast<unsigned>(gs.N), static_cast<unsigned>(gs.G)};
     for (int i : {kMDMean, kMDVar, kMMean, kMVar}) {
       auto& s = (*in)[i];
@@ -232,7 +233,8 @@ MXReturnValue m_grad2(const AttrMap& attrs, std::vector<MXTensor>* in, std::vect
     constexpr int kOff = 1;  // [gddata, the 5 inputs, ddata]
     const MXTensor& x = (*in)[kOff + kMData];
     const Device dev = device_of(kMOp, x, res);
-    const GroupDims gs = data_groups(kMOp, x.shape, moments_num_groups(attrs));
+    const GroupNormAttrs p = moments_attrs(attrs);
+    const GroupDims gs = data_groups(kMOp, x.shape, p.num_groups, p.axis);
     check_grad_dtype(kMOp, (*in)[0], x.dtype, "ddata");
     MomentsGrad2Args a;
     a.dtype = to_dtype(x.dtype);

@@ -17,11 +17,12 @@ namespace mxa {
 struct GroupNormAttrs {
   int64_t num_groups = 1;
   Act act = Act::kNone;
+  int64_t axis = 1;  // the channel axis attribute (validate.h data_groups())
 };
 GroupNormAttrs group_norm_attrs(const AttrMap& attrs);
 MXReturnValue group_norm_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
                                   std::vector<MXTensor>* out, const OpResource& res);
-int64_t moments_num_groups(const AttrMap& attrs);  // gn_moments' validated num_groups
+GroupNormAttrs moments_attrs(const AttrMap& attrs);  // gn_moments' validated num_groups, axis
 MXReturnValue moments_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource& res);
 

@@ -39,6 +39,7 @@ const Kernel<GroupNormBwdArgs> kGnBwdKernel{group_norm_bwd_cpu, group_norm_bwd_w
 
 struct GnParams {
   int64_t num_groups = 1;
+  int64_t axis = 1;  // the channel axis: 1 or the last (data_groups() checks it against the rank)
   double eps = 1e-5;
   Act act = Act::kNone;
 };
@@ -59,18 +60,26 @@ int64_t parse_num_groups(const char* op, const Attrs& a) {
   return G;
 }
 
-// gn_moments' attributes: num_groups only.
+// The optional axis attribute of gn_moments and gn_group_norm (added after act_type: absent = 1,
+// channels first, so older symbols load unchanged; -1 / ndim-1 = channels last). Any integer parses;
+// data_groups() accepts only 1 or the last axis of the data, once the rank is known.
+int64_t parse_axis(const Attrs& a) { return a.get_int("axis", 1); }
+
+// gn_moments' attributes: num_groups, axis.
 GnParams parse_moments(const char* op, const AttrMap& attrs) {
   GnParams p;
-  p.num_groups = parse_num_groups(op, Attrs(op, attrs, {"num_groups"}));
+  Attrs a(op, attrs, {"num_groups", "axis"});
+  p.num_groups = parse_num_groups(op, a);
+  p.axis = parse_axis(a);
   return p;
 }
 
-// gn_group_norm's attributes: num_groups, eps, act_type (`op` names the op in messages).
+// gn_group_norm's attributes: num_groups, eps, act_type, axis (`op` names the op in messages).
 GnParams parse_gn(const char* op, const AttrMap& attrs) {
   GnParams p;
-  Attrs a(op, attrs, {"num_groups", "eps", "act_type"});
+  Attrs a(op, attrs, {"num_groups", "eps", "act_type", "axis"});
   p.num_groups = parse_num_groups(op, a);
+  p.axis = parse_axis(a);
   p.eps = a.get_float("eps", 1e-5);
   p.act = parse_act(op, attrs);
   if (!(p.eps >= 0) || !std::isfinite(p.eps))
@@ -115,7 +124,7 @@ MXReturnValue moments_shape(const AttrMap& attrs, std::vector<std::vector<unsign
     const GnParams p = parse_moments(kMoments, attrs);
     const auto& ds = (*in)[kAffData];
     if (data_shape_unknown(kMoments, ds)) return MX_SUCCESS;
-    const GroupDims gs = data_groups(kMoments, to_i64(ds), p.num_groups);
+    const GroupDims gs = data_groups(kMoments, to_i64(ds), p.num_groups, p.axis);
     (*out)[kMMean] = (*out)[kMVar] = stat_shape(gs);
     return MX_SUCCESS;
   });
@@ -127,7 +136,7 @@ MXReturnValue moments_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
     const GnParams p = parse_moments(kMoments, attrs);
     const MXTensor& x = (*in)[kAffData];
     const Device dev = device_of(kMoments, x, res);
-    const GroupDims gs = data_groups(kMoments, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kMoments, x.shape, p.num_groups, p.axis);
     MomentsArgs a;
     a.dtype = to_dtype(x.dtype);
     a.x = x.data_ptr;
@@ -145,7 +154,7 @@ MXReturnValue moments_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
     const GnParams p = parse_moments(kMoments, attrs);
     const MXTensor& x = (*in)[kMBData];
     const Device dev = device_of(kMoments, x, res);
-    const GroupDims gs = data_groups(kMoments, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kMoments, x.shape, p.num_groups, p.axis);
     const int acc = mx_acc_dtype(x.dtype);
     check_grad_dtype(kMoments, (*in)[kMBdMean], acc, "mean");
     check_grad_dtype(kMoments, (*in)[kMBdVar], acc, "var");
@@ -187,7 +196,7 @@ MXReturnValue gn_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>*
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const auto& ds = (*in)[kAffData];
     if (data_shape_unknown(kGroupNorm, ds)) return MX_SUCCESS;
-    const GroupDims gs = data_groups(kGroupNorm, to_i64(ds), p.num_groups);
+    const GroupDims gs = data_groups(kGroupNorm, to_i64(ds), p.num_groups, p.axis);
     infer_affine_param_shapes(kGroupNorm, in, gs);
     (*out)[kOut] = ds;
     (*out)[kMean] = (*out)[kRstd] = stat_shape(gs);
@@ -201,7 +210,7 @@ MXReturnValue gn_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const MXTensor& x = (*in)[kAffData];
     const Device dev = device_of(kGroupNorm, x, res);
-    const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups, p.axis);
     check_param_tensor(kGroupNorm, (*in)[kAffGamma], gs, kAffGamma);
     check_param_tensor(kGroupNorm, (*in)[kAffBeta], gs, kAffBeta);
     GroupNormFwdArgs a;
@@ -227,7 +236,7 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const GnParams p = parse_gn(kGroupNorm, attrs);
     const MXTensor& x = (*in)[kBData];
     const Device dev = device_of(kGroupNorm, x, res);
-    const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups);
+    const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups, p.axis);
     const int acc = mx_acc_dtype(x.dtype);
     check_grad_dtype(kGroupNorm, (*in)[kBdOut], x.dtype, "out");
     check_grad_dtype(kGroupNorm, (*in)[kBdMean], acc, "mean");
@@ -259,13 +268,16 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
 // For the re-registered _backward_gn_group_norm / _backward_gn_moments (group_norm_grad2_ops.cc).
 GroupNormAttrs group_norm_attrs(const AttrMap& attrs) {
   const GnParams p = parse_gn(kGroupNorm, attrs);
-  return GroupNormAttrs{p.num_groups, p.act};
+  return GroupNormAttrs{p.num_groups, p.act, p.axis};
 }
 MXReturnValue group_norm_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
                                   std::vector<MXTensor>* out, const OpResource& res) {
   return gn_bwd(attrs, in, out, res);
 }
-int64_t moments_num_groups(const AttrMap& attrs) { return parse_gn(kMoments, attrs).num_groups; }
+GroupNormAttrs moments_attrs(const AttrMap& attrs) {
+  const GnParams p = parse_moments(kMoments, attrs);
+  return GroupNormAttrs{p.num_groups, Act::kNone, p.axis};
+}
 MXReturnValue moments_backward(const AttrMap& attrs, std::vector<MXTensor>* in,
                                std::vector<MXTensor>* out, const OpResource& res) {
   return moments_bwd(attrs, in, out, res);

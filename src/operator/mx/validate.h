@@ -22,14 +22,25 @@
 namespace gn_mx {
 namespace mxa {
 
-// The (N, C, *spatial) data shape in `G` groups; throws the op's message (group_shape.h's wording,
-// then the data shape) when the rank is below 2 or check_group_dims() rejects it.
-inline GroupDims data_groups(const char* op, const std::vector<int64_t>& shape, int64_t G) {
-  if (shape.size() < 2)
-    fail(op, ": data must have at least 2 dims (N, C, *spatial); got shape ", shape_str(shape));
+// The data shape in `G` groups, channels on `axis`: 1 (the default: (N, C, *spatial)) or the last
+// axis (-1 or ndim - 1: channels-last (N, *spatial, C), GroupDims::channels_last); a negative axis
+// counts from the end. Throws the op's message (group_shape.h's wording, then the data shape) when
+// the rank is below 2, the axis is neither, or check_group_dims() rejects it.
+inline GroupDims data_groups(const char* op, const std::vector<int64_t>& shape, int64_t G,
+                             int64_t axis = 1) {
+  const int64_t nd = static_cast<int64_t>(shape.size());
+  if (nd < 2)
+    fail(op, ": data must have at least 2 dims ", axis == 1 ? "(N, C, *spatial)" : "(N, *spatial, C)",
+         "; got shape ", shape_str(shape));
+  const int64_t a = axis < 0 ? axis + nd : axis;
+  if (a != 1 && a != nd - 1)
+    fail(op, ": axis must be 1 (channels first, (N, C, *spatial)) or the last axis (-1 or ",
+         nd - 1, ", channels last, (N, *spatial, C)); got axis=", axis, " for data shape ",
+         shape_str(shape));
+  const bool last = a != 1;  // nd == 2: the two are the same axis and the same memory
   int64_t S = 1;
-  for (size_t i = 2; i < shape.size(); ++i) S *= shape[i];
-  const GroupDims d = group_dims(shape[0], shape[1], G, S);
+  for (int64_t i = last ? 1 : 2; i < (last ? nd - 1 : nd); ++i) S *= shape[i];
+  const GroupDims d = group_dims(shape[0], shape[a], G, S, last);
   if (const char* e = check_group_dims(d)) fail(op, ": ", e, "; data shape ", shape_str(shape));
   return d;
 }
