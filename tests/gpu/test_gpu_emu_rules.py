@@ -40,6 +40,7 @@ SIGS = {
 
 @pytest.fixture(scope="module")
 def lib():
+    harness_np.load()  # the harness library loaded too: block starts must poison both's statics
     # its own out folder: the probe's objects never mix with the harness's
     path = build_emu.build_probe(os.path.join(build_emu.default_out(), "probe"))
     lib = ctypes.CDLL(path)

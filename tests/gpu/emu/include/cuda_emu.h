@@ -526,12 +526,34 @@ __attribute__((noinline)) T __shfl_sync(unsigned mask, T v, int src) {
   return r;
 }
 
-// The static __shared__ variables of every emulated kernel (the section's bounds, from the linker).
-extern "C" unsigned char __start_gnmx_emu_shared[] __attribute__((weak));
-extern "C" unsigned char __stop_gnmx_emu_shared[] __attribute__((weak));
+// The static __shared__ variables of the emulated kernels of this library or program: the
+// section's bounds, from the linker (hidden: each shared object its own). Every translation unit
+// registers them (the same pair, once), so that fiber_main, whichever object's copy runs, poisons
+// the sections of every loaded object (e.g. the harness and tests/gpu/emu/rules_probe.cu).
+extern "C" unsigned char __start_gnmx_emu_shared[] __attribute__((weak, visibility("hidden")));
+extern "C" unsigned char __stop_gnmx_emu_shared[] __attribute__((weak, visibility("hidden")));
 
 namespace emu {
 inline unsigned char* dyn_smem() { return g_dyn_smem; }
+
+struct Section {
+  unsigned char *begin, *end;
+};
+inline std::vector<Section>& shared_sections() {
+  static std::vector<Section> s;
+  return s;
+}
+inline int register_shared_section(unsigned char* begin, unsigned char* end) {
+  if (!begin || !end) return 0;
+  for (const Section& x : shared_sections())
+    if (x.begin == begin) return 0;
+  shared_sections().push_back(Section{begin, end});
+  return 0;
+}
+namespace {
+[[maybe_unused]] const int g_shared_registered =
+    register_shared_section(__start_gnmx_emu_shared, __stop_gnmx_emu_shared);
+}  // namespace
 
 inline const std::function<void()>* g_body = nullptr;
 inline size_t g_dyn_bytes = 0;
@@ -550,9 +572,8 @@ inline void launch_bounds(unsigned max_threads, unsigned = 0, unsigned = 0) {
 inline void poison_shared() {
   if (!g_poison) return;
   if (g_dyn_bytes) std::memset(g_dyn_smem, 0xff, g_dyn_bytes);
-  if (__start_gnmx_emu_shared && __stop_gnmx_emu_shared)
-    std::memset(__start_gnmx_emu_shared, 0xff,
-                static_cast<size_t>(__stop_gnmx_emu_shared - __start_gnmx_emu_shared));
+  for (const Section& x : shared_sections())
+    std::memset(x.begin, 0xff, static_cast<size_t>(x.end - x.begin));
 }
 
 inline void fiber_main() {
