@@ -67,7 +67,7 @@ def load():
     if os.environ.get("GNMX_HARNESS_LIB"):  # a given build (e.g. an older one, to compare)
         path = os.environ["GNMX_HARNESS_LIB"]
     elif emulated():
-        out = os.environ.get("GNMX_HARNESS_EMU_OUT", build_emu.DEFAULT_OUT)
+        out = os.environ.get("GNMX_HARNESS_EMU_OUT") or build_emu.default_out()
         path = build_emu.build_harness(out)
     else:
         path = os.path.join(os.environ.get("GNMX_HARNESS_OUT", os.path.join(ROOT, "build", "gpu")),

@@ -743,6 +743,7 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
     part = fmax(part, fabs(A[i * lda + j]));
   }
   const int ex = dbn_jacobi_scale_exponent(block_max<kBlock>(part));  // also syncs A
+  GN_ASSERT_UNIFORM(kBlock, ex);
   if (ex != 0)
     for (int e = threadIdx.x; e < DD; e += blockDim.x) {
       const int i = e / D, j = e - i * D;
@@ -763,6 +764,7 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
       if (i < j) part += A[i * lda + j] * A[i * lda + j];
     }
     const double off = block_sum<kBlock>(part);
+    GN_ASSERT_UNIFORM(kBlock, (Pair<double>{off, fro2}));
     if (dbn_jacobi_converged(off, fro2)) break;
     for (int r = 0; r < Dp - 1; ++r) {
       for (int k = threadIdx.x; k < npairs; k += blockDim.x) {

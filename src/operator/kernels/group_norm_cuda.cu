@@ -404,7 +404,8 @@ stats_kernel(const T* __restrict__ x, int64_t NG, int64_t L, uint32_t chunk, int
   const uint32_t begin = blockIdx.y * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   Welford<A> w = thread_moments<T, V, A, kTeam>(x + ng * L, begin, end);
-  w = team_welford<kTeam>(w);  // every lane gets it: the exact decision is team-uniform
+  w = team_welford<kTeam>(w);  // every lane gets it bitwise: the exact decision is team-uniform
+  GN_ASSERT_UNIFORM(kTeam, w);
   const bool exact =
       (mode == kStatsMeanRstd &&
        gn_exact_group<T>(w.mean, gn_rstd(w.var(), static_cast<A>(eps)), L)) ||
@@ -440,6 +441,7 @@ moments_finalize_kernel(const AccT<T>* __restrict__ part, int splits, int64_t NG
   const int64_t ng = int64_t(blockIdx.x) * kNumWarps + threadIdx.x / kWarp;
   if (ng >= NG) return;  // whole warps leave together
   const Welford<A> w = warp_merge_partials(part, ng, splits);
+  GN_ASSERT_UNIFORM(kWarp, w);
   A m = w.mean, v = w.var();
   if (gn_exact_moments<T>(m, v, L)) {  // warp-uniform
     const ExactStats st = exact_stats<kWarp>(x + ng * L, static_cast<uint32_t>(L), 0.0);
@@ -627,6 +629,7 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
   const int64_t g = ng % G;
   const uint32_t begin = piece * chunk;
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
+  GN_ASSERT_UNIFORM(kTeam, (Pair<A>{mu, r}));
   if (gn_exact_group<T>(mu, r, L)) {  // team-uniform
     const ExactStats st = exact_stats<kTeam>(x + ng * L, static_cast<uint32_t>(L), eps);
     if (publish) {
@@ -718,6 +721,7 @@ bwd_row_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   Pair<A> acc{A(0), A(0)};
   const bool exact =
       row < rows && gn_exact_group<T>(mean[row / D], rstd[row / D], int64_t(D) * S);
+  GN_ASSERT_UNIFORM(kTeam, exact);
   if (exact) {
     const uint32_t begin = blockIdx.y * chunk;
     const uint32_t end = static_cast<uint32_t>(imin<int64_t>(S, int64_t(begin) + chunk));
@@ -820,6 +824,7 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   const uint32_t begin = (gridDim.y - 1 - blockIdx.y) * chunk;  // reverse order: L2 reuse
   const uint32_t end = static_cast<uint32_t>(imin<int64_t>(L, int64_t(begin) + chunk));
   const A dmean_g = dmean_o ? dmean_o[ng] : A(0), drstd_g = drstd_o ? drstd_o[ng] : A(0);
+  GN_ASSERT_UNIFORM(kTeam, (Pair<A>{mean[ng], rstd[ng]}));
   if (gn_exact_group<T>(mean[ng], rstd[ng], L)) {  // team-uniform
     exact_bwd_range<kTeam, ACT>(x + ng * L, dy + ng * L, dx + ng * L, gg, beta + g * D, dmean_g,
                                 drstd_g, eps, static_cast<uint32_t>(L), S, begin, end);

@@ -24,17 +24,51 @@ LAUNCH = re.compile(r"(\b[A-Za-z_]\w*(?:<(?:[^<>;]|<(?:[^<>;]|<[^<>;]*>)*>)*>)?)
                     re.S)
 
 
+BOUNDS = re.compile(r"__launch_bounds__\(([^()]*)\)")
+
+
+def fma():
+    """GNMX_EMU_FMA=1: the build variant with FMA contraction (-ffp-contract=fast -mfma), as nvcc
+    contracts a * b + c by default, so that tolerances are checked against GPU-like rounding."""
+    return os.environ.get("GNMX_EMU_FMA") == "1"
+
+
+def default_out():
+    """build/gpu-emu, or build/gpu-emu-fma for the FMA variant (objects of both stay cached)."""
+    return DEFAULT_OUT + ("-fma" if fma() else "")
+
+
 def flags():
-    """g++ flags of every emulated translation unit."""
+    """g++ flags of every emulated translation unit. -fno-omit-frame-pointer: the emulator tells
+    shuffle call sites apart by their return-address chains (cuda_emu.h's call_site)."""
     f = ["-std=c++20", "-O1", "-fPIC", "-mf16c", "-pthread", "-U_FORTIFY_SOURCE", "-D__CUDACC__",
-         "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h", "-I", os.path.join(HERE, "include"),
-         "-I", KDIR, "-I", os.path.join(ROOT, "src", "operator")]
+         "-fno-omit-frame-pointer", "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h",
+         "-I", os.path.join(HERE, "include"), "-I", KDIR, "-I", os.path.join(ROOT, "src", "operator")]
+    f += ["-ffp-contract=fast", "-mfma"] if fma() else ["-ffp-contract=off"]
     return f + (["-g"] if os.environ.get("GNMX_EMU_DEBUG") == "1" else [])
+
+
+def _launch(m, s, name):
+    line = s.count("\n", 0, m.start()) + 1
+    return f'emu::launch_named("{m.group(1)} ({name}:{line})", {m.group(1)}, {m.group(2)})('
+
+
+def _bounds(s):
+    """Each kernel declared with __launch_bounds__(n, ...) starts with emu::launch_bounds(n, ...)
+    (the emulator checks the launch's block size against it)."""
+    out, pos = [], 0
+    for m in BOUNDS.finditer(s):
+        body = s.index("{", m.end())
+        out += [s[pos:body + 1], f" emu::launch_bounds({m.group(1)});"]
+        pos = body + 1
+    return "".join(out) + s[pos:]
 
 
 def rewrite(src):
     s = open(src).read()
-    s = LAUNCH.sub(lambda m: f"emu::launch({m.group(1)}, {m.group(2)})(", s)
+    name = os.path.basename(src)
+    s = LAUNCH.sub(lambda m: _launch(m, s, name), s)
+    s = _bounds(s)
     s = s.replace("extern __shared__ __align__(16) unsigned char smem[];",
                   "unsigned char* smem = emu::dyn_smem();")
     return s
@@ -71,9 +105,10 @@ def _jobs():
     return int(os.environ.get("GNMX_JOBS") or os.cpu_count() or 2)
 
 
-def compile_objects(out=DEFAULT_OUT, extra_sources=()):
+def compile_objects(out=None, extra_sources=()):
     """Object files of the listed CUDA sources (rewritten) and of `extra_sources` (plain C++ seen
     through the emulator, e.g. harness.cc), compiled once per input hash."""
+    out = out or default_out()
     cache = os.path.join(out, "obj-" + _inputs_hash(extra_sources))
     os.makedirs(cache, exist_ok=True)
     jobs, objs = [], []
@@ -103,8 +138,10 @@ def compile_objects(out=DEFAULT_OUT, extra_sources=()):
     return objs
 
 
-def build_harness(out=DEFAULT_OUT):
-    """libgn_harness.so of the emulated kernels + harness.cc in `out`; returns its path."""
+def build_harness(out=None):
+    """libgn_harness.so of the emulated kernels + harness.cc in `out` (default_out()); returns its
+    path."""
+    out = out or default_out()
     objs = compile_objects(out, [HARNESS])
     lib = os.path.join(out, "libgn_harness.so")
     stamp = lib + ".inputs"
@@ -113,6 +150,33 @@ def build_harness(out=DEFAULT_OUT):
         return lib
     tmp = lib + f".{os.getpid()}.tmp"
     _run(["g++", "-shared", "-pthread", "-o", tmp] + objs)
+    os.replace(tmp, lib)
+    with open(stamp, "w") as f:
+        f.write(key)
+    return lib
+
+
+PROBE = os.path.join(HERE, "rules_probe.cu")
+
+
+def build_probe(out=None):
+    """librules_probe.so (rules_probe.cu: kernels that keep or break one hardware rule each, for
+    tests/gpu/test_gpu_emu_rules.py) in `out` (default_out()); returns its path."""
+    out = out or default_out()
+    os.makedirs(out, exist_ok=True)
+    lib = os.path.join(out, "librules_probe.so")
+    key = _inputs_hash([PROBE])
+    stamp = lib + ".inputs"
+    if os.path.exists(lib) and os.path.exists(stamp) and open(stamp).read() == key:
+        return lib
+    cc = os.path.join(out, f"rules_probe_emu.{os.getpid()}.cc")
+    with open(cc, "w") as f:
+        f.write(f'#line 1 "{PROBE}"\n' + rewrite(PROBE))
+    tmp = lib + f".{os.getpid()}.tmp"
+    try:
+        _run(["g++"] + flags() + ["-shared", "-o", tmp, cc])
+    finally:
+        os.remove(cc)
     os.replace(tmp, lib)
     with open(stamp, "w") as f:
         f.write(key)
@@ -141,7 +205,7 @@ def build_fake_cusolver(out=DEFAULT_OUT):
 
 
 def main():
-    out = sys.argv[1] if len(sys.argv) > 1 else DEFAULT_OUT
+    out = sys.argv[1] if len(sys.argv) > 1 else default_out()
     print(build_harness(out), file=sys.stderr)
 
 
