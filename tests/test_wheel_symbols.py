@@ -47,14 +47,17 @@ def test_wheel_library_needs_glibc_2_17_at_most_and_no_cxx_runtime(wheel):
 
 
 def test_auditwheel_places_the_wheel_in_manylinux2014(wheel):
+    """auditwheel's own reading, libgomp.so.1 left external (searched for in glibc 2.17's stubs
+    only, as tools/build_wheel.sh does: this machine's libgomp has its own, newer glibc needs)."""
     auditwheel = os.path.join(os.path.dirname(sys.executable), "auditwheel")
-    if not os.path.exists(auditwheel):
-        pytest.skip("auditwheel is not installed next to this interpreter")
-    r = subprocess.run([auditwheel, "show", wheel], capture_output=True, text=True, timeout=300)
+    stubs = os.path.join(ROOT, "build", "glibc-2.17", "lib")
+    if not os.path.exists(auditwheel) or not os.path.isdir(stubs):
+        pytest.skip("auditwheel / the glibc 2.17 stubs are made by tools/build_wheel.sh")
+    r = subprocess.run([auditwheel, "show", "--ldpaths", stubs, wheel], capture_output=True,
+                       text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     text = " ".join(r.stdout.split())
-    assert re.search(r'is consistent with the following platform tag: "manylinux_2_17_x86_64"',
-                     text), text[:3000]
+    assert 'constrains the platform tag to "manylinux_2_17_x86_64"' in text, text[:3000]
 
 
 def test_build_report_says_what_was_reached(wheel):

@@ -61,7 +61,8 @@ WHEEL_CXX="${GNMX_WHEEL_CXX:-$(command -v g++-11 || true)}"
 [ -n "$WHEEL_CXX" ] || { log "needs g++-11 (apt-get install g++-11) or GNMX_WHEEL_CXX"; exit 1; }
 CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CXX_COMPILER=$WHEEL_CXX"
 # glibc 2.17's symbols: the link binds there (and fails on anything 2.17 lacks).
-GLIBC_LINK_FLAGS="$(bash "$REPO/tools/manylinux/glibc217.sh" "$VPY" "$BUILD/glibc-2.17")"
+GLIBC_DIR="$REPO/build/glibc-2.17"
+GLIBC_LINK_FLAGS="$(bash "$REPO/tools/manylinux/glibc217.sh" "$VPY" "$GLIBC_DIR")"
 CMAKE_ARGS="$CMAKE_ARGS '-DCMAKE_SHARED_LINKER_FLAGS=$GLIBC_LINK_FLAGS'"
 MAX_POLICY="${GNMX_WHEEL_MAX_POLICY:-manylinux_2_17}"
 [[ "$MAX_POLICY" =~ ^manylinux_2_([0-9]+)$ ]] ||
@@ -77,6 +78,11 @@ else
 fi
 
 RAW="$BUILD/raw"
+# setuptools stages every build of this checkout in build/lib.* and build/bdist.*: one build at a
+# time (a CPU and a CUDA build started together would package each other's files).
+mkdir -p "$REPO/build"
+exec 9>"$REPO/build/.build_wheel.lock"
+flock 9
 rm -rf "$RAW" "$REPO/build/bdist."* "$REPO/build/lib."*
 mkdir -p "$RAW" "$OUT"
 rm -f "$OUT"/*.whl "$OUT/SHA256SUMS"
@@ -87,12 +93,15 @@ PATH="$VENV/bin:$PATH" GNMX_BUILD_DIR="$BUILD/cmake" GNMX_STRIP=1 GNMX_CUDA=$CUD
 whl=$(ls "$RAW"/gn_mx-*.whl)
 log "raw wheel: $(basename "$whl")"
 
-# The oldest policy the library's symbol versions allow; libgomp stays external.
-show=$(PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" show "$whl" 2>&1 || true)
+# The oldest policy the library's symbol versions allow; libgomp stays external. auditwheel searches
+# glibc 2.17's stubs only (--ldpaths): left to find this machine's libgomp.so.1, it would charge the
+# wheel with that file's own glibc needs (2.34 here), though the wheel uses the user's libgomp.
+show=$(PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" show --ldpaths "$GLIBC_DIR/lib" "$whl" 2>&1 || true)
 plat=$(echo "$show" | grep -o '"manylinux_[0-9]*_[0-9]*_x86_64"' | head -1 | tr -d '"')
 [ -n "$plat" ] || { echo "$show" >&2; log "auditwheel found no manylinux policy"; exit 1; }
 log "policy reached: $plat (allowed: $MAX_POLICY or older)"
-PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" repair --plat "$plat" --exclude libgomp.so.1 -w "$OUT" "$whl" >&2
+PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" repair --plat "$plat" --only-plat \
+  --exclude libgomp.so.1 --ldpaths "$GLIBC_DIR/lib" -w "$OUT" "$whl" >&2
 final=$(ls "$OUT"/gn_mx-*.whl)
 (cd "$OUT" && sha256sum "$(basename "$final")" > SHA256SUMS)
 plat_glibc="2.$(echo "$plat" | sed 's/^manylinux_2_\([0-9]*\)_.*/\1/')"

@@ -20,10 +20,6 @@ import re
 import sys
 import zipfile
 
-from elftools.elf.dynamic import DynamicSection
-from elftools.elf.elffile import ELFFile
-from elftools.elf.gnuversions import GNUVerNeedSection, GNUVerSymSection
-
 LIB_IN_WHEEL = "gn_mx/libgn_mx.so"
 ALLOWED_NEEDED = {"libc.so.6", "libm.so.6", "libpthread.so.0", "libdl.so.2", "librt.so.1",
                   "ld-linux-x86-64.so.2", "libgomp.so.1"}
@@ -45,6 +41,9 @@ def read_library(path):
 
 def inspect(data):
     """NEEDED, version needs per library, and unversioned non-weak undefined symbols."""
+    from elftools.elf.dynamic import DynamicSection  # pyelftools: imported here, so that --help
+    from elftools.elf.elffile import ELFFile         # works without it
+    from elftools.elf.gnuversions import GNUVerNeedSection, GNUVerSymSection
     elf = ELFFile(io.BytesIO(data))
     needed, version_needs, unversioned = [], {}, []
     for sec in elf.iter_sections():

@@ -11,8 +11,9 @@
 # glibc's own). The library is still compiled and linked by gcc (g++-11: the code, the OpenMP runtime
 # libgomp and the CUDA host compiler stay what they are); `-L DIR/lib` makes `-lc -lm -lpthread -ldl
 # -lrt` bind there, so every glibc symbol gets its 2.17-or-older version, and `-z defs` turns a symbol
-# that glibc 2.17 lacks into a link error instead of a library that fails to load on old systems.
-# glibc_compat.c (beside this script) defines the one such symbol gcc 11's static libstdc++ uses.
+# that glibc 2.17 lacks (or a library not named) into a link error instead of a library that fails
+# to load on old systems.
+# glibc_compat.c (beside this script) defines the two such symbols gcc 11's static libstdc++ uses.
 #
 # Environment: CC (C compiler for glibc_compat.c, default gcc-11 or gcc).
 set -euo pipefail
@@ -25,7 +26,7 @@ log() { echo "[glibc217] $*" >&2; }
 
 LIB="$DIR/lib"
 stamp="$LIB/.ok"
-want="$("$PY" -m ziglang version) $TARGET $(sha256sum "$HERE/glibc_compat.c" | cut -c1-16)"
+want="$("$PY" -m ziglang version) $TARGET"
 if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
   log "glibc 2.17 link stubs from zig $("$PY" -m ziglang version) -> $LIB"
   rm -rf "$LIB" "$DIR/zig-cache"
@@ -52,9 +53,11 @@ if [ "$(cat "$stamp" 2>/dev/null)" != "$want" ]; then
     "$LIB/ld-linux-x86-64.so.2" > "$LIB/libc.so"
   newest=$(objdump -T "$LIB/libc.so.6" | grep -o 'GLIBC_2\.[0-9]*' | sort -uV | tail -1)
   [ "$newest" = GLIBC_2.17 ] || { log "zig's stubs are not glibc 2.17's (newest: $newest)"; exit 1; }
-  CC="${CC:-$(command -v gcc-11 || command -v gcc)}"
-  "$CC" -O2 -fPIC -c "$HERE/glibc_compat.c" -o "$LIB/glibc_compat.o"
   rm -rf "$DIR/probe"
   echo "$want" > "$stamp"
 fi
-echo "-L$LIB -Wl,-z,defs $LIB/glibc_compat.o"
+CC="${CC:-$(command -v gcc-11 || command -v gcc)}"
+"$CC" -O2 -fPIC -Wall -Werror -c "$HERE/glibc_compat.c" -o "$DIR/glibc_compat.o"
+# glibc 2.17 keeps pthread_* and dlopen/dlsym in libpthread / libdl (2.34 moved them into libc, so
+# today's compilers do not name them): named here, always recorded (--no-as-needed).
+echo "-L$LIB -Wl,-z,defs $DIR/glibc_compat.o -Wl,--no-as-needed -lpthread -ldl"
