@@ -88,8 +88,10 @@ def bullseye(request, bullseye_root, wheel):
     env = {"PATH": f"{inside}/venv/bin:/usr/bin:/bin", "HOME": f"{inside}/work", "LANG": "C.UTF-8",
            "OMP_NUM_THREADS": "2"}
 
+    chroot_bin = shutil.which("chroot") or "/usr/sbin/chroot"  # looked up on the host's PATH
+
     def chroot(*cmd, timeout=900):
-        return subprocess.run(["chroot", root, "/usr/bin/env", "-C", f"{inside}/work", *cmd],
+        return subprocess.run([chroot_bin, root, "/usr/bin/env", "-C", f"{inside}/work", *cmd],
                               capture_output=True, text=True, env=env, timeout=timeout)
 
     with _mounted(root):

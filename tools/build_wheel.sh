@@ -57,8 +57,14 @@ CMAKE_ARGS="-DGNMX_STATIC_CXX_RUNTIME=ON"
 # The C++ compiler: g++-11 (tools/cuda11_toolchain.sh installs it; CUDA 11.8's host compiler, so host
 # and device objects come from one compiler). GNMX_WHEEL_CXX=... overrides (changing it in an
 # existing build folder rebuilds it).
+if [ -z "${GNMX_WHEEL_CXX:-}" ] && ! command -v g++-11 >/dev/null && [ "$(id -u)" = 0 ] &&
+   command -v apt-get >/dev/null; then
+  log "installing gcc-11/g++-11 (Debian bookworm main)"
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-11 g++-11 >&2 ||
+    { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq gcc-11 g++-11 >&2; }
+fi
 WHEEL_CXX="${GNMX_WHEEL_CXX:-$(command -v g++-11 || true)}"
-[ -n "$WHEEL_CXX" ] || { log "needs g++-11 (apt-get install g++-11) or GNMX_WHEEL_CXX"; exit 1; }
+[ -n "$WHEEL_CXX" ] || { log "needs g++-11 (apt-get install gcc-11 g++-11) or GNMX_WHEEL_CXX"; exit 1; }
 CMAKE_ARGS="$CMAKE_ARGS -DCMAKE_CXX_COMPILER=$WHEEL_CXX"
 # glibc 2.17's symbols: the link binds there (and fails on anything 2.17 lacks).
 GLIBC_DIR="$REPO/build/glibc-2.17"
