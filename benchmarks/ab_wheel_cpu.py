@@ -117,8 +117,8 @@ def _median(v):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--a", required=True, help="interpreter of side A (the wheel)")
-    ap.add_argument("--b", required=True, help="interpreter of side B (the baseline build)")
+    ap.add_argument("--a", help="interpreter of side A (the wheel)")
+    ap.add_argument("--b", help="interpreter of side B (the baseline build)")
     ap.add_argument("--label-a", default="A")
     ap.add_argument("--label-b", default="B")
     ap.add_argument("--rounds", type=int, default=6)
@@ -128,6 +128,8 @@ def main():
     a = ap.parse_args()
     if a.child:
         return child(a.min_sample_ms / 1e3)
+    if not (a.a and a.b):
+        ap.error("--a and --b name the two interpreters")
     load = [os.getloadavg()]
     t0 = time.time()
     runs = {"A": [], "B": []}

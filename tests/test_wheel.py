@@ -9,8 +9,14 @@ neutral directory, and runs:
   - every op forward + backward against numpy (test_loading.CHECK_OPS, the same script);
   - a hybridized net exported in one process and reloaded in a fresh one;
   - gn_mx.build_info() (CPU only, this gn_mx version, MXNet's lib_api version);
+  - both CPU code paths of the run-time ISA dispatch (AVX2 where the CPU has it, and
+    GNMX_CPU_ISA=generic) giving the same GroupNorm / DBN results;
   - a forked gluon DataLoader worker calling an op after the parent did (one OpenMP runtime:
-    libgomp.so.1 is kept external, as MXNet's own wheel does).
+    libgomp.so.1 is kept external, as MXNet's own wheel does);
+  - the README quickstart.
+The wheel's name carries the manylinux2014 tag; its symbol versions are checked by
+tests/test_wheel_symbols.py, and the same smoke runs on Debian bullseye in
+tests/test_wheel_bullseye.py (GNMX_BULLSEYE=1).
 """
 import glob
 import hashlib
