@@ -72,10 +72,11 @@ def _cuda_wheel():
 
 
 @pytest.fixture(scope="module", params=["cpu", "cuda"])
-def bullseye(request, bullseye_root, wheel):
-    """(kind, run): a venv in the bullseye root with only mxnet, numpy and that wheel."""
+def bullseye(request, bullseye_root):
+    """(kind, run, work): a venv in the bullseye root with only mxnet, numpy and that wheel."""
     kind = request.param
-    whl = wheel if kind == "cpu" else _cuda_wheel()
+    # The CPU wheel fixture only when used: `-k cuda` needs no CPU wheel build.
+    whl = request.getfixturevalue("wheel") if kind == "cpu" else _cuda_wheel()
     if whl is None:
         pytest.skip("no CUDA wheel: bash tools/build_wheel.sh (or GNMX_BULLSEYE_CUDA_WHEEL=...)")
     root = bullseye_root
