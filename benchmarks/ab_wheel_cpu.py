@@ -8,7 +8,9 @@ Each side is an interpreter whose `import gn_mx` finds that side's library (e.g.
 manylinux2014 wheel installed, B: the development venv's editable build). The same child script
 runs in both, in turn (A B, then B A, ... in alternating order), OMP_NUM_THREADS=1, glibc told to
 keep freed memory (benchmarks/_common.KEPT), from a neutral folder. A child times, fp32, imperative:
-  - GroupNorm forward and forward+backward (mx.nd.gn_group_norm) on bench_group_norm.SHAPES;
+  - GroupNorm forward and forward+backward (mx.nd.gn_group_norm) on bench_group_norm.SHAPES, and
+    with the fused SiLU on three of them (it calls libm's expf per element: the wheel binds glibc
+    2.17's expf@GLIBC_2.2.5, a build on this machine expf@GLIBC_2.27);
   - DBN on bench_dbn.SHAPES: ZCA forward+backward (gn_dbn), inference (gn_dbn_inference) and
     IterNorm (T=5) forward+backward;
 each case the median of 5 samples, a sample a loop of >= --min-sample-ms. Per case and round the
@@ -35,6 +37,8 @@ def _cases():
     out = []
     for shape, g in GN_SHAPES:
         out += [("gn_fwd", shape, g), ("gn_fwdbwd", shape, g)]
+    for shape, g in GN_SHAPES[2:5]:  # the fused SiLU calls expf per element (libm's, see below)
+        out += [("gnsilu_fwd", shape, g), ("gnsilu_fwdbwd", shape, g)]
     for shape, g in DBN_SHAPES:
         out += [("zca_fwdbwd", shape, g), ("zca_inf", shape, g), ("itn_fwdbwd", shape, g)]
     return out
@@ -56,9 +60,10 @@ def child(min_sample_s):
         x.attach_grad()
         if kind.startswith("gn"):
             gamma, beta = mx.nd.ones(c), mx.nd.zeros(c)
+            act = "silu" if kind.startswith("gnsilu") else "none"
 
             def op():
-                return mx.nd.gn_group_norm(x, gamma, beta, num_groups=g)[0]
+                return mx.nd.gn_group_norm(x, gamma, beta, num_groups=g, act_type=act)[0]
         else:
             d = c // g
             rm, rp = mx.nd.zeros((c,)), mx.nd.array(np.tile(np.eye(d), (g, 1, 1)))
