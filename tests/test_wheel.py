@@ -9,8 +9,14 @@ neutral directory, and runs:
   - every op forward + backward against numpy (test_loading.CHECK_OPS, the same script);
   - a hybridized net exported in one process and reloaded in a fresh one;
   - gn_mx.build_info() (CPU only, this gn_mx version, MXNet's lib_api version);
+  - both CPU code paths of the run-time ISA dispatch (AVX2 where the CPU has it, and
+    GNMX_CPU_ISA=generic) giving the same GroupNorm / DBN results;
   - a forked gluon DataLoader worker calling an op after the parent did (one OpenMP runtime:
-    libgomp.so.1 is kept external, as MXNet's own wheel does).
+    libgomp.so.1 is kept external, as MXNet's own wheel does);
+  - the README quickstart.
+The wheel's name carries the manylinux2014 tag; its symbol versions are checked by
+tests/test_wheel_symbols.py, and the same smoke runs on Debian bullseye in
+tests/test_wheel_bullseye.py (GNMX_BULLSEYE=1).
 """
 import glob
 import hashlib
@@ -29,7 +35,7 @@ from conftest import ROOT
 from test_loading import CHECK_OPS
 
 BUILD_INPUTS = ("src", "python", "CMakeLists.txt", "setup.py", "pyproject.toml",
-                os.path.join("tools", "build_wheel.sh"), "README.md")
+                "tools", "README.md")
 
 
 def _python_range():
@@ -83,10 +89,15 @@ def wheel():
     return found[0]
 
 
-def test_wheel_is_one_py3_none_manylinux_wheel(wheel):
+# The platform tag auditwheel writes for manylinux2014 (glibc 2.17: the tag of MXNet's 1.9.1 wheels).
+MANYLINUX2014_TAG = "manylinux2014_x86_64.manylinux_2_17_x86_64"
+
+
+def test_wheel_is_one_py3_none_manylinux2014_wheel(wheel):
     name = os.path.basename(wheel)
-    m = re.match(r"gn_mx-([^-]+)-py3-none-(manylinux_2_(\d+)_x86_64)\.whl$", name)
+    m = re.match(r"gn_mx-([^-]+)-py3-none-([a-z0-9_.]+)\.whl$", name)
     assert m, name
+    assert sorted(m.group(2).split(".")) == sorted(MANYLINUX2014_TAG.split(".")), name
     with open(os.path.join(ROOT, "python", "gn_mx", "__init__.py")) as f:
         assert f'__version__ = "{m.group(1)}"' in f.read()
     with zipfile.ZipFile(wheel) as z:
@@ -147,6 +158,31 @@ assert np.abs(y - np.load(os.path.join(d, "y.npy"))).max() <= 1e-6
 print("RELOAD-OK")
 '''
 
+# The run-time ISA dispatch (cpu_isa.h) in the wheel's library: the path build_info() names, and
+# the same GroupNorm / DBN (ZCA, IterNorm) results from the portable path (GNMX_CPU_ISA=generic,
+# read once at the first call). argv: 'default' or 'generic', then an output .npz.
+ISA = r'''
+import os, sys, json
+if sys.argv[1] != "default":
+    os.environ["GNMX_CPU_ISA"] = sys.argv[1]
+import numpy as np, mxnet as mx, gn_mx
+info = gn_mx.build_info()
+rs = np.random.RandomState(3)
+x = mx.nd.array(rs.randn(4, 32, 9, 7))
+x.attach_grad()
+outs = {"gn": mx.nd.gn_group_norm(x, mx.nd.ones(32), mx.nd.zeros(32), num_groups=8)[0]}
+for name, blk in (("zca", gn_mx.DecorrelatedBatchNorm(num_groups=2)),
+                  ("itn", gn_mx.DecorrelatedBatchNorm(num_groups=2, whitening="iternorm"))):
+    blk.initialize()
+    with mx.autograd.record():
+        y = blk(x)
+    y.backward(mx.nd.array(rs.randn(*y.shape)))
+    outs[name], outs[name + "_dx"] = y, x.grad.copy()
+np.savez(sys.argv[2], **{k: v.asnumpy() for k, v in outs.items()})
+print("ISA " + json.dumps([info["cpu_isa"], info["cpu_isa_active"]]))
+'''
+
+
 INFO = r'''
 import json, gn_mx
 print("INFO " + json.dumps(gn_mx.build_info()))
@@ -184,40 +220,94 @@ def _run(vpy, code, tmp_path, *args):
                           text=True, timeout=300, cwd=str(work), env=env)
 
 
-def test_installed_wheel_runs_every_op_without_build_tools(installed, tmp_path):
-    r = _run(installed, "import gn_mx, os\nassert 'site-packages' in gn_mx.__file__, "
-                        "gn_mx.__file__\n" + CHECK_OPS, tmp_path)
+# The smoke itself, one function per check, each given `run(code, *args)` (a CompletedProcess of
+# `python -c code args` with the installed wheel): here a venv on this machine, in
+# tests/test_wheel_bullseye.py a venv inside a Debian bullseye root.
+def check_every_op(run):
+    r = run("import gn_mx, os\nassert 'site-packages' in gn_mx.__file__, gn_mx.__file__\n" + CHECK_OPS)
     assert r.returncode == 0 and "CHECK-OPS-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
 
 
-def test_installed_wheel_export_and_reload_in_a_fresh_process(installed, tmp_path):
-    d = tmp_path / "model"
-    d.mkdir()
-    r = _run(installed, EXPORT, tmp_path, str(d))
+def check_export_and_reload(run, model_dir):
+    """Export in one process, reload in a fresh one; `model_dir` as the running process sees it."""
+    r = run(EXPORT, model_dir)
     assert r.returncode == 0 and "EXPORT-OK" in r.stdout, r.stderr[-4000:]
-    r = _run(installed, RELOAD, tmp_path, str(d))
+    r = run(RELOAD, model_dir)
     assert r.returncode == 0 and "RELOAD-OK" in r.stdout, r.stderr[-4000:]
 
 
-def test_installed_wheel_build_info(installed, tmp_path):
-    r = _run(installed, INFO, tmp_path)
+def check_build_info(run, cuda):
+    r = run(INFO)
     assert r.returncode == 0, r.stderr[-4000:]
     info = json.loads(r.stdout.split("INFO ", 1)[1])
     with open(os.path.join(ROOT, "python", "gn_mx", "__init__.py")) as f:
         version = re.search(r'__version__ = "([^"]+)"', f.read()).group(1)
     assert info["version"] == version and info["lib_api"] == 11, info
-    assert info["cuda"] is None and "CPU only" in info["summary"], info
     assert info["mxnet"].startswith("mxnet 1.9") and info["openmp"] > 0, info
+    if cuda:
+        assert info["cuda"]["runtime"] == "11.8" and "CUDA 11.8" in info["summary"], info
+    else:
+        assert info["cuda"] is None and "CPU only" in info["summary"], info
+    return info
+
+
+def check_cpu_isa(run, out_dir):
+    """Both paths of the ISA dispatch give the same results; the active one is what the CPU has."""
+    got = {}
+    for isa in ("default", "generic"):
+        r = run(ISA, isa, f"{out_dir}/{isa}.npz")
+        assert r.returncode == 0 and "ISA " in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+        got[isa] = json.loads(r.stdout.split("ISA ", 1)[1])
+    return got
+
+
+def check_forked_loader(run):
+    r = run(FORK_LOADER)
+    assert r.returncode == 0 and "FORK-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def check_quickstart(run):
+    """The README's quickstart, as a user runs it."""
+    with open(os.path.join(ROOT, "examples", "quickstart.py")) as f:
+        code = f.read()
+    r = run(code)
+    assert r.returncode == 0 and "-> OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+
+
+def test_installed_wheel_runs_every_op_without_build_tools(installed, tmp_path):
+    check_every_op(lambda code, *a: _run(installed, code, tmp_path, *a))
+
+
+def test_installed_wheel_export_and_reload_in_a_fresh_process(installed, tmp_path):
+    d = tmp_path / "model"
+    d.mkdir()
+    check_export_and_reload(lambda code, *a: _run(installed, code, tmp_path, *a), str(d))
+
+
+def test_installed_wheel_build_info(installed, tmp_path):
+    check_build_info(lambda code, *a: _run(installed, code, tmp_path, *a), cuda=False)
+
+
+def _cpu_flags():
+    with open("/proc/cpuinfo") as f:
+        return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
+
+
+def test_installed_wheel_cpu_isa_dispatch(installed, tmp_path):
+    import numpy as np
+    got = check_cpu_isa(lambda code, *a: _run(installed, code, tmp_path, *a), str(tmp_path))
+    want = "avx2" if {"avx2", "fma", "f16c"} <= _cpu_flags() else "generic"
+    assert got["default"] == [["generic", "avx2"], want], got
+    assert got["generic"] == [["generic", "avx2"], "generic"], got
+    a, b = np.load(tmp_path / "default.npz"), np.load(tmp_path / "generic.npz")
+    for k in a.files:
+        assert np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4), (k, np.abs(a[k] - b[k]).max())
 
 
 def test_installed_wheel_forked_loader_after_an_op_call(installed, tmp_path):
-    r = _run(installed, FORK_LOADER, tmp_path)
-    assert r.returncode == 0 and "FORK-OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    check_forked_loader(lambda code, *a: _run(installed, code, tmp_path, *a))
 
 
 def test_installed_wheel_runs_the_quickstart(installed, tmp_path):
     """The README's quickstart, as a user runs it: the installed wheel, no compiler on PATH."""
-    with open(os.path.join(ROOT, "examples", "quickstart.py")) as f:
-        code = f.read()
-    r = _run(installed, code, tmp_path)
-    assert r.returncode == 0 and "-> OK" in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
+    check_quickstart(lambda code, *a: _run(installed, code, tmp_path, *a))
