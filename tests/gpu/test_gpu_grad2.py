@@ -17,15 +17,16 @@ from reference import act_grad_ref, numeric_grad
 def first_order(G, act, dy, dmean_o, drstd_o, x, gamma, beta, mean, rstd):
     """float64 (dx, dgamma, dbeta) of the first-order backward at the given mean / rstd."""
     N, C = x.shape[:2]
-    b = (1, C, 1)
+    b = (1, C) + (1,) * (x.ndim - 2)
+    red = (0,) + tuple(range(2, x.ndim))
     xg = x.reshape(N, G, -1)
     m = xg.shape[2]
     u = xg - mean[..., None]
     xhat = (u * rstd[..., None]).reshape(x.shape)
     z = xhat * gamma.reshape(b) + beta.reshape(b)
     g = dy * act_grad_ref(z, act)
-    dbeta = g.sum((0, 2))
-    dgamma = (g * xhat).sum((0, 2))
+    dbeta = g.sum(red)
+    dgamma = (g * xhat).sum(red)
     gg = (g * gamma.reshape(b)).reshape(N, G, -1)  # dL/dxhat
     A = (gg * u).sum(-1)
     B = gg.sum(-1)
