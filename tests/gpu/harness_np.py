@@ -93,6 +93,10 @@ def load():
         if not os.path.exists(path) or os.environ.get("GNMX_HARNESS_REBUILD") == "1":
             subprocess.run(["bash", os.path.join(HERE, "build.sh")], check=True)
     lib = ctypes.CDLL(path)
+    missing = [name for name in _SIGS if not hasattr(lib, name)]
+    if missing:  # a library built before harness.cc gained these entry points
+        raise RuntimeError(f"{path} lacks {', '.join(missing)}: rebuild it "
+                           "(GNMX_HARNESS_REBUILD=1, or bash tests/gpu/build.sh)")
     for name, (res, args) in _SIGS.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args

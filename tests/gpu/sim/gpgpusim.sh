@@ -2,6 +2,7 @@
 # Runs gn_mx's real PTX on GPGPU-Sim (the Accel-Sim project's fork, functional mode), no GPU needed.
 #
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh build           # simulator + harness PTX
+#   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh harness         # the harness PTX only
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh pytest [ARGS]   # tests/gpu ARGS on it
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh ci [ARGS]       # the list in ci_tests.txt
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh run CMD...      # any command on it
@@ -41,8 +42,8 @@ die() { log "$*"; exit 1; }
 if [[ "${1:-}" == --src ]]; then SRC="${2:-}"; shift 2 || true; fi
 cmd="${1:-}"
 [[ $# -gt 0 ]] && shift
-case "$cmd" in build|pytest|ci|run|env) ;; *)
-  sed -n '2,8p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
+case "$cmd" in build|harness|pytest|ci|run|env) ;; *)
+  sed -n '2,9p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac
 
 if [[ -z "$SRC" ]]; then
@@ -165,11 +166,9 @@ build_harness() {
   log "harness built in $((SECONDS - t0)) s: $HLIB"
 }
 
-(
-  flock 9
-  [[ -f "$SIM/libdir" ]] || build_sim
-  [[ -f "$HLIB" ]] || build_harness
-) 9>"$CACHE/.lock"
+(flock 9; [[ -f "$HLIB" ]] || build_harness) 9>"$CACHE/.lock-harness"
+if [[ "$cmd" == harness ]]; then log "ready: harness $HLIB"; exit 0; fi
+(flock 9; [[ -f "$SIM/libdir" ]] || build_sim) 9>"$CACHE/.lock-sim"
 LIBDIR="$(cat "$SIM/libdir")"
 CFG="$SIM/gpgpu-sim/configs/tested-cfgs/SM7_QV100"
 
