@@ -178,7 +178,9 @@ run_dir() {  # a fresh folder per run: the simulator reads gpgpusim.config from 
   d="$(mktemp -d "$CACHE/run.XXXXXX")"
   cp "$CFG"/* "$d/"
   sed -i 's/^-gpgpu_ptx_sim_mode .*//' "$d/gpgpusim.config"
-  echo "-gpgpu_ptx_sim_mode 1" >>"$d/gpgpusim.config"  # functional simulation
+  # functional simulation (the file ends without a newline, in a comment: start a new line)
+  printf '\n-gpgpu_ptx_sim_mode 1\n' >>"$d/gpgpusim.config"
+  grep -qx -- '-gpgpu_ptx_sim_mode 1' "$d/gpgpusim.config" || die "could not set functional mode"
   echo "$d"
 }
 
@@ -187,6 +189,9 @@ sim_env() {
   export PYTORCH_BIN="$HLIB"
   export GNMX_HARNESS_EMU=0 GNMX_HARNESS_LIB="$HLIB" GNMX_HARNESS_SIM=1
   export CUDA_INSTALL_PATH="$CUDA"
+  # what the simulator's setup_environment sets for CUDA >= 6 (PTX extracted per file by cuobjdump)
+  export PTX_SIM_USE_PTX_FILE=1.ptx PTX_SIM_KERNELFILE=_1.ptx CUOBJDUMP_SIM_FILE=jj
+  export PTX_SIM_MODE_FUNC=1  # functional mode, also read at every launch
 }
 
 PY="${PYTHON:-}"
