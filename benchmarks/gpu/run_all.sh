@@ -2,7 +2,7 @@
 # One command for the GPU machine (torch with CUDA + nvcc; no MXNet, no internet), < 5 minutes:
 #   1. build the framework-free harness (tests/gpu/build.sh -> build/gpu/libgn_harness.so: the CMake
 #      target gn_harness with GNMX_MXNET=OFF, or one nvcc command when cmake is missing)
-#   2. run the GPU correctness tests (tests/gpu, vs float64 references and torch)
+#   2. run the GPU correctness tests (tests/gpu, numpy-driven, vs float64 references)
 #   3. benchmark every shape class of issue 23 against torch in one table (bench_gpu.py)
 # Results: benchmarks/results/gpu_tests.md, gpu_bench.json, gpu_bench.md (or $GNMX_RESULTS), and
 # copies of them in $OUT when OUT is set (the device tool brings back only what is under $OUT).

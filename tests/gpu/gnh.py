@@ -2,7 +2,8 @@
 
 No MXNet: the framework-free CUDA kernels run on raw device pointers on torch's current stream.
 `load()` builds the library with tests/gpu/build.sh when it is missing (or GNMX_HARNESS_REBUILD=1).
-Shared by tests/gpu/test_gpu_kernels.py and benchmarks/gpu/bench_gpu.py.
+Used by benchmarks/gpu/bench_gpu.py (timings next to torch); the correctness tests in tests/gpu
+drive the same library without torch (tests/gpu/harness_np.py).
 
 GNMX_HARNESS_EMU=1 instead loads the same kernels built for the CPU emulator (tests/gpu/emu/, logic
 checks without a GPU; rebuilt when a source changed) into build/gpu-emu/ and runs them on CPU

@@ -18,6 +18,7 @@
 #include "kernels/affine.h"
 #include "kernels/dbn.h"
 #include "kernels/group_norm.h"
+#include "kernels/group_norm_grad2.h"
 
 using namespace gn_mx;
 
@@ -321,4 +322,114 @@ GNH_API const char* gnh_affine_bwd(int dtype, int param_dtype, const void* dy, c
   a.workspace = workspace;
   a.dims = group_dims(N, C, 1, S);
   return affine_bwd_cuda(a, stream);
+}
+
+// ---- DBN with every option (whitening, IterNorm's T, fused affine) -------------------------------
+// whitening: 0 ZCA, 1 IterNorm (DbnWhitening). gamma/beta (forward) and gamma/dgamma/dbeta
+// (backward) are nullptr or all given, in param_dtype. The IterNorm forward saves Sigma as `eigvec`
+// and its diagonal as `eigval` (dbn.h), which the backward reads.
+
+GNH_API size_t gnh_dbn_fwd_workspace2(int dtype, int stat_dtype, int64_t N, int64_t C, int64_t G,
+                                      int64_t S, int whitening, int iterations) {
+  DbnFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.dims = group_dims(N, C, G, S);
+  a.whitening = static_cast<DbnWhitening>(whitening);
+  a.iterations = iterations;
+  return dbn_fwd_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_dbn_fwd2(int dtype, int stat_dtype, int param_dtype, const void* x,
+                                 const void* gamma, const void* beta, void* y, void* mean,
+                                 void* eigvec, void* eigval, void* running_mean, void* running_proj,
+                                 void* workspace, int64_t N, int64_t C, int64_t G, int64_t S,
+                                 double eps, double momentum, int whitening, int iterations,
+                                 void* stream) {
+  DbnFwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.x = x; a.gamma = gamma; a.beta = beta; a.y = y; a.mean = mean; a.eigvec = eigvec;
+  a.eigval = eigval; a.running_mean = running_mean; a.running_proj = running_proj;
+  a.workspace = workspace;
+  a.dims = group_dims(N, C, G, S);
+  a.eps = eps;
+  a.momentum = momentum;
+  a.whitening = static_cast<DbnWhitening>(whitening);
+  a.iterations = iterations;
+  return dbn_fwd_cuda(a, stream);
+}
+
+GNH_API size_t gnh_dbn_bwd_workspace2(int dtype, int64_t N, int64_t C, int64_t G, int64_t S,
+                                      int whitening, int iterations) {
+  DbnBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.dims = group_dims(N, C, G, S);
+  a.whitening = static_cast<DbnWhitening>(whitening);
+  a.iterations = iterations;
+  return dbn_bwd_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_dbn_bwd2(int dtype, int param_dtype, const void* dy, const void* x,
+                                 const void* mean, const void* eigvec, const void* eigval,
+                                 const void* gamma, void* dx, void* dgamma, void* dbeta,
+                                 void* workspace, int64_t N, int64_t C, int64_t G, int64_t S,
+                                 int whitening, int iterations, void* stream) {
+  DbnBwdArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.dy = dy; a.x = x; a.mean = mean; a.eigvec = eigvec; a.eigval = eigval;
+  a.gamma = gamma; a.dx = dx; a.dgamma = dgamma; a.dbeta = dbeta;
+  a.workspace = workspace;
+  a.dims = group_dims(N, C, G, S);
+  a.whitening = static_cast<DbnWhitening>(whitening);
+  a.iterations = iterations;
+  return dbn_bwd_cuda(a, stream);
+}
+
+// ---- Double backward (group_norm_grad2.h) --------------------------------------------------------
+// Inputs of the first-order backward (dy, dmean_o, drstd_o, x, gamma, beta, mean, rstd), the
+// gradients arriving at its outputs (gdx, gdgamma, gdbeta; nullptr = 0), and the gradients into
+// each input (ddy, ddmean_o, ddrstd_o, dx, dgamma, dbeta, dmean, drstd).
+
+GNH_API size_t gnh_gn_grad2_workspace(int dtype, int param_dtype, int64_t N, int64_t C, int64_t G,
+                                      int64_t S, int act) {
+  GroupNormGrad2Args a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.dims = group_dims(N, C, G, S);
+  a.act = static_cast<Act>(act);
+  return group_norm_grad2_workspace_cuda(a);
+}
+
+GNH_API const char* gnh_gn_grad2(int dtype, int param_dtype, const void* dy, const void* dmean_o,
+                                 const void* drstd_o, const void* x, const void* gamma,
+                                 const void* beta, const void* mean, const void* rstd,
+                                 const void* gdx, const void* gdgamma, const void* gdbeta,
+                                 void* ddy, void* ddmean_o, void* ddrstd_o, void* dx, void* dgamma,
+                                 void* dbeta, void* dmean, void* drstd, void* workspace, int64_t N,
+                                 int64_t C, int64_t G, int64_t S, int act, void* stream) {
+  GroupNormGrad2Args a;
+  a.dtype = static_cast<DType>(dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.dy = dy; a.dmean_o = dmean_o; a.drstd_o = drstd_o; a.x = x; a.gamma = gamma; a.beta = beta;
+  a.mean = mean; a.rstd = rstd; a.gdx = gdx; a.gdgamma = gdgamma; a.gdbeta = gdbeta;
+  a.ddy = ddy; a.ddmean_o = ddmean_o; a.ddrstd_o = ddrstd_o; a.dx = dx; a.dgamma = dgamma;
+  a.dbeta = dbeta; a.dmean = dmean; a.drstd = drstd; a.workspace = workspace;
+  a.dims = group_dims(N, C, G, S);
+  a.act = static_cast<Act>(act);
+  return group_norm_grad2_cuda(a, stream);
+}
+
+GNH_API const char* gnh_moments_grad2(int dtype, const void* dmean_o, const void* dvar_o,
+                                      const void* x, const void* mean, const void* gdx,
+                                      void* ddmean_o, void* ddvar_o, void* dx, void* dmean,
+                                      int64_t N, int64_t C, int64_t G, int64_t S, void* stream) {
+  MomentsGrad2Args a;
+  a.dtype = static_cast<DType>(dtype);
+  a.dmean_o = dmean_o; a.dvar_o = dvar_o; a.x = x; a.mean = mean; a.gdx = gdx;
+  a.ddmean_o = ddmean_o; a.ddvar_o = ddvar_o; a.dx = dx; a.dmean = dmean;
+  a.dims = group_dims(N, C, G, S);
+  return moments_grad2_cuda(a, stream);
 }

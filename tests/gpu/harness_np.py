@@ -41,6 +41,19 @@ _SIGS = {
                        + [c_dbl, c_int, c_vp, c_vp]),
     "gnh_gn_bwd_workspace": (c_size, [c_int, c_int, c_vp, c_vp, c_vp] + [c_i64] * 4),
     "gnh_gn_bwd_act": (c_str, [c_int, c_int] + [c_vp] * 12 + [c_i64] * 4 + [c_dbl, c_int, c_vp]),
+    "gnh_gn_grad2_workspace": (c_size, [c_int, c_int] + [c_i64] * 4 + [c_int]),
+    "gnh_gn_grad2": (c_str, [c_int, c_int] + [c_vp] * 20 + [c_i64] * 4 + [c_int, c_vp]),
+    "gnh_moments_grad2": (c_str, [c_int] + [c_vp] * 9 + [c_i64] * 4 + [c_vp]),
+    "gnh_dbn_fwd_workspace2": (c_size, [c_int, c_int] + [c_i64] * 4 + [c_int, c_int]),
+    "gnh_dbn_fwd2": (c_str, [c_int, c_int, c_int] + [c_vp] * 10 + [c_i64] * 4
+                     + [c_dbl, c_dbl, c_int, c_int, c_vp]),
+    "gnh_dbn_bwd_workspace2": (c_size, [c_int] + [c_i64] * 4 + [c_int, c_int]),
+    "gnh_dbn_bwd2": (c_str, [c_int, c_int] + [c_vp] * 10 + [c_i64] * 4 + [c_int, c_int, c_vp]),
+    "gnh_dbn_inference_workspace": (c_size, [c_int, c_int] + [c_i64] * 4),
+    "gnh_dbn_inference": (c_str, [c_int, c_int, c_int] + [c_vp] * 5 + [c_i64] * 4 + [c_vp]),
+    "gnh_affine_fwd": (c_str, [c_int, c_int] + [c_vp] * 4 + [c_i64] * 3 + [c_vp]),
+    "gnh_affine_bwd_workspace": (c_size, [c_int, c_int] + [c_i64] * 3),
+    "gnh_affine_bwd": (c_str, [c_int, c_int] + [c_vp] * 7 + [c_i64] * 3 + [c_vp]),
 }
 
 
@@ -54,6 +67,11 @@ def _gpu_present():
 def emulated():
     v = os.environ.get("GNMX_HARNESS_EMU")
     return v == "1" if v in ("0", "1") else not _gpu_present()
+
+
+def simulated():
+    """True under GPGPU-Sim (tests/gpu/sim/gpgpusim.sh sets GNMX_HARNESS_SIM=1)."""
+    return os.environ.get("GNMX_HARNESS_SIM") == "1"
 
 
 _lib = None
@@ -75,6 +93,10 @@ def load():
         if not os.path.exists(path) or os.environ.get("GNMX_HARNESS_REBUILD") == "1":
             subprocess.run(["bash", os.path.join(HERE, "build.sh")], check=True)
     lib = ctypes.CDLL(path)
+    missing = [name for name in _SIGS if not hasattr(lib, name)]
+    if missing:  # a library built before harness.cc gained these entry points
+        raise RuntimeError(f"{path} lacks {', '.join(missing)}: rebuild it "
+                           "(GNMX_HARNESS_REBUILD=1, or bash tests/gpu/build.sh)")
     for name, (res, args) in _SIGS.items():
         fn = getattr(lib, name)
         fn.restype, fn.argtypes = res, args
@@ -85,7 +107,7 @@ def load():
 
 
 def device_name():
-    return "emulator" if emulated() else "gpu"
+    return "emulator" if emulated() else "simulator" if simulated() else "gpu"
 
 
 class KernelError(RuntimeError):
@@ -209,3 +231,209 @@ class Runner:
                 res["dx"] = dx
             _check(lib.gnh_synchronize())
             return {k: d.get(v) for k, v in res.items()}
+
+
+# -------------------------------------------------------------------------------------------------
+# Functional entry points on numpy arrays (the tests/gpu modules and benchmarks/gpu's correctness
+# path): each copies its inputs to the device, runs the kernels, synchronizes and returns numpy
+# arrays. `offsets` ({name: elements}) places a data buffer that many elements past a 256-byte
+# aligned start (misaligned views); `use_workspace=False` runs a kernel without its workspace.
+
+ACC = {np.dtype(np.float16): np.float32, np.dtype(np.float32): np.float32,
+       np.dtype(np.float64): np.float64}
+WHITENING = {"zca": 0, "iternorm": 1}
+
+
+def acc_dtype(dtype):
+    """The accumulation dtype of the kernels' statistics for data of `dtype`."""
+    return ACC[np.dtype(dtype)]
+
+
+def _ws(d, nbytes, use=True):
+    return d.alloc(nbytes) if use and nbytes else None
+
+
+def _done(d, bufs):
+    _check(d.lib.gnh_synchronize())
+    return tuple(None if b is None else d.get(b) for b in bufs)
+
+
+def moments(x, G, use_workspace=True):
+    """(mean, var) per (n, g) in acc_dtype(x.dtype)."""
+    lib, N, acc = load(), x.shape[0], acc_dtype(x.dtype)
+    with _Dev() as d:
+        px = d.put(x)
+        mean, var = d.empty((N, G), acc), d.empty((N, G), acc)
+        ws = _ws(d, lib.gnh_moments_workspace(DTYPE_CODE[x.dtype], px, *_dims(x, G)), use_workspace)
+        _check(lib.gnh_moments(DTYPE_CODE[x.dtype], px, mean[0], var[0], *_dims(x, G), ws, None))
+        return _done(d, [mean, var])
+
+
+def moments_bwd(dmean, dvar, x, mean, G):
+    lib, acc = load(), acc_dtype(x.dtype)
+    with _Dev() as d:
+        dx = d.empty(x.shape, x.dtype)
+        _check(lib.gnh_moments_bwd(DTYPE_CODE[x.dtype], d.put(np.asarray(dmean, acc)),
+                                   d.put(np.asarray(dvar, acc)), d.put(x), d.put(np.asarray(mean, acc)),
+                                   dx[0], *_dims(x, G), None))
+        return _done(d, [dx])[0]
+
+
+def group_norm_fwd(x, gamma, beta, G, eps=1e-5, act=None, use_workspace=True, offsets=None):
+    """(y, mean, rstd); offsets: {"x": k, "y": k} elements past an aligned start."""
+    lib, N, acc, off = load(), x.shape[0], acc_dtype(x.dtype), offsets or {}
+    codes = (DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype])
+    with _Dev() as d:
+        px = d.put(x, off.get("x", 0))
+        y = d.empty(x.shape, x.dtype, off.get("y", 0))
+        mean, rstd = d.empty((N, G), acc), d.empty((N, G), acc)
+        ws = _ws(d, lib.gnh_gn_fwd_workspace(*codes, px, y[0], *_dims(x, G)), use_workspace)
+        _check(lib.gnh_gn_fwd_act(*codes, px, d.put(gamma), d.put(beta), y[0], mean[0], rstd[0],
+                                  *_dims(x, G), float(eps), ACT_CODE[act], ws, None))
+        return _done(d, [y, mean, rstd])
+
+
+def group_norm_bwd(dy, x, mean, rstd, gamma, G, dmean=None, drstd=None, param_grads=True,
+                   beta=None, eps=1e-5, act=None, offsets=None):
+    """(dx, dgamma, dbeta) (the last two None with param_grads=False); offsets: x, dy, dx."""
+    lib, acc, off = load(), acc_dtype(x.dtype), offsets or {}
+    codes = (DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype])
+    with _Dev() as d:
+        px, pdy = d.put(x, off.get("x", 0)), d.put(dy, off.get("dy", 0))
+        dx = d.empty(x.shape, x.dtype, off.get("dx", 0))
+        dg = d.empty(gamma.shape, gamma.dtype) if param_grads else None
+        db = d.empty(gamma.shape, gamma.dtype) if param_grads else None
+        ws = _ws(d, lib.gnh_gn_bwd_workspace(*codes, pdy, px, dx[0], *_dims(x, G)))
+        stat = [None if v is None else d.put(np.asarray(v, acc)) for v in (mean, rstd, dmean, drstd)]
+        _check(lib.gnh_gn_bwd_act(*codes, pdy, px, stat[0], stat[1], d.put(gamma), d.put(beta),
+                                  dx[0], dg and dg[0], db and db[0], stat[2], stat[3], ws,
+                                  *_dims(x, G), float(eps), ACT_CODE[act], None))
+        return _done(d, [dx, dg, db])
+
+
+GRAD2_IN = ("dy", "dmean_o", "drstd_o", "x", "gamma", "beta", "mean", "rstd")
+GRAD2_OUT = ("ddy", "ddmean_o", "ddrstd_o", "dx", "dgamma", "dbeta", "dmean", "drstd")
+
+
+def group_norm_grad2(G, inputs, gdx=None, gdgamma=None, gdbeta=None, act=None):
+    """The double backward (group_norm_grad2.h): `inputs` maps GRAD2_IN's names to the first-order
+    backward's inputs (dmean_o / drstd_o may be None); returns {GRAD2_OUT name: array}."""
+    lib = load()
+    x, gamma = inputs["x"], inputs["gamma"]
+    N, acc = x.shape[0], acc_dtype(x.dtype)
+    codes = (DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype])
+    stat_names = ("dmean_o", "drstd_o", "mean", "rstd")
+    with _Dev() as d:
+        p = {k: d.put(None if inputs.get(k) is None else
+                      np.asarray(inputs[k], acc) if k in stat_names else inputs[k]) for k in GRAD2_IN}
+        shapes = {"ddy": (x.shape, x.dtype), "dx": (x.shape, x.dtype),
+                  "dgamma": (gamma.shape, gamma.dtype), "dbeta": (gamma.shape, gamma.dtype)}
+        out = {k: d.empty(*shapes.get(k, ((N, G), acc))) for k in GRAD2_OUT}
+        ws = _ws(d, lib.gnh_gn_grad2_workspace(*codes, *_dims(x, G), ACT_CODE[act]))
+        _check(lib.gnh_gn_grad2(*codes, *[p[k] for k in GRAD2_IN], d.put(gdx), d.put(gdgamma),
+                                d.put(gdbeta), *[out[k][0] for k in GRAD2_OUT], ws, *_dims(x, G),
+                                ACT_CODE[act], None))
+        return dict(zip(GRAD2_OUT, _done(d, [out[k] for k in GRAD2_OUT])))
+
+
+def moments_grad2(dmean_o, dvar_o, x, mean, G, gdx=None):
+    """(ddmean_o, ddvar_o, dx, dmean) of gn_moments' double backward (group_norm_grad2.h)."""
+    lib, N, acc = load(), x.shape[0], acc_dtype(x.dtype)
+    with _Dev() as d:
+        out = [d.empty((N, G), acc), d.empty((N, G), acc), d.empty(x.shape, x.dtype),
+               d.empty((N, G), acc)]
+        _check(lib.gnh_moments_grad2(DTYPE_CODE[x.dtype], d.put(np.asarray(dmean_o, acc)),
+                                     d.put(np.asarray(dvar_o, acc)), d.put(x),
+                                     d.put(np.asarray(mean, acc)), d.put(gdx),
+                                     *[o[0] for o in out], *_dims(x, G), None))
+        return _done(d, out)
+
+
+def dbn_fwd(x, G, running_mean=None, running_proj=None, eps=1e-5, momentum=0.9, whitening="zca",
+            iterations=5, gamma=None, beta=None):
+    """Training forward: (y, mean (C,), eigvec (G, D, D), eigval (G, D)) in acc_dtype (IterNorm:
+    Sigma and its diagonal). running_mean / running_proj (numpy, stat dtype = their dtype) are
+    updated in place when given."""
+    lib, (N, C, _, S) = load(), _dims(x, G)
+    D, acc = C // G, acc_dtype(x.dtype)
+    stat = running_mean if running_mean is not None else running_proj
+    scode = DTYPE_CODE[np.dtype(stat.dtype if stat is not None else acc)]
+    pcode = DTYPE_CODE[np.dtype(gamma.dtype if gamma is not None else acc)]
+    w = WHITENING[whitening]
+    with _Dev() as d:
+        y, mean = d.empty(x.shape, x.dtype), d.empty((C,), acc)
+        U, lam = d.empty((G, D, D), acc), d.empty((G, D), acc)
+        rm = None if running_mean is None else (d.put(running_mean), (running_mean.shape, running_mean.dtype))
+        rp = None if running_proj is None else (d.put(running_proj), (running_proj.shape, running_proj.dtype))
+        ws = _ws(d, lib.gnh_dbn_fwd_workspace2(DTYPE_CODE[x.dtype], scode, N, C, G, S, w, iterations))
+        _check(lib.gnh_dbn_fwd2(DTYPE_CODE[x.dtype], scode, pcode, d.put(x), d.put(gamma),
+                                d.put(beta), y[0], mean[0], U[0], lam[0], rm and rm[0],
+                                rp and rp[0], ws, N, C, G, S, float(eps), float(momentum), w,
+                                int(iterations), None))
+        res = _done(d, [y, mean, U, lam, rm, rp])
+        for arr, new in ((running_mean, res[4]), (running_proj, res[5])):
+            if arr is not None:
+                arr[...] = new
+        return res[:4]
+
+
+def dbn_bwd(dy, x, mean, eigvec, eigval, G, whitening="zca", iterations=5, gamma=None):
+    """dx, or (dx, dgamma, dbeta) with the fused affine's gamma."""
+    lib, (N, C, _, S) = load(), _dims(x, G)
+    acc = acc_dtype(x.dtype)
+    w = WHITENING[whitening]
+    with _Dev() as d:
+        dx = d.empty(x.shape, x.dtype)
+        dg = db = None
+        if gamma is not None:
+            dg, db = d.empty(gamma.shape, gamma.dtype), d.empty(gamma.shape, gamma.dtype)
+        pcode = DTYPE_CODE[np.dtype(gamma.dtype if gamma is not None else acc)]
+        ws = _ws(d, lib.gnh_dbn_bwd_workspace2(DTYPE_CODE[x.dtype], N, C, G, S, w, iterations))
+        _check(lib.gnh_dbn_bwd2(DTYPE_CODE[x.dtype], pcode, d.put(dy), d.put(x),
+                                d.put(np.asarray(mean, acc)), d.put(np.asarray(eigvec, acc)),
+                                d.put(np.asarray(eigval, acc)), d.put(gamma), dx[0], dg and dg[0],
+                                db and db[0], ws, N, C, G, S, w, int(iterations), None))
+        res = _done(d, [dx, dg, db])
+        return res if gamma is not None else res[0]
+
+
+def dbn_inference(x, running_mean, running_proj, G, backward=False):
+    """y = P (x - running_mean) per group; backward=True: x is dy and the result P^T dy."""
+    lib, (N, C, _, S) = load(), _dims(x, G)
+    scode = DTYPE_CODE[np.dtype(running_proj.dtype)]
+    with _Dev() as d:
+        y = d.empty(x.shape, x.dtype)
+        ws = _ws(d, lib.gnh_dbn_inference_workspace(DTYPE_CODE[x.dtype], scode, N, C, G, S))
+        _check(lib.gnh_dbn_inference(DTYPE_CODE[x.dtype], scode, int(backward), d.put(x),
+                                     d.put(running_mean), d.put(running_proj), y[0], ws, N, C, G,
+                                     S, None))
+        return _done(d, [y])[0]
+
+
+def _ncs(x):
+    N, C, _, S = _dims(x, 1)
+    return N, C, S
+
+
+def affine_fwd(x, gamma, beta, offset=0):
+    lib = load()
+    with _Dev() as d:
+        y = d.empty(x.shape, x.dtype, offset)
+        _check(lib.gnh_affine_fwd(DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype], d.put(x, offset),
+                                  d.put(gamma), d.put(beta), y[0], *_ncs(x), None))
+        return _done(d, [y])[0]
+
+
+def affine_bwd(dy, x, gamma, param_grads=True, use_workspace=True, offset=0):
+    """(dx, dgamma, dbeta); use_workspace=False runs the kernels without their workspace; offset:
+    dy, x and dx start that many elements past an aligned start."""
+    lib = load()
+    codes = (DTYPE_CODE[x.dtype], DTYPE_CODE[gamma.dtype])
+    with _Dev() as d:
+        dx = d.empty(x.shape, x.dtype, offset)
+        dg = d.empty(gamma.shape, gamma.dtype) if param_grads else None
+        db = d.empty(gamma.shape, gamma.dtype) if param_grads else None
+        ws = _ws(d, lib.gnh_affine_bwd_workspace(*codes, *_ncs(x)), use_workspace)
+        _check(lib.gnh_affine_bwd(*codes, d.put(dy, offset), d.put(x, offset), d.put(gamma), dx[0],
+                                  dg and dg[0], db and db[0], ws, *_ncs(x), None))
+        return _done(d, [dx, dg, db])

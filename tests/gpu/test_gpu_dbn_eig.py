@@ -4,21 +4,21 @@
   global:   the same Jacobi on matrices in the workspace (only when asked for)
   cusolver: cusolverDnDsyevd per group, loaded at run time (auto above the shared limit); under the
             emulator, tests/gpu/emu/fake_cusolver.cc stands in for the library
-Each path against the float64 torch reference (forward and backward, fp16/fp32/fp64, G > 1, D at
+Each path against the float64 numpy reference (forward and backward, fp16/fp32/fp64, G > 1, D at
 the shared-memory boundary, repeated and tiny eigenvalues, non-finite input), shared == global bit
 for bit (same rotations in the same order), deterministic reruns, and the errors: cuSOLVER
-missing, GNMX_DBN_CUDA_EIG invalid, "shared" for a D that does not fit. Same guards as
-test_gpu_dbn.py (torch + a CUDA device, or GNMX_HARNESS_EMU=1).
+missing, GNMX_DBN_CUDA_EIG invalid, "shared" for a D that does not fit. numpy-driven like
+test_gpu_dbn.py (GPU, emulator or GPGPU-Sim; the simulator has no cuSOLVER: those cases skip there).
 """
 import os
 import sys
 
+import numpy as np
 import pytest
 
-from gpu_common import DEV, DTYPES, gnh, ids, rel_err  # skips the module without torch / a device
-import torch
-
-from test_gpu_dbn import TOL, make, ref_dbn, to_groups  # noqa: E402
+from gpu_common import ACC, DTYPES, EMU, SIM, hnp, ids, rel_err, rng  # skips without g++ (emulator)
+from reference import dbn_bwd_ref
+from test_gpu_dbn import TOL, make, ref_dbn, whitening  # noqa: E402
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "emu"))
 import build_emu  # noqa: E402
@@ -30,14 +30,17 @@ MISSING = "cuSOLVER (libcusolver.so.11 or .so.12) could not be loaded"
 @pytest.fixture
 def eig_path(monkeypatch):
     """set(path): run the next forwards on that eigensolver path. cuSOLVER: the emulator's fake
-    library, or on a GPU the real one (skip when it cannot be loaded)."""
+    library, or on a GPU the real one (skip when it cannot be loaded; always on GPGPU-Sim, which
+    simulates no cuSOLVER and whose device memory the emulator's host-memory fake cannot read)."""
     def set_path(path):
         monkeypatch.setenv("GNMX_DBN_CUDA_EIG", path)
-        if gnh.EMU:
+        if EMU:
             monkeypatch.setenv("GNMX_CUSOLVER_LIBRARY", build_emu.build_fake_cusolver())
+        elif path == "cusolver" and SIM:
+            pytest.skip("not on GPGPU-Sim: no cuSOLVER there")
         elif path == "cusolver":
             try:
-                gnh.dbn_fwd(make((8, 4), torch.float64), 1)
+                hnp.dbn_fwd(make((8, 4), np.float64), 1)
             except RuntimeError as e:
                 if MISSING in str(e):
                     pytest.skip("no cuSOLVER on this machine")
@@ -47,22 +50,20 @@ def eig_path(monkeypatch):
 
 def check_forward(x, G, dtype, eps=1e-5, tol=None):
     C, D = x.shape[1], x.shape[1] // G
-    acc = gnh.ACC[dtype]
-    rm = torch.zeros(C, dtype=acc, device=DEV)
-    rp = torch.zeros(G, D, D, dtype=acc, device=DEV)
-    y, mean, U, l = gnh.dbn_fwd(x, G, rm, rp, eps, 0.0)
-    gnh.sync()
-    ry, rmu, rl, rW = ref_dbn(x.double(), G, eps)
+    acc = ACC(x.dtype)
+    rm, rp = np.zeros(C, acc), np.zeros((G, D, D), acc)
+    y, mean, U, lam = hnp.dbn_fwd(x, G, rm, rp, eps, 0.0)
+    ry, rmu, rl, rW = ref_dbn(x, G, eps)
     tol = tol or TOL[dtype]
     assert rel_err(y, ry) < tol, rel_err(y, ry)
-    assert ((l.double() - rl).abs() / rl.abs()).max().item() < tol
-    assert bool((l[:, 1:] >= l[:, :-1]).all()), "eigenvalues not ascending"
-    Ud = U.double()
-    assert rel_err(Ud.transpose(1, 2) @ Ud, torch.eye(D, dtype=torch.float64).expand(G, D, D)) < tol
-    W = Ud @ torch.diag_embed(l.double().rsqrt()) @ Ud.transpose(1, 2)
-    assert rel_err(W, rW) / rW.abs().max().item() < tol
-    assert rel_err(rp, rW) / rW.abs().max().item() < tol  # running_proj = W with momentum 0
-    return y, U, l
+    assert (np.abs(lam - rl) / np.abs(rl)).max() < tol
+    assert (lam[:, 1:] >= lam[:, :-1]).all(), "eigenvalues not ascending"
+    Ud = U.astype(np.float64)
+    assert rel_err(Ud.transpose(0, 2, 1) @ Ud, np.broadcast_to(np.eye(D), (G, D, D))) < tol
+    W = whitening(U, lam)
+    assert rel_err(W, rW) / np.abs(rW).max() < tol
+    assert rel_err(rp, rW) / np.abs(rW).max() < tol  # running_proj = W with momentum 0
+    return y, U, lam
 
 
 # (shape, G): D = 1, 2, 3, 16 (G = 4), 33 (odd, above a 32-row tile), 40
@@ -79,50 +80,42 @@ def test_forward_each_path(eig_path, path, shape, G, dtype):
     check_forward(make(shape, dtype, seed=1), G, dtype)
 
 
-@pytest.mark.parametrize("path,dtype", [("shared", torch.float16), ("shared", torch.float64),
-                                        ("global", torch.float32), ("cusolver", torch.float16),
-                                        ("cusolver", torch.float64)], ids=ids)
+@pytest.mark.parametrize("path,dtype", [("shared", np.float16), ("shared", np.float64),
+                                        ("global", np.float32), ("cusolver", np.float16),
+                                        ("cusolver", np.float64)], ids=ids)
 def test_backward_after_each_path(eig_path, path, dtype):
     # the backward reads the forward's U, l: a wrong layout (U vs U^T) breaks dx, not only y
     eig_path(path)
     shape, G = (8, 24, 5), 2
     x = make(shape, dtype, seed=2)
-    g = torch.Generator(device="cpu").manual_seed(4)
-    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
-    y, mean, U, l = gnh.dbn_fwd(x, G)
-    dx = gnh.dbn_bwd(dy, x, mean, U, l, G)
-    gnh.sync()
-    xd = x.detach().to(torch.float64, copy=True).requires_grad_(True)
-    ry, _, _, _ = ref_dbn(xd, G, 1e-5)
-    (ry * dy.double()).sum().backward()
-    assert rel_err(dx, xd.grad) < TOL[dtype] * (3 if dtype == torch.float16 else 1)
+    dy = rng(4).standard_normal(shape).astype(dtype)
+    _, mean, U, lam = hnp.dbn_fwd(x, G)
+    dx = hnp.dbn_bwd(dy, x, mean, U, lam, G)
+    assert rel_err(dx, dbn_bwd_ref(x, dy, G, 1e-5)) < TOL[dtype] * (3 if dtype == np.float16 else 1)
 
 
 def test_shared_and_global_agree_bit_for_bit_and_reruns_are_identical(eig_path):
-    x = make((16, 48, 2), torch.float64, seed=5)
+    x = make((16, 48, 2), np.float64, seed=5)
     out = {}
     for path in ("shared", "global", "shared"):
         eig_path(path)
-        y, mean, U, l = gnh.dbn_fwd(x, 2)
-        gnh.sync()
+        y, mean, U, lam = hnp.dbn_fwd(x, 2)
         if path in out:
-            assert torch.equal(out[path][0], y) and torch.equal(out[path][1], U)
-        out[path] = (y.clone(), U.clone(), l.clone())
-    for a, b in zip(out["shared"], out["global"]):
-        assert torch.equal(a, b)
+            assert out[path][0] == y.tobytes() and out[path][1] == U.tobytes()
+        out[path] = (y.tobytes(), U.tobytes(), lam.tobytes())
+    assert out["shared"] == out["global"]
 
 
 def _degenerate(kind, N=64, D=24):
-    g = torch.Generator(device="cpu").manual_seed(7)
-    base = torch.randn(N, D // 3, 4, generator=g, dtype=torch.float64)
+    r = rng(7)
+    base = r.standard_normal((N, D // 3, 4))
     if kind == "repeated":  # rank D/3: eigenvalue eps repeated 2D/3 times (cond ~ 1e5)
-        x = torch.cat([base, base, base], 1)
+        x = np.concatenate([base, base, base], 1)
     elif kind == "constant":  # every channel constant: Sigma = eps I, one eigenvalue D times
-        x = torch.ones(N, D, 4, dtype=torch.float64) * torch.arange(D, dtype=torch.float64).reshape(1, D, 1)
+        x = np.ones((N, D, 4)) * np.arange(D, dtype=np.float64).reshape(1, D, 1)
     else:  # "graded": channel scales 1e-3 .. 1e3 (cond(Sigma) ~ 1e12 before eps)
-        x = torch.randn(N, D, 4, generator=g, dtype=torch.float64)
-        x = x * torch.logspace(-3, 3, D, dtype=torch.float64).reshape(1, D, 1)
-    return x.contiguous().to(DEV)
+        x = r.standard_normal((N, D, 4)) * np.logspace(-3, 3, D).reshape(1, D, 1)
+    return np.ascontiguousarray(x)
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -133,37 +126,35 @@ def test_ill_conditioned_and_degenerate_covariance(eig_path, path, kind):
     # W = Sigma^{-1/2} is well defined for repeated eigenvalues (any basis of the eigenspace gives
     # the same W); its rounding error grows with cond(Sigma): ~1e5 (repeated), ~1e11 (graded: the
     # reference's own error is ~1e-6 there)
-    y, U, l = check_forward(x, 1, torch.float64, tol=1e-4 if kind == "graded" else 1e-7)
+    y, U, lam = check_forward(x, 1, np.float64, tol=1e-4 if kind == "graded" else 1e-7)
     if kind == "constant":
-        assert torch.allclose(l.double(), torch.full_like(l.double(), 1e-5), rtol=1e-9)
+        assert np.allclose(lam, 1e-5, rtol=1e-9)
 
 
 @pytest.mark.parametrize("path", PATHS)
 def test_nonfinite_group_gives_nan_only_there(eig_path, path):
     eig_path(path)
-    x = make((8, 8, 4), torch.float32)
-    x[0, 0, 0] = float("nan")
-    y, mean, U, l = gnh.dbn_fwd(x, 2)
-    gnh.sync()
-    assert torch.isnan(y[:, :4]).all() and torch.isnan(l[0]).all()
-    assert torch.isfinite(y[:, 4:]).all() and torch.isfinite(l[1]).all()
+    x = make((8, 8, 4), np.float32)
+    x[0, 0, 0] = np.nan
+    y, mean, U, lam = hnp.dbn_fwd(x, 2)
+    assert np.isnan(y[:, :4]).all() and np.isnan(lam[0]).all()
+    assert np.isfinite(y[:, 4:]).all() and np.isfinite(lam[1]).all()
 
 
 def test_cusolver_failure_info_gives_nan(eig_path, monkeypatch):
-    if not gnh.EMU:
+    if not EMU:
         pytest.skip("the fake library's failure injection (emulator only)")
     eig_path("cusolver")
     monkeypatch.setenv("GNMX_FAKE_CUSOLVER_INFO", "3")
-    y, mean, U, l = gnh.dbn_fwd(make((8, 6, 2), torch.float64), 2)
-    gnh.sync()
-    assert torch.isnan(y).all() and torch.isnan(l).all()
+    y, mean, U, lam = hnp.dbn_fwd(make((8, 6, 2), np.float64), 2)
+    assert np.isnan(y).all() and np.isnan(lam).all()
 
 
 def test_cusolver_missing_is_one_clear_error(monkeypatch):
     monkeypatch.setenv("GNMX_DBN_CUDA_EIG", "cusolver")
     monkeypatch.setenv("GNMX_CUSOLVER_LIBRARY", "/nonexistent/libcusolver.so.11")
     with pytest.raises(RuntimeError) as e:
-        gnh.dbn_fwd(make((8, 4), torch.float32), 1)
+        hnp.dbn_fwd(make((8, 4), np.float32), 1)
     msg = str(e.value)
     assert MISSING in msg and "/nonexistent/libcusolver.so.11" in msg, msg
     assert "GNMX_DBN_CUDA_EIG=global" in msg and "LD_LIBRARY_PATH" in msg, msg
@@ -172,7 +163,7 @@ def test_cusolver_missing_is_one_clear_error(monkeypatch):
 def test_invalid_path_is_an_error(monkeypatch):
     monkeypatch.setenv("GNMX_DBN_CUDA_EIG", "bogus")
     with pytest.raises(RuntimeError, match="GNMX_DBN_CUDA_EIG must be auto, shared, global or cusolver"):
-        gnh.dbn_fwd(make((8, 4), torch.float32), 1)
+        hnp.dbn_fwd(make((8, 4), np.float32), 1)
 
 
 def _eig_smem(D, shared):
@@ -185,7 +176,7 @@ def _eig_smem(D, shared):
 
 @pytest.mark.parametrize("optin", [49152, 232448])  # sm_50/60's 48 KB, sm_90's 227 KB
 def test_auto_switches_to_cusolver_exactly_where_shared_memory_ends(monkeypatch, optin):
-    if not gnh.EMU:
+    if not EMU:
         pytest.skip("sets the emulator's shared-memory limit")
     static = 1024  # the emulator's static shared memory (GNMX_EMU_STATIC_SMEM default)
     monkeypatch.setenv("GNMX_EMU_SMEM_OPTIN", str(optin))
@@ -194,17 +185,17 @@ def test_auto_switches_to_cusolver_exactly_where_shared_memory_ends(monkeypatch,
     monkeypatch.setenv("GNMX_CUSOLVER_LIBRARY", "/nonexistent/libcusolver.so.11")
     monkeypatch.delenv("GNMX_DBN_CUDA_EIG", raising=False)
     if optin == 49152:  # D = dmax runs in shared memory without cuSOLVER (fast enough here)
-        check_forward(make((8, dmax, 2), torch.float64, seed=3), 1, torch.float64)
+        check_forward(make((8, dmax, 2), np.float64, seed=3), 1, np.float64)
     for env in ("auto", None):
         if env:
             monkeypatch.setenv("GNMX_DBN_CUDA_EIG", env)
         with pytest.raises(RuntimeError, match="could not be loaded"):
-            gnh.dbn_fwd(make((2, dmax + 1), torch.float32), 1)
+            hnp.dbn_fwd(make((2, dmax + 1), np.float32), 1)
     monkeypatch.setenv("GNMX_DBN_CUDA_EIG", "shared")
     with pytest.raises(RuntimeError, match=f"group size {dmax + 1} needs .* bytes of shared memory"):
-        gnh.dbn_fwd(make((2, dmax + 1), torch.float32), 1)
+        hnp.dbn_fwd(make((2, dmax + 1), np.float32), 1)
     # above the limit, the fake cuSOLVER gives the reference result
     monkeypatch.setenv("GNMX_DBN_CUDA_EIG", "auto")
     monkeypatch.setenv("GNMX_CUSOLVER_LIBRARY", build_emu.build_fake_cusolver())
     if optin == 49152:
-        check_forward(make((8, dmax + 1, 2), torch.float64, seed=3), 1, torch.float64)
+        check_forward(make((8, dmax + 1, 2), np.float64, seed=3), 1, np.float64)

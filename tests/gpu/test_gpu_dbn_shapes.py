@@ -7,14 +7,13 @@ tiles D x columns; the channel sums split the columns too. These cases hit each 
 with N not a multiple of any panel, odd D and D not a multiple of the tile, power-of-two and odd
 S, many column chunks, G = 1 with D = 256 / 512 (backward and inference: their D x D solver is
 cheap under the emulator), fp16 / fp32 / fp64, each against float64 references. Same guards as
-test_gpu_dbn.py (torch + a CUDA device, or GNMX_HARNESS_EMU=1).
+test_gpu_dbn.py (numpy-driven: GPU, emulator or GPGPU-Sim).
 """
+import numpy as np
 import pytest
 
-from gpu_common import DEV, DTYPES, gnh, ids, rel_err  # skips the module without torch / a device
-import torch
-
-from test_gpu_dbn import TOL, from_groups, make, ref_dbn, to_groups  # noqa: E402
+from gpu_common import ACC, DTYPES, hnp, ids, rel_err, rng  # skips without g++ (emulator)
+from test_gpu_dbn import TOL, from_groups, make, ref_dbn, to_groups, whitening  # noqa: E402
 
 FWD_CASES = [  # (shape, G)
     ((37, 24), 1),         # S = 1, N = 37: no panel multiple; D = 24 (tile 32)
@@ -35,35 +34,34 @@ FWD_CASES = [  # (shape, G)
 def test_dbn_forward_shapes(shape, G, dtype):
     eps = 1e-5
     x = make(shape, dtype, seed=7)
-    y, mean, U, l = gnh.dbn_fwd(x, G, eps=eps)
-    gnh.sync()
-    ry, rmu, rl, rW = ref_dbn(x.double(), G, eps)
+    y, mean, U, lam = hnp.dbn_fwd(x, G, eps=eps)
+    ry, rmu, rl, rW = ref_dbn(x, G, eps)
     tol = TOL[dtype]
     assert rel_err(mean, rmu) < tol
-    assert rel_err(l, rl) < tol, rel_err(l, rl)
-    W = U.double() @ torch.diag_embed(l.double().rsqrt()) @ U.double().transpose(1, 2)
+    assert rel_err(lam, rl) < tol, rel_err(lam, rl)
+    W = whitening(U, lam)
     assert rel_err(W, rW) < tol * 5, rel_err(W, rW)
     assert rel_err(y, ry) < tol * 5, rel_err(y, ry)
-    if dtype == torch.float32:  # deterministic: the same plan sums in the same order
-        y2, mean2, _, _ = gnh.dbn_fwd(x, G, eps=eps)
-        gnh.sync()
-        assert torch.equal(y, y2) and torch.equal(mean, mean2)
+    if dtype == np.float32:  # deterministic: the same plan sums in the same order
+        y2, mean2, _, _ = hnp.dbn_fwd(x, G, eps=eps)
+        assert y.tobytes() == y2.tobytes() and mean.tobytes() == mean2.tobytes()
 
 
 def ref_bwd_given(dy, x, mean, U, l, G):
     """dX from dbn.h's formulas for given mean, U, l (float64): W (dY - mean dY) + (2/m) G_S Xc."""
-    X = to_groups(x.double(), G)
-    dY = to_groups(dy.double(), G)
+    X = to_groups(x, G)
+    dY = to_groups(dy, G)
     m = X.shape[-1]
-    Xc = X - mean.double().reshape(G, -1, 1)
-    U, l = U.double(), l.double()
-    r = l.sqrt()
-    W = U @ torch.diag_embed(1 / r) @ U.transpose(1, 2)
-    GW = dY @ Xc.transpose(1, 2)
-    Gs = (GW + GW.transpose(1, 2)) / 2
+    Xc = X - np.asarray(mean, np.float64).reshape(G, -1, 1)
+    U, lam = np.asarray(U, np.float64), np.asarray(l, np.float64)
+    r = np.sqrt(lam)
+    Ut = U.transpose(0, 2, 1)
+    W = U @ (1 / r[:, :, None] * Ut)
+    GW = dY @ Xc.transpose(0, 2, 1)
+    Gs = (GW + GW.transpose(0, 2, 1)) / 2
     K = -1 / (r[:, :, None] * r[:, None, :] * (r[:, :, None] + r[:, None, :]))
-    GS = U @ (K * (U.transpose(1, 2) @ Gs @ U)) @ U.transpose(1, 2)
-    dX = W @ (dY - dY.mean(-1, keepdim=True)) + (2.0 / m) * GS @ Xc
+    GS = U @ (K * (Ut @ Gs @ U)) @ Ut
+    dX = W @ (dY - dY.mean(-1, keepdims=True)) + (2.0 / m) * GS @ Xc
     return from_groups(dX, x.shape)
 
 
@@ -77,7 +75,7 @@ BWD_CASES = [  # (shape, G): eigenpairs given, so no eigensolver runs
     ((70, 256), 1),        # S = 1, N = 70
 ]
 # G = 1 at the largest D, one dtype each (the emulated D x D products of the small kernel dominate)
-BWD_LARGE = [((3, 512, 2, 3), 1, torch.float32)]
+BWD_LARGE = [((3, 512, 2, 3), 1, np.float32)]
 
 
 @pytest.mark.parametrize("shape,G,dtype",
@@ -85,24 +83,22 @@ BWD_LARGE = [((3, 512, 2, 3), 1, torch.float32)]
 def test_dbn_backward_shapes(shape, G, dtype):
     C = shape[1]
     D = C // G
-    acc = gnh.ACC[dtype]
-    g = torch.Generator(device="cpu").manual_seed(11)
+    acc = ACC(dtype)
+    r = rng(11)
     x = make(shape, dtype, seed=9)
-    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
-    Q, _ = torch.linalg.qr(torch.randn(G, D, D, generator=g, dtype=torch.float64))
-    l = torch.rand(G, D, generator=g, dtype=torch.float64) * 1.5 + 0.5
-    mean = to_groups(x.double(), G).mean(-1).reshape(-1)
-    U = Q.contiguous().to(acc).to(DEV)
-    l, mean = l.to(acc).to(DEV), mean.to(acc).to(DEV)
-    dx = gnh.dbn_bwd(dy, x, mean, U, l, G)
-    gnh.sync()
-    ref = ref_bwd_given(dy, x, mean, U, l, G)
+    dy = r.standard_normal(shape).astype(dtype)
+    Q, _ = np.linalg.qr(r.standard_normal((G, D, D)))
+    lam = r.random((G, D)) * 1.5 + 0.5
+    mean = to_groups(x, G).mean(-1).reshape(-1)
+    U = np.ascontiguousarray(Q).astype(acc)
+    lam, mean = lam.astype(acc), mean.astype(acc)
+    dx = hnp.dbn_bwd(dy, x, mean, U, lam, G)
+    ref = ref_bwd_given(dy, x, mean, U, lam, G)
     e = rel_err(dx, ref)
-    assert e < TOL[dtype] * (3 if dtype == torch.float16 else 1), e
-    if dtype == torch.float32 and D < 512:
-        dx2 = gnh.dbn_bwd(dy, x, mean, U, l, G)
-        gnh.sync()
-        assert torch.equal(dx, dx2)
+    assert e < TOL[dtype] * (3 if dtype == np.float16 else 1), e
+    if dtype == np.float32 and D < 512:
+        dx2 = hnp.dbn_bwd(dy, x, mean, U, lam, G)
+        assert dx.tobytes() == dx2.tobytes()
 
 
 INF_CASES = [((70, 512), 1), ((37, 24), 1), ((3, 36, 5), 2), ((2, 64, 3, 11), 4)]
@@ -113,17 +109,16 @@ INF_CASES = [((70, 512), 1), ((37, 24), 1), ((3, 36, 5), 2), ((2, 64, 3, 11), 4)
 def test_dbn_inference_shapes(shape, G, dtype):
     C = shape[1]
     D = C // G
-    acc = gnh.ACC[dtype]
-    g = torch.Generator(device="cpu").manual_seed(13)
+    acc = ACC(dtype)
+    r = rng(13)
     x = make(shape, dtype, seed=3)
-    rm = torch.randn(C, generator=g, dtype=torch.float64).to(acc).to(DEV)
-    rp = (torch.randn(G, D, D, generator=g, dtype=torch.float64) / D ** 0.5).to(acc).to(DEV)
-    dy = torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(DEV)
-    y = gnh.dbn_inference(x, rm, rp, G)
-    dx = gnh.dbn_inference(dy, rm, rp, G, backward=True)
-    gnh.sync()
-    P = rp.double()
-    X = to_groups(x.double(), G) - rm.double().reshape(G, D, 1)
+    rm = r.standard_normal(C).astype(acc)
+    rp = (r.standard_normal((G, D, D)) / D ** 0.5).astype(acc)
+    dy = r.standard_normal(shape).astype(dtype)
+    y = hnp.dbn_inference(x, rm, rp, G)
+    dx = hnp.dbn_inference(dy, rm, rp, G, backward=True)
+    P = rp.astype(np.float64)
+    X = to_groups(x, G) - rm.astype(np.float64).reshape(G, D, 1)
     assert rel_err(y, from_groups(P @ X, shape)) < TOL[dtype]
-    ref_dx = from_groups(P.transpose(1, 2) @ to_groups(dy.double(), G), shape)
+    ref_dx = from_groups(P.transpose(0, 2, 1) @ to_groups(dy, G), shape)
     assert rel_err(dx, ref_dx) < TOL[dtype]

@@ -12,49 +12,29 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
-from gpu_common import DEV, gnh, ids, rel_err  # skips the module without torch / a device
-import torch
+from gpu_common import EMU, hnp, ids, randn, rel_err  # skips without g++ (emulator)
+from reference import group_norm_bwd_ref
 
-TOL = {torch.float16: 1.5e-2, torch.float32: 1e-4, torch.float64: 1e-9}
-PAIRS = [(torch.float32, torch.float32), (torch.float64, torch.float64),
-         (torch.float16, torch.float32), (torch.float16, torch.float16)]
-
-
-def randn(shape, dtype, seed, scale=1.0, offset=0.0):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return (torch.randn(shape, generator=g, dtype=torch.float64) * scale + offset).to(dtype).to(DEV)
+TOL = {np.float16: 1.5e-2, np.float32: 1e-4, np.float64: 1e-9}
+PAIRS = [(np.float32, np.float32), (np.float64, np.float64), (np.float16, np.float32),
+         (np.float16, np.float16)]
 
 
 # -------------------------------------------------------------------------------------------------
 # GroupNorm
 
 
-def gn_ref(x, gamma, beta, G, eps, dy):
-    """float64 (dx, dgamma, dbeta) of sum(y * dy) on the rounded inputs."""
-    xd = x.detach().double().requires_grad_(True)
-    gd = gamma.detach().double().requires_grad_(True)
-    bd = beta.detach().double().requires_grad_(True)
-    N, C = x.shape[:2]
-    xr = xd.reshape(N, G, -1)
-    mean = xr.mean(-1, keepdim=True)
-    # centred on the first element: float64 variance of values with a large common offset
-    xc = xr - xr[..., :1]
-    var = ((xc - xc.mean(-1, keepdim=True)) ** 2).mean(-1, keepdim=True)
-    xh = ((xr - mean) / torch.sqrt(var + eps)).reshape(N, C, -1)
-    y = xh * gd[None, :, None] + bd[None, :, None]
-    (y.reshape(x.shape) * dy.double()).sum().backward()
-    return xd.grad, gd.grad, bd.grad
-
-
 def gn_check(x, gamma, beta, G, eps=1e-5, seed=7):
-    dtype = x.dtype
+    """(dx, dgamma, dbeta) of sum(y * dy) against tests/reference.py's float64 backward (whose
+    variance is numpy's two-pass var: exact enough for groups with a large common offset)."""
+    dtype = x.dtype.type
     dy = randn(x.shape, dtype, seed)
-    _, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, G, eps)
-    dx, dgamma, dbeta = gnh.group_norm_bwd(dy, x, mean, rstd, gamma, G, beta=beta, eps=eps)
-    gnh.sync()
-    rdx, rdg, rdb = gn_ref(x, gamma, beta, G, eps, dy)
+    _, mean, rstd = hnp.group_norm_fwd(x, gamma, beta, G, eps)
+    dx, dgamma, dbeta = hnp.group_norm_bwd(dy, x, mean, rstd, gamma, G, beta=beta, eps=eps)
+    rdx, rdg, rdb = group_norm_bwd_ref(x, gamma, dy, G, eps)
     tol = TOL[dtype]
     assert dgamma.dtype == gamma.dtype and dbeta.dtype == gamma.dtype
     assert rel_err(dgamma, rdg) < tol, f"dgamma error {rel_err(dgamma, rdg)}"
@@ -77,26 +57,25 @@ GN_SHAPES = [  # (shape, G): n chunks of 64 rows (param_reduce.cuh's kParamMinRo
 def test_gn_param_grads(shape, G, dtype, pdtype):
     C = shape[1]
     x = randn(shape, dtype, 0, 2.0)
-    gamma = (randn(C, torch.float64, 1).abs() + 0.5).to(pdtype)
+    gamma = (np.abs(randn(C, np.float64, 1)) + 0.5).astype(pdtype)
     beta = randn(C, pdtype, 2)
     gn_check(x, gamma, beta, G)
 
 
-@pytest.mark.parametrize("pdtype", [torch.float32], ids=ids)
+@pytest.mark.parametrize("pdtype", [np.float32], ids=ids)
 def test_gn_param_grads_exact_groups_among_ordinary(pdtype):
     """float32 groups of spread ~1e13 (var > 1e24, rstd < 1e-12: recomputed in float64, their row
     sums already hold sum g xhat) next to ordinary groups, over several n chunks: a stage 1 that
     scaled those rows by rstd again would lose their share of dgamma entirely."""
     N, C, S, G = 100, 32, 2, 4
-    x = randn((N, C, S), torch.float64, 0)
-    n = torch.arange(N).reshape(N, 1, 1)
-    grp = (torch.arange(C) // (C // G)).reshape(1, C, 1)
-    pick = ((n + grp) % 3 == 0).to(DEV)
-    x = torch.where(pick, x * 1e13, x).to(torch.float32)
-    gamma = (randn(C, torch.float64, 1).abs() + 0.5).to(pdtype)
+    x = randn((N, C, S), np.float64, 0)
+    n = np.arange(N).reshape(N, 1, 1)
+    grp = (np.arange(C) // (C // G)).reshape(1, C, 1)
+    pick = (n + grp) % 3 == 0
+    x = np.where(pick, x * 1e13, x).astype(np.float32)
+    gamma = (np.abs(randn(C, np.float64, 1)) + 0.5).astype(pdtype)
     beta = randn(C, pdtype, 2)
-    _, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, G)
-    gnh.sync()
+    _, mean, rstd = hnp.group_norm_fwd(x, gamma, beta, G)
     assert (rstd < 1e-12).any() and (rstd > 0.1).any()  # both kinds of groups are there
     gn_check(x, gamma, beta, G)
 
@@ -105,17 +84,16 @@ def test_gn_param_grads_exact_groups_among_ordinary(pdtype):
 # Per-channel affine
 
 
-def affine_check(x, gamma, beta, use_workspace=True, seed=7):
-    dtype = x.dtype
+def affine_check(x, gamma, beta, use_workspace=True, seed=7, offset=0):
+    dtype = x.dtype.type
     dy = randn(x.shape, dtype, seed)
-    y = gnh.affine_fwd(x, gamma, beta)
-    dx, dgamma, dbeta = gnh.affine_bwd(dy, x, gamma, use_workspace=use_workspace)
-    gnh.sync()
+    y = hnp.affine_fwd(x, gamma, beta, offset=offset)
+    dx, dgamma, dbeta = hnp.affine_bwd(dy, x, gamma, use_workspace=use_workspace, offset=offset)
     C = x.shape[1]
-    bshape = (1, C) + (1,) * (x.dim() - 2)
-    red = [0] + list(range(2, x.dim()))
-    xd, dyd = x.double(), dy.double()
-    gd, bd = gamma.double().reshape(bshape), beta.double().reshape(bshape)
+    bshape = (1, C) + (1,) * (x.ndim - 2)
+    red = (0,) + tuple(range(2, x.ndim))
+    xd, dyd = x.astype(np.float64), dy.astype(np.float64)
+    gd, bd = gamma.astype(np.float64).reshape(bshape), beta.astype(np.float64).reshape(bshape)
     tol = TOL[dtype]
     assert rel_err(y, xd * gd + bd) < tol
     assert rel_err(dx, dyd * gd) < tol
@@ -151,26 +129,21 @@ def test_affine_param_grads(shape, dtype, pdtype):
 @pytest.mark.parametrize("shape", [(1001, 40), (200, 6, 33)], ids=ids)
 def test_affine_without_workspace(shape):
     """Without a workspace every block takes all N rows: same sums to rounding."""
-    x = randn(shape, torch.float32, 0)
-    gamma, beta = randn(shape[1], torch.float32, 1), randn(shape[1], torch.float32, 2)
+    x = randn(shape, np.float32, 0)
+    gamma, beta = randn(shape[1], np.float32, 1), randn(shape[1], np.float32, 2)
     a = affine_check(x, gamma, beta, use_workspace=True)
     b = affine_check(x, gamma, beta, use_workspace=False)
-    assert torch.equal(a[0], b[0])  # dx is elementwise
+    assert a[0].tobytes() == b[0].tobytes()  # dx is elementwise
     assert rel_err(a[1], b[1]) < 1e-5 and rel_err(a[2], b[2]) < 1e-5
 
 
 @pytest.mark.parametrize("shape", [(301, 41), (130, 5, 7), (90, 3, 40)], ids=ids)
 def test_affine_misaligned(shape):
-    """Views one element into a buffer: the scalar paths of both the tile and the rows kernels."""
-    dtype = torch.float16
-    n = 1
-    for d in shape:
-        n *= d
-    buf = torch.empty(2 * n + 2, dtype=dtype, device=DEV)
-    x = buf[1:n + 1].view(shape)
-    x.copy_(randn(shape, dtype, 0))
-    gamma, beta = randn(shape[1], torch.float32, 1), randn(shape[1], torch.float32, 2)
-    affine_check(x, gamma, beta)
+    """Buffers one element past an aligned start: the scalar paths of both the tile and the rows
+    kernels."""
+    x = randn(shape, np.float16, 0)
+    gamma, beta = randn(shape[1], np.float32, 1), randn(shape[1], np.float32, 2)
+    affine_check(x, gamma, beta, offset=1)
 
 
 # -------------------------------------------------------------------------------------------------
@@ -179,21 +152,18 @@ def test_affine_misaligned(shape):
 _DET_SCRIPT = r"""
 import hashlib, sys
 sys.path.insert(0, sys.argv[1])
-import torch, gnh
-def randn(shape, dtype, seed):
-    g = torch.Generator(device="cpu").manual_seed(seed)
-    return torch.randn(shape, generator=g, dtype=torch.float64).to(dtype).to(gnh.DEVICE)
+from gpu_common import hnp, randn
+import numpy as np
 h = hashlib.sha256()
-x, dy = randn((150, 40), torch.float16, 0), randn((150, 40), torch.float16, 1)
-gamma, beta = randn(40, torch.float32, 2).abs() + 0.5, randn(40, torch.float32, 3)
-_, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, 4)
-for t in gnh.group_norm_bwd(dy, x, mean, rstd, gamma, 4):
-    h.update(t.cpu().numpy().tobytes())
+x, dy = randn((150, 40), np.float16, 0), randn((150, 40), np.float16, 1)
+gamma, beta = np.abs(randn(40, np.float32, 2)) + 0.5, randn(40, np.float32, 3)
+_, mean, rstd = hnp.group_norm_fwd(x, gamma, beta, 4)
+for t in hnp.group_norm_bwd(dy, x, mean, rstd, gamma, 4):
+    h.update(t.tobytes())
 for shape in [(1001, 40), (200, 6, 33)]:
-    x, dy = randn(shape, torch.float32, 4), randn(shape, torch.float32, 5)
-    for t in gnh.affine_bwd(dy, x, randn(shape[1], torch.float32, 6)):
-        h.update(t.cpu().numpy().tobytes())
-gnh.sync()
+    x, dy = randn(shape, np.float32, 4), randn(shape, np.float32, 5)
+    for t in hnp.affine_bwd(dy, x, randn(shape[1], np.float32, 6)):
+        h.update(t.tobytes())
 print(h.hexdigest())
 """
 
@@ -208,19 +178,18 @@ def _digest(env_extra):
 
 
 def test_param_grads_deterministic():
-    x, dy = randn((150, 40), torch.float32, 0), randn((150, 40), torch.float32, 1)
-    gamma, beta = randn(40, torch.float32, 2).abs() + 0.5, randn(40, torch.float32, 3)
-    _, mean, rstd = gnh.group_norm_fwd(x, gamma, beta, 4)
-    a = [t.clone() for t in gnh.group_norm_bwd(dy, x, mean, rstd, gamma, 4)]
-    b = gnh.group_norm_bwd(dy, x, mean, rstd, gamma, 4)
-    c = [t.clone() for t in gnh.affine_bwd(dy, x, gamma)]
-    d = gnh.affine_bwd(dy, x, gamma)
-    gnh.sync()
-    for u, v in zip(a + c, list(b) + list(d)):
-        assert torch.equal(u, v)
+    x, dy = randn((150, 40), np.float32, 0), randn((150, 40), np.float32, 1)
+    gamma, beta = np.abs(randn(40, np.float32, 2)) + 0.5, randn(40, np.float32, 3)
+    _, mean, rstd = hnp.group_norm_fwd(x, gamma, beta, 4)
+    a = hnp.group_norm_bwd(dy, x, mean, rstd, gamma, 4)
+    b = hnp.group_norm_bwd(dy, x, mean, rstd, gamma, 4)
+    c = hnp.affine_bwd(dy, x, gamma)
+    d = hnp.affine_bwd(dy, x, gamma)
+    for u, v in zip(a + c, b + d):
+        assert u.tobytes() == v.tobytes()
 
 
-@pytest.mark.skipif(not gnh.EMU, reason="the SM count is the emulator's GNMX_EMU_SMS")
+@pytest.mark.skipif(not EMU, reason="the SM count is the emulator's GNMX_EMU_SMS")
 def test_param_grads_independent_of_sm_count():
     """S = 1 GroupNorm (no split rows) and the affine: the same bits on 1 and on 132 SMs."""
     assert _digest({"GNMX_EMU_SMS": "1"}) == _digest({"GNMX_EMU_SMS": "132"})
