@@ -453,8 +453,12 @@ inline cudaError_t cudaMemsetAsync(void* p, int v, size_t n, cudaStream_t) {
 // Device memory is host memory (the harness's memory calls, tests/gpu/harness.cc).
 enum cudaMemcpyKind { cudaMemcpyHostToDevice = 1, cudaMemcpyDeviceToHost = 2 };
 inline cudaError_t cudaGetDeviceCount(int* n) { *n = 1; return cudaSuccess; }
+// Fresh device memory is poisoned (0xff bytes: NaN in every float type), as cudaMalloc promises
+// nothing about its contents: a kernel that reads workspace nobody wrote fails here, not only on a GPU.
 inline cudaError_t cudaMalloc(void** p, size_t n) {
-  *p = std::aligned_alloc(256, (n + 255) / 256 * 256);
+  const size_t bytes = (n + 255) / 256 * 256;
+  *p = std::aligned_alloc(256, bytes);
+  if (*p) std::memset(*p, 0xff, bytes);
   return cudaSuccess;
 }
 inline cudaError_t cudaFree(void* p) { std::free(p); return cudaSuccess; }
