@@ -296,7 +296,7 @@ def machine_report(gpu_ids):
     info = build_info()
     feats = mx.runtime.Features()
     lines = [f"gn_mx selftest  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}",
-             f"gn_mx      {info['summary']}",
+             f"build      {info['summary']}",
              f"library    {library_path()}",
              f"MXNet      {mx.__version__} (CUDA {'on' if feats.is_enabled('CUDA') else 'off'}, "
              f"cuDNN {'on' if feats.is_enabled('CUDNN') else 'off'}), numpy {np.__version__}, "

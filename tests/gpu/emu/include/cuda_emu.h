@@ -14,6 +14,7 @@
 #include <setjmp.h>
 #include <ucontext.h>
 
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -42,6 +43,8 @@ enum cudaError_t {  // the real codes, for those the kernels test for
   cudaErrorInvalidDeviceFunction = 98,
   cudaErrorNoKernelImageForDevice = 209,
   cudaErrorUnsupportedPtxVersion = 222,
+  cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
   cudaErrorSystemDriverMismatch = 803,
 };
 enum cudaDeviceAttr {
@@ -112,12 +115,37 @@ inline int emu_env_int(const char* name, int dflt) {
 inline cudaError_t emu_injected_error() {
   return static_cast<cudaError_t>(emu_env_int("GNMX_EMU_CUDA_ERROR", 0));
 }
-inline cudaError_t cudaGetLastError() { return emu_injected_error(); }
+// Errors that earlier work left behind, and faults that surface only at a synchronization (the
+// adapter's checks, src/operator/mx/device.h; tests/test_adapter_emu.py):
+//   GNMX_EMU_PENDING_ERROR=<code>: an unchecked, non-sticky error: the next cudaGetLastError of the
+//     process returns it once;
+//   GNMX_EMU_STICKY_ERROR=<code>: a sticky error (e.g. 700, an illegal address): cudaGetLastError,
+//     cudaStreamQuery and every synchronization return it;
+//   GNMX_EMU_KERNEL_FAULT=<code>: the kernels run, and the fault shows only when the stream or the
+//     device is synchronized (as a real kernel's asynchronous fault);
+//   GNMX_EMU_DEVICE=<n>: what cudaGetDevice reports (default 0).
+inline cudaError_t emu_sticky_error() {
+  return static_cast<cudaError_t>(emu_env_int("GNMX_EMU_STICKY_ERROR", 0));
+}
+inline cudaError_t cudaGetLastError() {
+  static std::atomic<bool> pending_taken{false};
+  if (cudaError_t e = emu_sticky_error()) return e;
+  const int pending = emu_env_int("GNMX_EMU_PENDING_ERROR", 0);
+  if (pending && !pending_taken.exchange(true)) return static_cast<cudaError_t>(pending);
+  return emu_injected_error();
+}
+inline cudaError_t cudaStreamQuery(cudaStream_t) { return emu_sticky_error(); }
+inline cudaError_t emu_synchronize() {
+  if (cudaError_t e = emu_sticky_error()) return e;
+  return static_cast<cudaError_t>(emu_env_int("GNMX_EMU_KERNEL_FAULT", 0));
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return emu_synchronize(); }
 inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
     case cudaErrorInsufficientDriver:
       return "CUDA driver version is insufficient for CUDA runtime version";
     case cudaErrorNoKernelImageForDevice: return "no kernel image is available for execution on the device";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     default: return "cuda_emu error";
   }
 }
@@ -125,6 +153,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
   switch (e) {
     case cudaErrorInsufficientDriver: return "cudaErrorInsufficientDriver";
     case cudaErrorNoKernelImageForDevice: return "cudaErrorNoKernelImageForDevice";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     default: return "cudaErrorUnknown";
   }
 }
@@ -132,7 +161,7 @@ inline cudaError_t cudaDriverGetVersion(int* v) {
   *v = emu_env_int("GNMX_EMU_DRIVER", 13000);
   return cudaSuccess;
 }
-inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* d) { *d = emu_env_int("GNMX_EMU_DEVICE", 0); return cudaSuccess; }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
   if (a == cudaDevAttrComputeCapabilityMajor) *v = emu_env_int("GNMX_EMU_CC", 90) / 10;
   else if (a == cudaDevAttrComputeCapabilityMinor) *v = emu_env_int("GNMX_EMU_CC", 90) % 10;
@@ -183,7 +212,7 @@ inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) 
   std::memcpy(d, s, n);
   return cudaSuccess;
 }
-inline cudaError_t cudaDeviceSynchronize() { return cudaSuccess; }
+inline cudaError_t cudaDeviceSynchronize() { return emu_synchronize(); }
 
 struct __half {
   uint16_t bits;
