@@ -21,7 +21,8 @@ PTX to SASS (ptxas -v, sm_XX) with the build's flags, and every kernel entry is 
     the toolkit has cuobjdump), and no atomics anywhere.
 
 Results are cached under build/resource-audit/<nvcc release>/<hash> (the hash covers every file
-under src/operator, this script and the flags): an unchanged tree recompiles nothing.
+under src/operator, the flags, nvcc and CACHE_FORMAT): an unchanged tree recompiles nothing, and
+the checks always run afresh on the cached ptxas reports.
 
   python tests/cuda_resource_audit.py [--nvcc PATH] [--ccbin g++-11] [--archs 50,60,...]
                                       [--sources a.cu ...] [--json out.json] [--jobs N]
@@ -51,11 +52,12 @@ SMEM_DEFAULT = 48 * 1024       # without cudaFuncSetAttribute; also the limit of
 SMEM_OPTIN = {50: 49152, 52: 49152, 53: 49152, 60: 49152, 61: 49152, 62: 49152, 70: 98304,
               72: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
               100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
-NO_HALF_ARCHS = (50, 52, 60)   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
+NO_HALF_ARCHS = (50, 52, 60)
+CACHE_FORMAT = 1               # of compile_one's cached results   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
 
 HALF_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(add|sub|mul|fma|neg|abs|min|max|setp|set|ex2|tanh|rcp|"
                       r"sqrt|div|testp|copysign)(\.[a-z0-9]+)*\.(f16|f16x2|bf16|bf16x2)\b", re.M)
-ATOM_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(atom|red)\.", re.M)
+ATOM_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.[\w.]+", re.M)
 HALF_SASS = re.compile(r"\b(HADD2|HMUL2|HFMA2|HSET2|HSETP2|HMNMX2|HADD|HMUL|HFMA)\b")
 ATOM_SASS = re.compile(r"\b(ATOM|ATOMS|ATOMG|RED|ATOM\.\w+|RED\.\w+)\b")
 LAUNCH = re.compile(r"\b([A-Za-z_]\w*)(?:<[^;]*?>)?<<<([^;]*?)>>>", re.S)
@@ -93,9 +95,11 @@ def default_archs(release):
 
 
 def inputs_hash(nvcc, ccbin, sources):
-    h = hashlib.sha256(" ".join(FLAGS + [ccbin or ""]).encode())
+    """Everything a cached compile result depends on: flags, nvcc, every file under src/operator,
+    the sources, and CACHE_FORMAT (bump it when compile_one's extraction changes)."""
+    h = hashlib.sha256(" ".join(FLAGS + [ccbin or "", f"format {CACHE_FORMAT}"]).encode())
     h.update(subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout.encode())
-    files = [os.path.abspath(__file__)] + [os.path.abspath(s) for s in sources]
+    files = [os.path.abspath(s) for s in sources]
     for base, _, names in os.walk(os.path.join(ROOT, "src", "operator")):
         files += [os.path.join(base, n) for n in names if n.endswith((".h", ".cuh", ".cu", ".txt"))]
     for p in sorted(set(files)):
@@ -143,7 +147,7 @@ def compile_one(nvcc, ccbin, src, arch, out):
         ptx = f.read()
     res = {"ptx_entries": ptx_entries(ptx), "ptxas": log,
            "ptx_half": sorted({m.group(0).strip().split()[0] for m in HALF_PTX.finditer(ptx)}),
-           "ptx_atomics": sorted({m.group(0).strip() for m in ATOM_PTX.finditer(ptx)}),
+           "ptx_atomics": sorted({m.group(0).strip().split()[-1] for m in ATOM_PTX.finditer(ptx)}),
            "sass": sass}
     os.remove(stem + ".cubin")
     os.remove(stem + ".ptx")
