@@ -192,6 +192,12 @@ def parse_ptxas(log):
     return funcs
 
 
+def kernel_short_name(kname):
+    """'gram_kernel' of 'void gn_mx::(anonymous namespace)::gram_kernel<float, ...>(...)'."""
+    m = re.search(r"::(\w+)[<(]", kname) or re.match(r"(?:void )?(\w+)", kname)
+    return m.group(1) if m else kname
+
+
 def demangle(names):
     if not names:
         return {}
@@ -229,21 +235,26 @@ def smem_plan(cache):
     {D: bytes}, 'gram': {(TT, acc): bytes}, 'apply': {(TT, acc): bytes}}."""
     sys.path.insert(0, os.path.join(HERE, "gpu", "emu"))
     import build_emu
-    src = os.path.join(KDIR, "dbn_cuda.cu")
     os.makedirs(cache, exist_ok=True)
     exe = os.path.join(cache, "smem_probe")
     if not os.path.exists(exe):
-        cc = os.path.join(cache, "smem_probe.cc")
-        with open(cc, "w") as f:
-            f.write(f'#line 1 "{src}"\n' + build_emu.rewrite(src) + PROBE_MAIN)
+        # dbn_cuda.cu with the probe's main, and the two host-side sources it calls into (linked,
+        # never run: the probe only evaluates the size formulas).
+        ccs = []
+        for name in ("dbn_cuda.cu", "cuda_util.cu", "cusolver_loader.cu"):
+            path = os.path.join(KDIR, name)
+            cc = os.path.join(cache, name + ".cc")
+            with open(cc, "w") as f:
+                f.write(f'#line 1 "{path}"\n' + build_emu.rewrite(path) +
+                        (PROBE_MAIN if name == "dbn_cuda.cu" else ""))
+            ccs.append(cc)
         gxx = shutil.which("g++")
         if not gxx:
             raise RuntimeError("g++ is needed for the shared-memory probe")
         _run([gxx, "-std=c++20", "-O0", "-w", "-mf16c", "-pthread", "-D__CUDACC__",
               "-DGNMX_WITH_CUDA", "-include", "cuda_emu.h",
               "-I", os.path.join(HERE, "gpu", "emu", "include"), "-I", KDIR,
-              "-I", os.path.join(ROOT, "src", "operator"), cc, "-o", exe + ".tmp",
-              "-Wl,--unresolved-symbols=ignore-all"])
+              "-I", os.path.join(ROOT, "src", "operator")] + ccs + ["-o", exe + ".tmp", "-ldl"])
         os.replace(exe + ".tmp", exe)
     plan = {"eig_shared": {}, "gram": {}, "apply": {}}
     for line in _run([exe]).splitlines():
@@ -316,7 +327,8 @@ def opt_in_kernels(sources):
 
 
 def read_allowlist(path=ALLOWLIST):
-    """[(arch or '*', kernel regex, what, reason)] from the allowlist (blank/# lines ignored)."""
+    """[(archs or None for all, kernel regex, {spill, stack, lmem}, max bytes, reason)] from the
+    allowlist: 'archs | kernel regex | what | max bytes | reason' (blank and # lines ignored)."""
     out = []
     if not os.path.exists(path):
         return out
@@ -325,9 +337,13 @@ def read_allowlist(path=ALLOWLIST):
         if not line:
             continue
         parts = [p.strip() for p in line.split("|")]
-        if len(parts) != 4 or not parts[3]:
-            raise RuntimeError(f"{path}: want 'arch | kernel regex | spill|stack|lmem | reason': {line}")
-        out.append(tuple(parts))
+        what = set(parts[2].replace(" ", "").split(",")) if len(parts) == 5 else set()
+        if len(parts) != 5 or not parts[4] or not what <= {"spill", "stack", "lmem"} or \
+                not parts[3].isdigit():
+            raise RuntimeError(f"{path}: want 'archs | kernel regex | spill,stack,lmem | max bytes | "
+                               f"reason': {line}")
+        archs = None if parts[0] == "*" else {int(a) for a in parts[0].split(",")}
+        out.append((archs, parts[1], what, int(parts[3]), parts[4]))
     return out
 
 
@@ -344,9 +360,9 @@ def audit(results, archs, plan, sources, allow):
     names = demangle(entries)
     covered = set()
 
-    def allowed(arch, kname, what):
-        return any((a == "*" or int(a) == arch) and re.search(k, kname) and w == what
-                   for a, k, w, _ in allow)
+    def allowed(arch, kname, what, nbytes):
+        return any((archs is None or arch in archs) and re.search(k, kname) and what in w and
+                   nbytes <= cap for archs, k, w, cap, _ in allow)
 
     for (src, arch), r in sorted(results.items(), key=lambda kv: (kv[0][1], kv[0][0])):
         props = parse_ptxas(r["ptxas"])
@@ -363,7 +379,7 @@ def audit(results, archs, plan, sources, allow):
             kname = names.get(fn, fn)
             for what, key in (("spill", "spill_st"), ("spill", "spill_ld"), ("stack", "stack"),
                               ("lmem", "lmem")):
-                if p[key] and not allowed(arch, kname, what):
+                if p[key] and not allowed(arch, kname, what, p[key]):
                     failures.append(f"sm_{arch} {kname}: {p[key]} bytes {key.replace('_', ' ')} "
                                     f"(not in {os.path.relpath(ALLOWLIST, ROOT)})")
         for fn, nt in r["ptx_entries"].items():
@@ -382,8 +398,7 @@ def audit(results, archs, plan, sources, allow):
                 if row["block_regs"] > REGS_PER_BLOCK:
                     failures.append(f"sm_{arch} {kname}: {p['regs']} registers x {nt} threads = "
                                     f"{row['block_regs']} > {REGS_PER_BLOCK}")
-            short = re.search(r"(\w+)(?:<|\()", kname.split("::")[-1])
-            short = short.group(1) if short else kname
+            short = kernel_short_name(kname)
             dyn = planned_dynamic(kname, plan, arch, p["smem"]) if plan else None
             if dyn is None:
                 dyn = 0

@@ -118,7 +118,7 @@ def test_audit_catches_planted_kernels(tmp_path):
     assert "no_bounds(float*): no __launch_bounds__" in fails, fails
     # The allowlist documents an exception (with its reason) and silences exactly that one.
     allow = tmp_path / "allow.txt"
-    allow.write_text("75 | stack_and_atomics | stack | planted: a dynamically indexed array\n")
+    allow.write_text("75 | stack_and_atomics | stack | 2048 | planted: a dynamically indexed array\n")
     r, data = _run_audit(tmp_path, "--nvcc", nvcc, "--archs", "75", "--sources", str(src),
                          "--cache", str(tmp_path / "cache"), "--allowlist", str(allow))
     fails = "\n".join(data["failures"])
@@ -158,9 +158,13 @@ def test_audit_rules_on_synthetic_reports():
     # fp16 arithmetic is allowed from sm_61 on; atomics nowhere.
     res = {("x.cu", 75): _row_results(LOG.replace("sm_60", "sm_75"), {"_Z3fooPf": 256},
                                       ptx_half=["fma.rn.f16"])}
-    _, fails = audit.audit(res, [75], None, [], [("*", "bar", "spill", "r"),
-                                                ("*", "bar", "stack", "r")])
+    _, fails = audit.audit(res, [75], None, [], [(None, "bar", {"spill", "stack"}, 8, "r")])
     assert not [f for f in fails if "half" in f or "bar" in f], fails
+    # An allowance is capped in bytes and limited to its architectures.
+    _, fails = audit.audit(res, [75], None, [], [(None, "bar", {"spill", "stack"}, 4, "r")])
+    assert any("bar(float*): 8 bytes stack" in f for f in fails), fails
+    _, fails = audit.audit(res, [75], None, [], [({80}, "bar", {"spill", "stack"}, 8, "r")])
+    assert any("bar(float*): 8 bytes stack" in f for f in fails), fails
 
 
 def test_stated_eig_limits_and_mismatch():
