@@ -356,8 +356,9 @@ def audit(results, archs, plan, sources, allow):
     rows, failures = [], []
     dyn_launched = launches_with_dynamic_smem(sources)
     optin_names = opt_in_kernels(sources)
-    entries = sorted({e for r in results.values() for e in r["ptx_entries"]})
-    names = demangle(entries)
+    funcs = {e for r in results.values() for e in r["ptx_entries"]}
+    funcs |= {f for r in results.values() for f in parse_ptxas(r["ptxas"])}
+    names = demangle(sorted(funcs))
     covered = set()
 
     def allowed(arch, kname, what, nbytes):
