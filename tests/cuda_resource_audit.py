@@ -53,13 +53,14 @@ SMEM_OPTIN = {50: 49152, 52: 49152, 53: 49152, 60: 49152, 61: 49152, 62: 49152, 
               72: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
               100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
 NO_HALF_ARCHS = (50, 52, 60)
-CACHE_FORMAT = 1               # of compile_one's cached results   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
+CACHE_FORMAT = 2               # of compile_one's cached results   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
 
 HALF_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(add|sub|mul|fma|neg|abs|min|max|setp|set|ex2|tanh|rcp|"
                       r"sqrt|div|testp|copysign)(\.[a-z0-9]+)*\.(f16|f16x2|bf16|bf16x2)\b", re.M)
 ATOM_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.[\w.]+", re.M)
-HALF_SASS = re.compile(r"\b(HADD2|HMUL2|HFMA2|HSET2|HSETP2|HMNMX2|HADD|HMUL|HFMA)\b")
-ATOM_SASS = re.compile(r"\b(ATOM|ATOMS|ATOMG|RED|ATOM\.\w+|RED\.\w+)\b")
+# SASS instruction lines ("/*0a10*/  HFMA2 R2, ...;"): the opcode after the address comment.
+HALF_SASS = re.compile(r"\*/\s+(?:@!?P\w+\s+)?(HADD2|HMUL2|HFMA2|HSET2|HSETP2|HMNMX2)\b")
+ATOM_SASS = re.compile(r"\*/\s+(?:@!?P\w+\s+)?(ATOM|ATOMS|ATOMG|RED)\b")
 LAUNCH = re.compile(r"\b([A-Za-z_]\w*)(?:<[^;]*?>)?<<<([^;]*?)>>>", re.S)
 
 
@@ -141,8 +142,10 @@ def compile_one(nvcc, ccbin, src, arch, out):
     cuobjdump = os.path.join(bindir, "cuobjdump")
     if os.access(cuobjdump, os.X_OK):
         text = _run([cuobjdump, "-sass", stem + ".cubin"])
-        sass = {"half": sorted(set(HALF_SASS.findall(text))),
-                "atomics": sorted(set(ATOM_SASS.findall(text)))}
+        sass = {"half": sorted({ln.split(";")[0].strip() for ln in text.splitlines()
+                                if HALF_SASS.search(ln)})[:5],
+                "atomics": sorted({ln.split(";")[0].strip() for ln in text.splitlines()
+                                   if ATOM_SASS.search(ln)})[:5]}
     with open(stem + ".ptx") as f:
         ptx = f.read()
     res = {"ptx_entries": ptx_entries(ptx), "ptxas": log,
