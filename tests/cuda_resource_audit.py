@@ -52,8 +52,8 @@ SMEM_DEFAULT = 48 * 1024       # without cudaFuncSetAttribute; also the limit of
 SMEM_OPTIN = {50: 49152, 52: 49152, 53: 49152, 60: 49152, 61: 49152, 62: 49152, 70: 98304,
               72: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
               100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
-NO_HALF_ARCHS = (50, 52, 60)
-CACHE_FORMAT = 2               # of compile_one's cached results   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
+NO_HALF_ARCHS = (50, 52, 60)   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
+CACHE_FORMAT = 2               # of compile_one's cached results
 
 HALF_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(add|sub|mul|fma|neg|abs|min|max|setp|set|ex2|tanh|rcp|"
                       r"sqrt|div|testp|copysign)(\.[a-z0-9]+)*\.(f16|f16x2|bf16|bf16x2)\b", re.M)
