@@ -242,6 +242,42 @@ def constant_group(run):
     assert np.isnan(r0["y"]).all()
 
 
+def ws_weight_rows(run, dtype, F):
+    """Weight Standardization's shape (gn_weight_standardize runs this kernel): a weight of O rows
+    of fan-in F as (1, O, F) data in G = O groups, gamma = gain, beta = 0, eps = 1e-6. Everything
+    finite. F = 1 (a 1x1 convolution with one input channel): y = 0 and dx = dgamma = 0 exactly.
+    Constant rows (F > 1): y = 0 up to the mean's rounding in the accumulation dtype times rstd =
+    1/sqrt(eps) (within 16 ulp of the value, x gain); the other rows and every dx as the float64
+    formula."""
+    rng = np.random.RandomState(23)
+    O, eps = 6, 1e-6
+    x = (rng.randn(1, O, F) * 0.05 + 0.01).astype(dtype)
+    const = list(range(O)) if F == 1 else [1, 4]
+    if F > 1:
+        x[0, 1] = 0.37
+        x[0, 4] = -3.0
+    gamma = (rng.rand(O) + 0.5).astype(dtype)
+    dy = rng.randn(1, O, F).astype(dtype)
+    r = run.group_norm(x, gamma, np.zeros(O, dtype), O, eps, dy=dy)
+    for k in ("y", "dx", "dgamma", "dbeta"):
+        assert np.isfinite(r[k]).all(), k
+    ref, _, _ = group_norm_ref(x, gamma, np.zeros(O), O, eps)
+    rdx, _, _ = group_norm_bwd_ref(x, gamma, dy, O, eps)
+    if F == 1:
+        np.testing.assert_array_equal(r["y"], np.zeros_like(r["y"]))
+        np.testing.assert_array_equal(r["dx"], np.zeros_like(r["dx"]))
+        np.testing.assert_array_equal(r["dgamma"], np.zeros_like(r["dgamma"]))
+        return
+    ulp = np.finfo(_acc(dtype)).eps
+    for c in const:
+        bound = 16 * ulp * abs(float(x[0, c, 0])) / np.sqrt(eps) * float(gamma[c])
+        assert np.abs(r["y"][0, c]).max() <= bound, (c, np.abs(r["y"][0, c]).max(), bound)
+    others = [i for i in range(O) if i not in const]
+    np.testing.assert_allclose(r["y"][:, others], ref[:, others], *tol(dtype))
+    scale = max(np.abs(rdx).max(), 1.0)
+    np.testing.assert_allclose(r["dx"] / scale, rdx / scale, *tol(dtype, GRAD_TOL))
+
+
 # -------------------------------------------------------------------------------------------------
 # float32 statistics that overflow
 
@@ -334,6 +370,7 @@ CASES = (
        for a in (None, "relu", "silu") for d in ALL for m in (2, 3, 4) for o in (300.0, -3e4)]
     + [Case(large_offset_is_stable, dtype=d) for d in (np.float32, np.float16)]
     + [Case(fp16_long_groups), Case(moments_large_offset_fp16), Case(constant_group)]
+    + [Case(ws_weight_rows, dtype=d, F=f) for d in ALL for f in (1, 9, 576)]
     + [Case(moments_tiny_groups, dtype=d, M=m, offset=o)
        for d in ALL for m in (2, 3, 4) for o in (300.0, -3e4)]
     + [Case(moments_float32_near_overflow, spatial=s) for s in ((64,), (64, 64))]
