@@ -53,7 +53,7 @@ SMEM_OPTIN = {50: 49152, 52: 49152, 53: 49152, 60: 49152, 61: 49152, 62: 49152, 
               72: 98304, 75: 65536, 80: 166912, 86: 101376, 87: 166912, 89: 101376, 90: 232448,
               100: 232448, 103: 232448, 110: 232448, 120: 101376, 121: 101376}
 NO_HALF_ARCHS = (50, 52, 60)   # GPUs where gn_mx must widen fp16 (no or slow fp16 arithmetic)
-CACHE_FORMAT = 2               # of compile_one's cached results
+CACHE_FORMAT = 3               # of compile_one's cached results
 
 HALF_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(add|sub|mul|fma|neg|abs|min|max|setp|set|ex2|tanh|rcp|"
                       r"sqrt|div|testp|copysign)(\.[a-z0-9]+)*\.(f16|f16x2|bf16|bf16x2)\b", re.M)
@@ -61,6 +61,14 @@ ATOM_PTX = re.compile(r"^\s*(?:@!?%p\d+\s+)?(?:atom|red)\.[\w.]+", re.M)
 # SASS instruction lines ("/*0a10*/  HFMA2 R2, ...;"): the opcode after the address comment.
 HALF_SASS = re.compile(r"\*/\s+(?:@!?P\w+\s+)?(HADD2|HMUL2|HFMA2|HSET2|HSETP2|HMNMX2)\b")
 ATOM_SASS = re.compile(r"\*/\s+(?:@!?P\w+\s+)?(ATOM|ATOMS|ATOMG|RED)\b")
+# fp16 -> fp32 conversion on sm_60+ is "HADD2.F32 Rd, Rs.H0_H0, -RZ.H0_H0" (x + -0 in float): a
+# conversion, not half arithmetic (seen in the CUDA 11.8 sm_60 SASS of every fp16 kernel).
+HALF_TO_FLOAT_SASS = re.compile(r"\bHADD2\.F32\b[^;]*-RZ")
+
+
+def half_sass(line):
+    """Whether a SASS line is half-precision arithmetic (not the fp16 -> fp32 conversion idiom)."""
+    return bool(HALF_SASS.search(line)) and not HALF_TO_FLOAT_SASS.search(line)
 LAUNCH = re.compile(r"\b([A-Za-z_]\w*)(?:<[^;]*?>)?<<<([^;]*?)>>>", re.S)
 
 
@@ -143,7 +151,7 @@ def compile_one(nvcc, ccbin, src, arch, out):
     if os.access(cuobjdump, os.X_OK):
         text = _run([cuobjdump, "-sass", stem + ".cubin"])
         sass = {"half": sorted({ln.split(";")[0].strip() for ln in text.splitlines()
-                                if HALF_SASS.search(ln)})[:5],
+                                if half_sass(ln)})[:5],
                 "atomics": sorted({ln.split(";")[0].strip() for ln in text.splitlines()
                                    if ATOM_SASS.search(ln)})[:5]}
     with open(stem + ".ptx") as f:

@@ -167,6 +167,16 @@ def test_audit_rules_on_synthetic_reports():
     assert any("bar(float*): 8 bytes stack" in f for f in fails), fails
 
 
+def test_half_precision_sass_is_arithmetic_not_conversion():
+    conv = "        /*07f0*/                   HADD2.F32 R29, R2.H0_H0, -RZ.H0_H0 ;"
+    arith = "        /*0800*/                   HFMA2 R3, R4, R5, R6 ;"
+    add = "        /*0808*/              @!P0 HADD2 R3, R4.H0_H0, R5.H1_H1 ;"
+    assert not audit.half_sass(conv)
+    assert audit.half_sass(arith) and audit.half_sass(add)
+    assert audit.ATOM_SASS.search("        /*0a00*/                   RED.E.ADD.F32.FTZ.RN [R2], R0 ;")
+    assert not audit.ATOM_SASS.search("        Function : _Z17gram_RED_kernel")
+
+
 def test_stated_eig_limits_and_mismatch():
     stated = audit.stated_eig_limits()
     for path in ("src/operator/kernels/dbn.h", "docs/dbn.md"):
