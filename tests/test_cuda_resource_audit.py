@@ -175,6 +175,8 @@ def test_half_precision_sass_is_arithmetic_not_conversion():
     assert audit.half_sass(arith) and audit.half_sass(add)
     assert audit.ATOM_SASS.search("        /*0a00*/                   RED.E.ADD.F32.FTZ.RN [R2], R0 ;")
     assert not audit.ATOM_SASS.search("        Function : _Z17gram_RED_kernel")
+    # __syncthreads_and (dbn_cuda.cu) is a barrier reduction, not an atomic.
+    assert not audit.ATOM_SASS.search("        /*1a08*/                   BAR.RED.AND P0, 0x0, P0 ;")
 
 
 def test_stated_eig_limits_and_mismatch():
