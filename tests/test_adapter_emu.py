@@ -97,3 +97,50 @@ def test_gpu_callbacks_match_cpu_callbacks(driver):
     assert any("activation without beta: cpu 'backward with an activation needs beta' gpu "
                "'backward with an activation needs beta'" in l for l in msgs)
     assert any("param dtype (forward): cpu 'parameter dtype must equal" in l for l in msgs)
+
+
+# ------------------------------------------------------------------------------------------------
+# Robustness on hardware, through the emulator's injected errors (cuda_emu.h): the device check,
+# errors left by earlier GPU work, one cuSOLVER handle per (device, stream), GNMX_CUDA_SYNC=1.
+
+
+def test_gpu_robustness_device_earlier_errors_and_cusolver_handles(driver):
+    fake = build_emu.build_fake_cusolver(os.path.join(ROOT, "build", "gpu-emu"))
+    r = subprocess.run([driver, "robustness", fake], capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    lines = r.stdout.splitlines()
+    failed = [l for l in lines if l.startswith("FAIL")]
+    assert r.returncode == 0 and not failed, "\n".join(failed) + r.stderr[-2000:]
+    passed = "\n".join(l for l in lines if l.startswith("PASS"))
+    for what in ("device mismatch: gn_group_norm: the data is on gpu(0) but the current CUDA "
+                 "device is 1",
+                 "pending error from earlier work: gn_group_norm: CUDA reported "
+                 "cudaErrorIllegalAddress",
+                 "gpu op after the pending error was reported runs",
+                 "sticky error from earlier work: gn_group_norm: CUDA reported",
+                 "sticky error names the op that found it: gn_moments: CUDA reported",
+                 "gn_dbn with cuSOLVER on two streams runs",
+                 "cuSOLVER handles: 3 created, 0 re-bound, 0 bad calls"):
+        assert what in passed, what
+    assert passed.count("gn_dbn cusolver on stream: max diff") == 4
+
+
+def _fault(driver, **env):
+    e = {k: v for k, v in os.environ.items() if k not in ("GNMX_CUDA_SYNC", "GNMX_EMU_KERNEL_FAULT")}
+    e.update(OMP_NUM_THREADS="1", **env)
+    r = subprocess.run([driver, "fault"], capture_output=True, text=True, timeout=120, env=e)
+    assert r.returncode == 0, r.stdout + r.stderr[-2000:]
+    return r.stdout.split("OUTCOME ", 1)[1].strip()
+
+
+def test_gpu_sync_mode_names_the_op_and_the_kernel(driver):
+    # A kernel fault is asynchronous: by default the op returns and a later CUDA call sees it.
+    assert _fault(driver) == "OK"
+    assert _fault(driver, GNMX_EMU_KERNEL_FAULT="700") == "OK"
+    # GNMX_CUDA_SYNC=1: synchronized after the first kernel; the op and the launch line are named.
+    msg = _fault(driver, GNMX_EMU_KERNEL_FAULT="700", GNMX_CUDA_SYNC="1")
+    assert msg.startswith("gn_group_norm: the kernel launched at group_norm_cuda.cu:"), msg
+    assert ("failed while running: cudaErrorIllegalAddress (an illegal memory access was "
+            "encountered) (GNMX_CUDA_SYNC=1 synchronizes after every gn_mx kernel)") in msg, msg
+    # Without a fault the synchronous mode changes nothing.
+    assert _fault(driver, GNMX_CUDA_SYNC="1") == "OK"

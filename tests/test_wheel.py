@@ -104,6 +104,9 @@ def test_wheel_is_one_py3_none_manylinux2014_wheel(wheel):
         names = z.namelist()
         meta = z.read(next(n for n in names if n.endswith("METADATA"))).decode()
     assert "gn_mx/libgn_mx.so" in names
+    # python -m gn_mx.selftest and the one edge-case list / float64 references it runs.
+    for mod in ("selftest", "_edge_cases", "_reference", "_tolerances"):
+        assert f"gn_mx/{mod}.py" in names, mod
     assert not [n for n in names if ".libs/" in n], names  # nothing vendored (libgomp external)
     assert "License: Apache-2.0" in meta and "Requires-Python: >=3.8,<3.12" in meta, meta[:1500]
     sums = open(os.path.join(os.path.dirname(wheel), "SHA256SUMS")).read().split()
@@ -302,6 +305,15 @@ def test_installed_wheel_cpu_isa_dispatch(installed, tmp_path):
     a, b = np.load(tmp_path / "default.npz"), np.load(tmp_path / "generic.npz")
     for k in a.files:
         assert np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4), (k, np.abs(a[k] - b[k]).max())
+
+
+def test_installed_wheel_runs_its_selftest(installed, tmp_path):
+    """python -m gn_mx.selftest from the installed wheel alone (no source tree on the path)."""
+    code = ("import subprocess, sys\n"
+            "sys.exit(subprocess.call([sys.executable, '-m', 'gn_mx.selftest', '--no-timing']))\n")
+    r = _run(installed, code, tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "gn_mx selftest: PASSED" in r.stdout and "edge cases (" in r.stdout, r.stdout[-3000:]
 
 
 def test_installed_wheel_forked_loader_after_an_op_call(installed, tmp_path):

@@ -83,7 +83,7 @@ def main():
     if "--cpu-op" in sys.argv:  # the MXNet op on the CPU instead (needs mxnet + the built gn_mx)
         import mxnet as mx
         import gn_mx  # noqa: F401
-        from test_edge_cases import MxRunner
+        from gn_mx.selftest import MxRunner
         run = MxRunner(mx.cpu())
         print("device: MXNet op gn_group_norm on cpu")
     else:

@@ -3,7 +3,9 @@
  * files):
  *   cuda_error(e)            nullptr or the error string of a CUDA runtime result (driver too old /
  *                            no kernel for the GPU: a message saying what is needed);
- *   GN_CUDA_CHECK_LAUNCH()   after a launch: return cudaGetLastError()'s string on failure;
+ *   GN_CUDA_CHECK_LAUNCH()   after a launch: return cudaGetLastError()'s string on failure; with
+ *                            GNMX_CUDA_SYNC=1 also synchronize and return a fault of the kernel
+ *                            itself, naming the launch's file and line (cuda_check_launch);
  *   ceil_div, aligned16      launch-plan arithmetic;
  *   sm_count, wave_blocks    the GPU's size: SMs (cached per device, thread-safe) times the
  *                            resident blocks per SM that the occupancy API reports for the
@@ -27,9 +29,9 @@
 
 #include "../common/welford.h"
 
-#define GN_CUDA_CHECK_LAUNCH()                                              \
-  do {                                                                      \
-    if (const char* gn_err_ = ::gn_mx::cuda_error(cudaGetLastError())) return gn_err_; \
+#define GN_CUDA_CHECK_LAUNCH()                                                          \
+  do {                                                                                  \
+    if (const char* gn_err_ = ::gn_mx::cuda_check_launch(__FILE__, __LINE__)) return gn_err_; \
   } while (0)
 
 namespace gn_mx {
@@ -50,6 +52,10 @@ inline const char* cuda_error(cudaError_t e) {
   if (cuda_setup_error(e)) return cuda_setup_error_message(e);
   return cudaGetErrorString(e);
 }
+
+// After a kernel launch at file:line: the launch's error (cuda_error), and with GNMX_CUDA_SYNC=1 a
+// fault of the kernel while it ran (the device is synchronized); cuda_util.cu.
+const char* cuda_check_launch(const char* file, int line);
 
 constexpr int kWarpSize = 32;
 

@@ -4,6 +4,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdio>
+#include <cstdlib>
+#include <cstring>
 #include <string>
 
 #include "cuda_common.cuh"
@@ -21,6 +23,94 @@ namespace gn_mx {
 const char* zero_cuda(void* p, size_t bytes, void* stream) {
   if (p == nullptr || bytes == 0) return nullptr;
   return cuda_error(cudaMemsetAsync(p, 0, bytes, static_cast<cudaStream_t>(stream)));
+}
+
+bool cuda_sync_mode() {
+  static const bool on = [] {
+    const char* v = std::getenv("GNMX_CUDA_SYNC");
+    return v != nullptr && std::strcmp(v, "1") == 0;
+  }();
+  return on;
+}
+
+namespace {
+
+// Whether the context holds a sticky error (every later call fails: the process must restart):
+// cudaStreamQuery reports it; a stream still busy (cudaErrorNotReady) is no error.
+cudaError_t sticky_error(void* stream) {
+  const cudaError_t q = cudaStreamQuery(static_cast<cudaStream_t>(stream));
+  return q == cudaErrorNotReady ? cudaSuccess : q;
+}
+
+constexpr const char* kStickyAdvice =
+    " The error is sticky: the CUDA context is unusable until the process restarts. To find the "
+    "operation that failed, run with CUDA_LAUNCH_BLOCKING=1 (GNMX_CUDA_SYNC=1 checks each of "
+    "gn_mx's kernels).";
+
+const char* file_name(const char* path) {
+  const char* slash = std::strrchr(path, '/');
+  return slash ? slash + 1 : path;
+}
+
+}  // namespace
+
+const char* cuda_check_launch(const char* file, int line) {
+  if (const char* e = cuda_error(cudaGetLastError())) return e;
+  if (!cuda_sync_mode()) return nullptr;
+  // The launch's stream is not known here: the whole device (GNMX_CUDA_SYNC is for debugging).
+  const cudaError_t e = cudaDeviceSynchronize();
+  if (e == cudaSuccess) return nullptr;
+  (void)cudaGetLastError();
+  const bool sticky = sticky_error(nullptr) != cudaSuccess;
+  thread_local char buf[640];
+  std::snprintf(buf, sizeof buf,
+                "the kernel launched at %s:%d failed while running: %s (%s) (GNMX_CUDA_SYNC=1 "
+                "synchronizes after every gn_mx kernel).%s",
+                file_name(file), line, cudaGetErrorName(e), cudaGetErrorString(e),
+                sticky ? kStickyAdvice : "");
+  return buf;
+}
+
+const char* cuda_op_prologue(int dev_id, void* stream) {
+  thread_local char buf[640];
+  int cur = 0;
+  if (const char* e = cuda_error(cudaGetDevice(&cur))) return e;
+  if (cur != dev_id) {
+    std::snprintf(buf, sizeof buf,
+                  "the data is on gpu(%d) but the current CUDA device is %d: gn_mx launches on the "
+                  "current device, which MXNet sets to the op's context before calling it (code "
+                  "that calls cudaSetDevice inside an operator must restore the device)",
+                  dev_id, cur);
+    return buf;
+  }
+  const cudaError_t pending = cudaGetLastError();  // clears it unless it is sticky
+  const cudaError_t sticky = sticky_error(stream);
+  if (pending == cudaSuccess && sticky == cudaSuccess) return nullptr;
+  const cudaError_t e = sticky != cudaSuccess ? sticky : pending;
+  std::snprintf(buf, sizeof buf,
+                "CUDA reported %s (%s) before this op launched anything: the error comes from "
+                "earlier work on the GPU (another operator, or a kernel still running), not from "
+                "gn_mx.%s",
+                cudaGetErrorName(e), cudaGetErrorString(e),
+                sticky != cudaSuccess ? kStickyAdvice
+                                      : " It had been left unchecked by an earlier CUDA call (now "
+                                        "cleared).");
+  return buf;
+}
+
+const char* cuda_op_epilogue(void* stream) {
+  if (!cuda_sync_mode()) return nullptr;
+  cudaError_t e = cudaStreamSynchronize(static_cast<cudaStream_t>(stream));
+  if (e == cudaSuccess) e = cudaGetLastError();
+  if (e == cudaSuccess) return nullptr;
+  (void)cudaGetLastError();
+  const bool sticky = sticky_error(stream) != cudaSuccess;
+  thread_local char buf[640];
+  std::snprintf(buf, sizeof buf,
+                "its GPU work failed while running: %s (%s) (GNMX_CUDA_SYNC=1 synchronizes after "
+                "each op).%s",
+                cudaGetErrorName(e), cudaGetErrorString(e), sticky ? kStickyAdvice : "");
+  return buf;
 }
 
 int cuda_runtime_built_version() { return CUDART_VERSION; }

@@ -24,6 +24,22 @@ std::string cuda_setup_message(const char* error_name, const char* error_text, b
 // cudaMemsetAsync(p, 0, bytes) on `stream` (a cudaStream_t as void*); nullptr or the error string.
 const char* zero_cuda(void* p, size_t bytes, void* stream);
 
+// GNMX_CUDA_SYNC=1 (read once per process): every gn_mx kernel is followed by a synchronization and
+// a check, so a fault is reported by the op that caused it, with the launch's source line (slow:
+// for debugging). Otherwise faults surface asynchronously, at a later CUDA call.
+bool cuda_sync_mode();
+
+// Before a gpu op launches anything: the current CUDA device must be `dev_id` (the device of the
+// op's data), and CUDA must hold no error from earlier work (one left unchecked by an earlier call,
+// now cleared, or a sticky one that makes the context unusable): reported as such, never as the
+// op's own. nullptr or the message (the adapter adds the op name).
+const char* cuda_op_prologue(int dev_id, void* stream);
+
+// After an op's launches (kernels, cuSOLVER, memsets) on `stream`: with GNMX_CUDA_SYNC=1 the
+// stream is synchronized and a fault of that work reported; otherwise nothing. nullptr or the
+// message.
+const char* cuda_op_epilogue(void* stream);
+
 // What the CUDA kernels were built with: CUDART_VERSION (1000 * major + 10 * minor, static
 // runtime) and the architectures ("50-real,...,90": SASS for "-real", SASS + PTX otherwise).
 int cuda_runtime_built_version();

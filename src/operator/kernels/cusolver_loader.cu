@@ -34,8 +34,22 @@ struct Api {
   set_stream_t set_stream = nullptr;
   syevd_lwork_t lwork = nullptr;
   syevd_t syevd = nullptr;
-  Handle handle[kMaxDevices] = {};
 };
+
+// One cuSOLVER handle per (device, stream), bound to that stream once at creation (NVIDIA: a
+// handle per thread or stream; MXNet gives each GPU worker thread its own stream): calls on
+// different streams never share a handle's workspace or its stream binding, and run concurrently;
+// calls on the same stream (the same handle) are serialized by the entry's lock. Entries are never
+// removed and handles never destroyed (a handle destroyed at exit may outlive the driver); MXNet
+// has a few streams per device, so the table stays small.
+struct HandleEntry {
+  const Api* api = nullptr;
+  int dev = -1;
+  void* stream = nullptr;
+  Handle handle = nullptr;
+  std::mutex mu;  // calls on this handle
+};
+constexpr int kMaxHandles = 256;
 
 // One loaded library per requested name (GNMX_CUSOLVER_LIBRARY's value, "" = the default search),
 // so that a test can point the variable elsewhere in the same process. Failures are not cached.
@@ -44,10 +58,11 @@ struct Slot {
   Api api;
 };
 constexpr int kMaxSlots = 8;
-std::mutex g_mu;  // slots, handle creation
+std::mutex g_mu;  // slots, the handle table
 Slot g_slots[kMaxSlots];
 int g_nslots = 0;
-std::mutex g_dev_mu[kMaxDevices];  // calls on device d's handle
+HandleEntry g_handles[kMaxHandles];
+int g_nhandles = 0;
 
 void* open_lib(const char* name, int flags) { return dlopen(name, RTLD_LAZY | RTLD_LOCAL | flags); }
 
@@ -108,21 +123,35 @@ const char* status_error(const char* call, int status) {
   return buf;
 }
 
-// The API and the current device's handle (created on first use); nullptr or the error.
-const char* handle_for_device(Api** api, Handle* h, int* dev) {
-  if (const char* e = cuda_error(cudaGetDevice(dev))) return e;
-  if (*dev < 0 || *dev >= kMaxDevices) return "cuSOLVER: device ordinal out of range";
+// The handle of (current device, stream) for the current GNMX_CUSOLVER_LIBRARY, created and bound
+// to `stream` on first use; nullptr or the error.
+const char* handle_for(void* stream, HandleEntry** out) {
+  int dev = 0;
+  if (const char* e = cuda_error(cudaGetDevice(&dev))) return e;
+  if (dev < 0 || dev >= kMaxDevices) return "cuSOLVER: device ordinal out of range";
   std::lock_guard<std::mutex> lock(g_mu);
   const char* err = nullptr;
   Api* a = load_locked(&err);
   if (!a) return err;
-  if (!a->handle[*dev]) {
-    Handle nh = nullptr;
-    if (int s = a->create(&nh)) return status_error("cusolverDnCreate", s);
-    a->handle[*dev] = nh;
+  for (int i = 0; i < g_nhandles; ++i) {
+    HandleEntry& h = g_handles[i];
+    if (h.api == a && h.dev == dev && h.stream == stream) {
+      *out = &h;
+      return nullptr;
+    }
   }
-  *api = a;
-  *h = a->handle[*dev];
+  if (g_nhandles == kMaxHandles)
+    return "cuSOLVER: more than 256 (device, stream) pairs used the eigensolver; gn_mx keeps one "
+           "handle per pair";
+  Handle nh = nullptr;
+  if (int s = a->create(&nh)) return status_error("cusolverDnCreate", s);
+  if (int s = a->set_stream(nh, stream)) return status_error("cusolverDnSetStream", s);
+  HandleEntry& h = g_handles[g_nhandles++];
+  h.api = a;
+  h.dev = dev;
+  h.stream = stream;
+  h.handle = nh;
+  *out = &h;
   return nullptr;
 }
 
@@ -142,29 +171,25 @@ const char* cusolver_missing_message(const char* detail) {
 }
 
 const char* cusolver_syevd_lwork(int n, int* lwork) {
-  Api* a = nullptr;
-  Handle h = nullptr;
-  int dev = 0;
-  if (const char* e = handle_for_device(&a, &h, &dev)) return e;
-  std::lock_guard<std::mutex> lock(g_dev_mu[dev]);
+  // A host-side query: the handle of the null stream serves it (its answer depends on n only).
+  HandleEntry* h = nullptr;
+  if (const char* e = handle_for(nullptr, &h)) return e;
+  std::lock_guard<std::mutex> lock(h->mu);
   *lwork = 0;
   // The query reads no matrix: null data pointers with the real leading dimension.
-  if (int s = a->lwork(h, kEigModeVector, kFillLower, n, nullptr, n, nullptr, lwork))
+  if (int s = h->api->lwork(h->handle, kEigModeVector, kFillLower, n, nullptr, n, nullptr, lwork))
     return status_error("cusolverDnDsyevd_bufferSize", s);
   return nullptr;
 }
 
 const char* cusolver_syevd_batch(void* stream, double* a, long long stride, int n, int count,
                                  double* w, int* info, double* work, int lwork) {
-  Api* api = nullptr;
-  Handle h = nullptr;
-  int dev = 0;
-  if (const char* e = handle_for_device(&api, &h, &dev)) return e;
-  std::lock_guard<std::mutex> lock(g_dev_mu[dev]);
-  if (int s = api->set_stream(h, stream)) return status_error("cusolverDnSetStream", s);
+  HandleEntry* h = nullptr;
+  if (const char* e = handle_for(stream, &h)) return e;
+  std::lock_guard<std::mutex> lock(h->mu);
   for (int k = 0; k < count; ++k)
-    if (int s = api->syevd(h, kEigModeVector, kFillLower, n, a + k * stride, n, w + (long long)k * n,
-                           work, lwork, info + k))
+    if (int s = h->api->syevd(h->handle, kEigModeVector, kFillLower, n, a + k * stride, n,
+                              w + (long long)k * n, work, lwork, info + k))
       return status_error("cusolverDnDsyevd", s);
   return nullptr;
 }

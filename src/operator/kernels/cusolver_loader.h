@@ -9,9 +9,10 @@
  * order. No CUDA headers: the few cuSOLVER types are declared here by value (int enums, opaque
  * handle), so the file builds with any toolkit and under the CPU emulator (tests/gpu/emu, whose
  * fake_cusolver.cc stands in for the library).
- * Handles: one per device, created on first use and kept for the process (never destroyed: a
- * handle destroyed at exit may outlive the driver); calls on a handle hold its device's lock, so
- * threads sharing a device never interleave cusolverDnSetStream with another thread's calls.
+ * Handles: one per (device, stream), created and bound to its stream on first use, kept for the
+ * process (never destroyed: a handle destroyed at exit may outlive the driver); calls on a handle
+ * hold its lock, so ops on different streams (MXNet's GPU worker threads) run concurrently and
+ * never share a handle.
  */
 #pragma once
 #include <cstddef>

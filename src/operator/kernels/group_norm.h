@@ -21,7 +21,7 @@
  * where scratch is needed, `X_workspace_cpu/cuda(args)` bytes passed in `args.workspace`.
  *
  * Numerical guarantees (both devices, forward and backward, every dtype, with or without the
- * activation; docs/numerics.md, checked on both by the one case list tests/edge_cases.py):
+ * activation; docs/numerics.md, checked on both by the one case list python/gn_mx/_edge_cases.py):
  * one-element groups exact (out = act(beta), dx = dmean); 2-4 element groups within float32
  * rounding of the float64 result at any offset; float32 data up to |x| = 3.4e38 normalized (its
  * statistics recomputed instead of overflowing to NaN); NaN/Inf confined to their group. Both get

@@ -8,6 +8,10 @@
  *      take it from lib_api's temp space (one allocation per callback: a second one may alias the
  *      first), launch, turn a kernel error string into the op's MXNetError, zero the aux-state
  *      gradients (memset on the host, cudaMemsetAsync on MXNet's stream).
+ * On the gpu, before anything is launched: the current CUDA device must be the data's, and an
+ * error left by earlier GPU work is reported as such (cuda_op_prologue), never as the op's; with
+ * GNMX_CUDA_SYNC=1 every kernel and then the op's stream are synchronized and checked, so a fault
+ * names the op (and the kernel's launch line) that caused it (cuda_util.h).
  * A Kernel<Args> pairs the CPU and CUDA entry points of one computation (kernels/*.h); in a build
  * without CUDA its CUDA members are null.
  */
@@ -45,6 +49,7 @@ struct Kernel {
 struct Device {
   bool gpu = false;
   const OpResource* res = nullptr;
+  int id = 0;  // the gpu ordinal of the op's data
   const char* name() const { return gpu ? "gpu" : "cpu"; }
   void* stream() const { return gpu ? res->get_cuda_stream() : nullptr; }
 };
@@ -56,9 +61,9 @@ inline Device device_of(const char* op, const MXTensor& x, const OpResource& res
 #if !defined(GNMX_WITH_CUDA)
     fail(op, ": gn_mx was built without CUDA (rebuild with GNMX_CUDA=1)");
 #endif
-    return Device{true, &res};
+    return Device{true, &res, x.ctx.dev_id};
   }
-  if (t == "cpu" || t.rfind("cpu_", 0) == 0) return Device{false, &res};  // cpu_pinned, cpu_shared
+  if (t == "cpu" || t.rfind("cpu_", 0) == 0) return Device{false, &res, 0};  // cpu_pinned, cpu_shared
   fail(op, ": unsupported context '", t, "' (gn_mx runs on cpu and gpu)");
 }
 
@@ -99,6 +104,10 @@ template <class A>
 void run(const char* op, const Device& dev, const Kernel<A>& k, A a,
          std::initializer_list<MXTensor*> zeroed = {}) {
   if (dev.gpu && k.cuda == nullptr) fail(op, ": gn_mx was built without CUDA");
+#if defined(GNMX_WITH_CUDA)
+  if (dev.gpu)
+    if (const char* e = cuda_op_prologue(dev.id, dev.stream())) fail(op, ": ", e);
+#endif
   if constexpr (HasWorkspace<A>::value) {
     size_t (*size)(const A&) = dev.gpu ? k.cuda_workspace : k.cpu_workspace;
     a.workspace = workspace(dev, size ? size(a) : 0, op);
@@ -106,6 +115,10 @@ void run(const char* op, const Device& dev, const Kernel<A>& k, A a,
   const char* err = dev.gpu ? k.cuda(a, dev.stream()) : k.cpu(a);
   if (err) fail(op, ": ", err);
   for (MXTensor* t : zeroed) zero_tensor(dev, *t, op);
+#if defined(GNMX_WITH_CUDA)
+  if (dev.gpu)
+    if (const char* e = cuda_op_epilogue(dev.stream())) fail(op, ": ", e);
+#endif
 }
 
 }  // namespace mxa

@@ -21,6 +21,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <dlfcn.h>
 #include <random>
 #include <string>
 #include <unordered_map>
@@ -152,9 +153,10 @@ struct Run {
 };
 
 // Forward, then backward with head gradients `heads` (empty: forward only), on `ctx`.
-// `tensor_ctx` (default: ctx) is the context the tensors claim to live in.
+// `tensor_ctx` (default: ctx) is the context the tensors claim to live in; `stream`: MXNet's.
 Run run_op(const char* name, const Attrs& attrs, std::vector<Buf> inputs,
-           const std::vector<Buf>& heads, const char* ctx, const char* tensor_ctx = nullptr) {
+           const std::vector<Buf>& heads, const char* ctx, const char* tensor_ctx = nullptr,
+           void* stream = nullptr) {
   if (!tensor_ctx) tensor_ctx = ctx;
   Run r;
   CustomOp* op = const_cast<CustomOp*>(find_op(name));
@@ -167,7 +169,7 @@ Run run_op(const char* name, const Attrs& attrs, std::vector<Buf> inputs,
     r.error = "inference failed: " + last_error();
     return r;
   }
-  OpResource res(host_alloc, nullptr, host_alloc, nullptr, nullptr, nullptr, nullptr, nullptr,
+  OpResource res(host_alloc, nullptr, host_alloc, nullptr, stream, nullptr, nullptr, nullptr,
                  nullptr);
   fcomp_t fwd = find_fcomp(*op, false, ctx);
   if (!fwd) {
@@ -354,7 +356,113 @@ void check_kernel_messages() {
 
 }  // namespace
 
-int main() {
+// ------------------------------------------------------------------------------------------------
+// Robustness on hardware (device.h, cuda_util.h, cusolver_loader.h): `adapter_driver robustness
+// <libfake_cusolver.so>` and `adapter_driver fault` (run with and without GNMX_CUDA_SYNC=1 and
+// GNMX_EMU_KERNEL_FAULT by tests/test_adapter_emu.py; cuda_emu.h injects the errors).
+
+std::vector<Buf> gn_inputs(std::mt19937& rng) {
+  return {random_buf({2, 6, 5}, kFloat32, rng, -1, 1), random_buf({6}, kFloat32, rng, 0.5, 1.5),
+          random_buf({6}, kFloat32, rng, -1, 1)};
+}
+const Attrs kGnAttrs = {{"num_groups", "3"}};
+
+void expect_gpu_error(const std::string& label, std::mt19937& rng, const std::string& needle,
+                      const std::string& needle2 = "") {
+  Run r = run_op("gn_group_norm", kGnAttrs, gn_inputs(rng), {}, "gpu");
+  const bool ok = !r.ok && r.error.find(needle) != std::string::npos &&
+                  r.error.find(needle2) != std::string::npos;
+  report(ok, label + ": " + (r.ok ? std::string("no error") : r.error));
+}
+
+void expect_gpu_ok(const std::string& label, std::mt19937& rng) {
+  Run r = run_op("gn_group_norm", kGnAttrs, gn_inputs(rng), {}, "gpu");
+  report(r.ok, label + (r.ok ? std::string(" runs") : ": " + r.error));
+}
+
+int robustness(const char* fake_cusolver) {
+  std::mt19937 rng(7);
+  expect_gpu_ok("gpu op before any injected error", rng);
+  // The data's device against the current one.
+  setenv("GNMX_EMU_DEVICE", "1", 1);
+  expect_gpu_error("device mismatch", rng,
+                   "gn_group_norm: the data is on gpu(0) but the current CUDA device is 1");
+  unsetenv("GNMX_EMU_DEVICE");
+  // An error an earlier call left unchecked: reported as earlier work's, cleared, not the op's.
+  setenv("GNMX_EMU_PENDING_ERROR", "700", 1);
+  expect_gpu_error("pending error from earlier work", rng,
+                   "gn_group_norm: CUDA reported cudaErrorIllegalAddress (an illegal memory access "
+                   "was encountered) before this op launched anything",
+                   "not from gn_mx. It had been left unchecked by an earlier CUDA call (now cleared)");
+  unsetenv("GNMX_EMU_PENDING_ERROR");
+  expect_gpu_ok("gpu op after the pending error was reported", rng);
+  // A sticky error (the context is unusable): named as such, whatever the op.
+  setenv("GNMX_EMU_STICKY_ERROR", "700", 1);
+  expect_gpu_error("sticky error from earlier work", rng,
+                   "gn_group_norm: CUDA reported cudaErrorIllegalAddress",
+                   "The error is sticky: the CUDA context is unusable until the process restarts");
+  {
+    std::vector<Buf> x = {random_buf({2, 6, 5}, kFloat32, rng, -1, 1)};
+    Run r = run_op("gn_moments", {{"num_groups", "3"}}, x, {}, "gpu");
+    report(!r.ok && r.error.find("gn_moments: CUDA reported cudaErrorIllegalAddress") == 0 &&
+               r.error.find("before this op launched anything") != std::string::npos,
+           "sticky error names the op that found it: " + r.error);
+  }
+  unsetenv("GNMX_EMU_STICKY_ERROR");
+  // cuSOLVER: one handle per (device, stream), bound once; ops on two streams, alternating.
+  setenv("GNMX_CUSOLVER_LIBRARY", fake_cusolver, 1);
+  setenv("GNMX_DBN_CUDA_EIG", "cusolver", 1);
+  {
+    Buf x = random_buf({64, 8}, kFloat64, rng, -1, 1);
+    Buf rm = make({8}, kFloat64, 0), rp = make({2, 4, 4}, kFloat64, 0);
+    const Attrs at = {{"num_groups", "2"}, {"eps", "1e-3"}};
+    static int stream_a, stream_b;  // two distinct stream values (the emulator runs in order)
+    void* streams[] = {&stream_a, &stream_b, &stream_a, &stream_b};
+    Run ref = run_op("gn_dbn", at, {x, rm, rp}, {}, "cpu");
+    bool all_ok = ref.ok;
+    std::string err = ref.error;
+    for (void* st : streams) {
+      Run g = run_op("gn_dbn", at, {x, rm, rp}, {}, "gpu", nullptr, st);
+      all_ok = all_ok && g.ok;
+      if (!g.ok) err = g.error;
+      if (g.ok && ref.ok) compare("gn_dbn cusolver on stream", ref.outputs[0], g.outputs[0]);
+    }
+    report(all_ok, "gn_dbn with cuSOLVER on two streams" + (all_ok ? std::string(" runs") : ": " + err));
+    void* lib = dlopen(fake_cusolver, RTLD_LAZY | RTLD_NOLOAD);
+    using stats_t = void (*)(int*, int*, int*);
+    stats_t stats = lib ? reinterpret_cast<stats_t>(dlsym(lib, "fake_cusolver_stats")) : nullptr;
+    int handles = -1, rebinds = -1, bad = -1;
+    if (stats) stats(&handles, &rebinds, &bad);
+    // Streams a and b, plus the null stream's handle for the workspace-size query.
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "cuSOLVER handles: %d created, %d re-bound, %d bad calls",
+                  handles, rebinds, bad);
+    report(stats && handles == 3 && rebinds == 0 && bad == 0, buf);
+  }
+  unsetenv("GNMX_DBN_CUDA_EIG");
+  unsetenv("GNMX_CUSOLVER_LIBRARY");
+  std::printf("%d failure(s)\n", g_failures);
+  return g_failures == 0 ? 0 : 1;
+}
+
+// One gn_group_norm forward and backward on the gpu; prints its outcome (OK or the error).
+int fault() {
+  if (initialize(10901) != MX_SUCCESS) return 2;
+  std::mt19937 rng(3);
+  std::vector<Buf> in = gn_inputs(rng);
+  std::vector<Buf> heads = {random_buf({2, 6, 5}, kFloat32, rng, -1, 1),
+                            make({2, 3}, kFloat32, 0), make({2, 3}, kFloat32, 0)};
+  Run r = run_op("gn_group_norm", kGnAttrs, in, heads, "gpu");
+  std::printf("OUTCOME %s\n", r.ok ? "OK" : r.error.c_str());
+  return 0;
+}
+
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::strcmp(argv[1], "fault") == 0) return fault();
+  if (argc >= 3 && std::strcmp(argv[1], "robustness") == 0) {
+    if (initialize(10901) != MX_SUCCESS) report(false, "initialize: " + last_error());
+    return robustness(argv[2]);
+  }
   // lib_api's initialize() adds _backward_gn_group_norm (group_norm_grad2_ops.cc), as MXLoadLib's call does
   if (initialize(10901) != MX_SUCCESS) report(false, "initialize: " + last_error());
   check_kernel_messages();

@@ -40,6 +40,7 @@
 #include <ucontext.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
@@ -75,6 +76,8 @@ enum cudaError_t {  // the real codes, for those the kernels test for or the emu
   cudaErrorInvalidDeviceFunction = 98,
   cudaErrorNoKernelImageForDevice = 209,
   cudaErrorUnsupportedPtxVersion = 222,
+  cudaErrorNotReady = 600,
+  cudaErrorIllegalAddress = 700,
   cudaErrorLaunchOutOfResources = 701,
   cudaErrorAssert = 710,
   cudaErrorLaunchFailure = 719,
@@ -334,6 +337,18 @@ inline void assert_uniform(int team, const V& v, const char* expr, const char* f
 inline cudaError_t emu_injected_error() {
   return static_cast<cudaError_t>(emu_env_int("GNMX_EMU_CUDA_ERROR", 0));
 }
+// Errors that earlier work left behind, and faults that surface only at a synchronization (the
+// adapter's checks, src/operator/mx/device.h; tests/test_adapter_emu.py):
+//   GNMX_EMU_PENDING_ERROR=<code>: an unchecked, non-sticky error: the next cudaGetLastError of the
+//     process returns it once;
+//   GNMX_EMU_STICKY_ERROR=<code>: a sticky error (e.g. 700, an illegal address): cudaGetLastError,
+//     cudaStreamQuery and every synchronization return it;
+//   GNMX_EMU_KERNEL_FAULT=<code>: the kernels run, and the fault shows only when the stream or the
+//     device is synchronized (as a real kernel's asynchronous fault);
+//   GNMX_EMU_DEVICE=<n>: what cudaGetDevice reports (default 0).
+inline cudaError_t emu_sticky_error() {
+  return static_cast<cudaError_t>(emu_env_int("GNMX_EMU_STICKY_ERROR", 0));
+}
 // The injected error, else the pending one of a broken rule (cleared: the next call succeeds).
 inline cudaError_t emu_take_error() {
   if (cudaError_t e = emu_injected_error()) return e;
@@ -341,7 +356,21 @@ inline cudaError_t emu_take_error() {
   emu::g_err = cudaSuccess;
   return e;
 }
-inline cudaError_t cudaGetLastError() { return emu_take_error(); }
+inline cudaError_t cudaGetLastError() {
+  static std::atomic<bool> pending_taken{false};
+  if (cudaError_t e = emu_sticky_error()) return e;
+  const int pending = emu_env_int("GNMX_EMU_PENDING_ERROR", 0);
+  if (pending && !pending_taken.exchange(true)) return static_cast<cudaError_t>(pending);
+  return emu_take_error();
+}
+inline cudaError_t cudaStreamQuery(cudaStream_t) { return emu_sticky_error(); }
+// Launches run synchronously: a broken rule of one is also what a synchronize reports.
+inline cudaError_t emu_synchronize() {
+  if (cudaError_t e = emu_sticky_error()) return e;
+  if (cudaError_t e = static_cast<cudaError_t>(emu_env_int("GNMX_EMU_KERNEL_FAULT", 0))) return e;
+  return emu_take_error();
+}
+inline cudaError_t cudaStreamSynchronize(cudaStream_t) { return emu_synchronize(); }
 inline const char* cudaGetErrorString(cudaError_t e) {
   switch (e) {
     case cudaErrorInsufficientDriver:
@@ -354,6 +383,7 @@ inline const char* cudaGetErrorString(cudaError_t e) {
     case cudaErrorLaunchFailure:
       if (!emu::g_err_msg.empty()) return emu::g_err_msg.c_str();
       return "cuda_emu error";
+    case cudaErrorIllegalAddress: return "an illegal memory access was encountered";
     default: return "cuda_emu error";
   }
 }
@@ -366,6 +396,7 @@ inline const char* cudaGetErrorName(cudaError_t e) {
     case cudaErrorLaunchOutOfResources: return "cudaErrorLaunchOutOfResources";
     case cudaErrorAssert: return "cudaErrorAssert";
     case cudaErrorLaunchFailure: return "cudaErrorLaunchFailure";
+    case cudaErrorIllegalAddress: return "cudaErrorIllegalAddress";
     default: return "cudaErrorUnknown";
   }
 }
@@ -373,7 +404,7 @@ inline cudaError_t cudaDriverGetVersion(int* v) {
   *v = emu_env_int("GNMX_EMU_DRIVER", 13000);
   return cudaSuccess;
 }
-inline cudaError_t cudaGetDevice(int* d) { *d = 0; return cudaSuccess; }
+inline cudaError_t cudaGetDevice(int* d) { *d = emu_env_int("GNMX_EMU_DEVICE", 0); return cudaSuccess; }
 inline cudaError_t cudaDeviceGetAttribute(int* v, cudaDeviceAttr a, int) {
   const emu::Arch ar = emu::arch();
   if (a == cudaDevAttrComputeCapabilityMajor) *v = ar.cc / 10;
@@ -466,8 +497,7 @@ inline cudaError_t cudaMemcpy(void* d, const void* s, size_t n, cudaMemcpyKind) 
   std::memcpy(d, s, n);
   return cudaSuccess;
 }
-// Launches run synchronously: a broken rule of one is what a synchronize reports.
-inline cudaError_t cudaDeviceSynchronize() { return emu_take_error(); }
+inline cudaError_t cudaDeviceSynchronize() { return emu_synchronize(); }
 
 struct __half {
   uint16_t bits;
