@@ -74,6 +74,11 @@ def _check_full_audit(r, data, archs):
 
 
 def test_audit_nvcc_default_architectures(tmp_path):
+    """nvcc on PATH (13 here) for its own default list: ~5 min of CPU on 2 cores, so only when
+    GNMX_AUDIT_NVCC=1 asks (the wheel ships the CUDA 11.8 build, audited below in every run)."""
+    if os.environ.get("GNMX_AUDIT_NVCC") != "1":
+        pytest.skip("set GNMX_AUDIT_NVCC=1 to audit the PATH nvcc's default architectures too "
+                    "(CI audits the CUDA 11.8 build the wheel ships)")
     nvcc = _nvcc13()
     release = audit.nvcc_release(nvcc)
     archs = audit.default_archs(release)
