@@ -798,6 +798,13 @@ void bwd_params(const GroupNormBwdArgs& a) {
 //             path. Then y = act(x * a_c + b_c) in a second read of the sample's rows.
 //   backward: the per-(n, c) sums dsc_c = sum g (x - mu), db_c = sum g (one read of x and dy per
 //             sample, chunk by chunk), then dx in a second read; bwd_params as channels first.
+// fp32 / fp64 samples larger than kRowBlockBytes (or fewer samples than threads) go in blocks of
+// whole groups instead (row_block_groups, fwd_row_blocks / bwd_row_blocks): a thread reads the
+// block's channels of every row (rows C apart), then applies them while they are in its L2, as
+// channels first handles a group, and the blocks keep the threads busy without barriers. Otherwise
+// (whole rows) the second read walks a thread's rows backwards (last chunk first), so it starts on
+// the rows the reduction left in L2, and outputs of kStreamBytesFwd / kStreamBytesBwd and more
+// (fp32 / fp64) are computed into an L1 chunk buffer and streamed out (RowPrims::stream).
 // Threads (run_samples): per sample, or, when N is small or uneven for the team, each thread takes
 // the same row slice of every sample and the partials meet after one barrier per sample, combined in
 // thread order (identical coefficients in every thread), as run_groups does for groups.
@@ -816,6 +823,13 @@ void row_slice(int64_t S, int t, int T, int64_t* lo, int64_t* hi) {
   const int64_t per = (S + T - 1) / T;
   *lo = std::min(S, per * t);
   *hi = std::min(S, *lo + per);
+}
+
+// Whether the channels-last output of data dims is streamed: fp32 / fp64 data (fp16 rows are
+// narrowed through RowIo's cached stores) of at least threshold bytes.
+template <typename T>
+bool stream_rows(const GroupDims& d, int64_t threshold) {
+  return std::is_same<T, AccT<T>>::value && stream_output(d.N * d.S * d.C, sizeof(T), threshold);
 }
 
 // AccT rows of data of dtype T: the data itself when T is AccT (fp32 / fp64), else widened into
@@ -898,14 +912,14 @@ void run_samples(const Job& job, int64_t N, int64_t S, int64_t C) {
 // the centred column M2 in a second read of the L1-resident chunk), merged into per-channel running
 // states with Chan's update (all channels hold the same count: vector loops, one division per
 // chunk); at the end the D channel states of each group merge into w[g]: the rows [lo, hi) of
-// sample n.
+// sample n. Rows lie ld apart (ld > C: x is a block of C channels of wider rows; fp32 / fp64 only).
 template <typename T>
 struct RowStats {
   using A = AccT<T>;
   const simd::Prims<T>& P;
   const simd::RowPrims<A>& R;
   const T* x;
-  int64_t S, C, G, D;
+  int64_t S, C, G, D, ld;
 
   struct Buffers {
     std::vector<A> buf, col, mu, mean, m2;
@@ -919,11 +933,11 @@ struct RowStats {
     int64_t have = 0;  // rows merged into b.mean / b.m2
     for (int64_t r0 = lo; r0 < hi; r0 += rows) {
       const int64_t rr = std::min(rows, hi - r0);
-      const A* xr = io.in(x + (n * S + r0) * C, b.buf.data(), rr * C);
+      const A* xr = io.in(x + (n * S + r0) * ld, b.buf.data(), rr * C);
       A* cm = have ? b.mu.data() : b.mean.data();  // the first chunk is the state
       A* cm2 = have ? b.col.data() : b.m2.data();
-      R.col_sum(xr, rr, C, A(1) / static_cast<A>(rr), cm);
-      R.col_m2(xr, rr, C, cm, cm2);
+      R.col_sum(xr, rr, C, ld, A(1) / static_cast<A>(rr), cm);
+      R.col_m2(xr, rr, C, ld, cm, cm2);
       if (have) {
         const A na = static_cast<A>(have), nb = static_cast<A>(rr), tot = na + nb;
         R.chan_merge(b.mean.data(), b.m2.data(), cm, cm2, C, nb / tot, na * nb / tot);
@@ -995,12 +1009,17 @@ struct FwdRowsJob {
   GroupDims dims;
   double eps;
   A eps_acc;
+  bool nt;  // streaming stores (fp32 / fp64 data only: stream_rows)
 
   struct Scratch : RowStats<T>::Buffers {
-    std::vector<A> a, b;
-    std::vector<char> ex;  // group is recomputed exactly
+    std::vector<A> a, b, ob;  // ob: the chunk streamed out (nt)
+    std::vector<char> ex;     // group is recomputed exactly
     explicit Scratch(const FwdRowsJob& j)
-        : RowStats<T>::Buffers(j.st.C), a(j.st.C), b(j.st.C), ex(j.G) {}
+        : RowStats<T>::Buffers(j.st.C),
+          a(j.st.C),
+          b(j.st.C),
+          ob(j.nt ? chunk_rows(j.st.C) * j.st.C : 0),
+          ex(j.G) {}
   };
   size_t part_len() const { return static_cast<size_t>(G); }
   void begin(int64_t, Scratch&) const {}
@@ -1028,13 +1047,17 @@ struct FwdRowsJob {
   void apply(int64_t n, int64_t lo, int64_t hi, Scratch& sc) const {
     const RowIo<T> io{st.P};
     const int64_t C = st.C, rows = chunk_rows(C);
-    for (int64_t r0 = lo; r0 < hi; r0 += rows) {
-      const int64_t rr = std::min(rows, hi - r0), off = (n * st.S + r0) * C;
+    for (int64_t k = (hi - lo + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L2 first
+      const int64_t r0 = lo + k * rows, rr = std::min(rows, hi - r0), off = (n * st.S + r0) * C;
       const A* xr = io.in(st.x + off, sc.buf.data(), rr * C);
-      A* yr = io.out(y + off, sc.buf.data());
-      st.R.affine[static_cast<int>(ACT)](xr, yr, rr, C, sc.a.data(), sc.b.data());
-      io.flush(yr, y + off, rr * C);
+      A* yr = nt ? sc.ob.data() : io.out(y + off, sc.buf.data());
+      st.R.affine[static_cast<int>(ACT)](xr, yr, rr, C, C, sc.a.data(), sc.b.data());
+      if (nt)
+        st.R.stream(yr, reinterpret_cast<A*>(y + off), rr * C);
+      else
+        io.flush(yr, y + off, rr * C);
     }
+    if (nt) st.P.fence();  // before the barrier that precedes exact rewrites and the caller
   }
   void exact(int64_t n, int64_t g, Scratch& sc) const {
     if (!sc.ex[g]) return;
@@ -1067,14 +1090,16 @@ struct BwdRowsJob {
   int64_t G;
   GroupDims dims;
   double eps;
+  bool nt;  // streaming stores (fp32 / fp64 data only: stream_rows)
 
   struct Scratch {
-    std::vector<A> bx, bg, mu, a, b, c1, c2, c3, t1, t2;
+    std::vector<A> bx, bg, ob, mu, a, b, c1, c2, c3, t1, t2;  // ob: the chunk streamed out (nt)
     std::vector<char> ex;
     explicit Scratch(const BwdRowsJob& j) {
       const int64_t C = j.dims.C, buf = RowIo<T>::kSame ? 0 : chunk_rows(C) * C;
       bx.resize(buf);
       bg.resize(buf);
+      ob.resize(j.nt ? chunk_rows(C) * C : 0);
       for (auto* v : {&mu, &a, &b, &c1, &c2, &c3, &t1, &t2}) v->resize(C);
       ex.resize(j.G);
     }
@@ -1103,7 +1128,7 @@ struct BwdRowsJob {
       // each chunk's sums first, then added: shorter running sums over long sequences of rows
       std::fill(sc.t1.begin(), sc.t1.end(), A(0));
       std::fill(sc.t2.begin(), sc.t2.end(), A(0));
-      R.sums[static_cast<int>(ACT)](xr, gr, rr, C, sc.mu.data(), sc.a.data(), sc.b.data(),
+      R.sums[static_cast<int>(ACT)](xr, gr, rr, C, C, sc.mu.data(), sc.a.data(), sc.b.data(),
                                      sc.t1.data(), sc.t2.data());
       for (int64_t c = 0; c < C; ++c) {
         p[c] += sc.t1[c];
@@ -1112,11 +1137,18 @@ struct BwdRowsJob {
     }
   }
   bool finish(int64_t n, const A* parts, int k, bool owner, Scratch& sc) const {
-    const int64_t C = dims.C, D = dims.D, M = D * dims.S;
     bool any = false;
     for (int64_t g = 0; g < G; ++g) {
-      const A r = rstd[n * G + g];
+      finish_group(n, g, parts, k, owner, sc);
       any = any || sc.ex[g];
+    }
+    return any;
+  }
+  // Group g's dx coefficients from k partials (each 2*C sums, channels of all groups).
+  void finish_group(int64_t n, int64_t g, const A* parts, int k, bool owner, Scratch& sc) const {
+    const int64_t C = dims.C, D = dims.D, M = D * dims.S;
+    {
+      const A r = rstd[n * G + g];
       A sum_a = 0, sum_b = 0;
       for (int64_t c = g * D; c < (g + 1) * D; ++c) {
         A p1 = parts[c], p2 = parts[C + c];
@@ -1140,20 +1172,23 @@ struct BwdRowsJob {
         sc.c3[c] = c3;
       }
     }
-    return any;
   }
   void apply(int64_t n, int64_t lo, int64_t hi, Scratch& sc) const {
     const RowIo<T> io{P};
     const int64_t C = dims.C, rows = chunk_rows(C);
-    for (int64_t r0 = lo; r0 < hi; r0 += rows) {
-      const int64_t rr = std::min(rows, hi - r0), off = (n * dims.S + r0) * C;
+    for (int64_t k = (hi - lo + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L2 first
+      const int64_t r0 = lo + k * rows, rr = std::min(rows, hi - r0), off = (n * dims.S + r0) * C;
       const A* xr = io.in(x + off, sc.bx.data(), rr * C);
       const A* gr = io.in(dy + off, sc.bg.data(), rr * C);
-      A* dr = io.out(dx + off, sc.bg.data());
-      R.dx[static_cast<int>(ACT)](xr, gr, dr, rr, C, sc.mu.data(), sc.a.data(), sc.b.data(),
+      A* dr = nt ? sc.ob.data() : io.out(dx + off, sc.bg.data());
+      R.dx[static_cast<int>(ACT)](xr, gr, dr, rr, C, C, sc.mu.data(), sc.a.data(), sc.b.data(),
                                    sc.c1.data(), sc.c2.data(), sc.c3.data());
-      io.flush(dr, dx + off, rr * C);
+      if (nt)
+        R.stream(dr, reinterpret_cast<A*>(dx + off), rr * C);
+      else
+        io.flush(dr, dx + off, rr * C);
     }
+    if (nt) P.fence();  // before the barrier that precedes exact rewrites and the caller
   }
   void exact(int64_t n, int64_t g, Scratch& sc) const {
     if (!sc.ex[g]) return;
@@ -1179,7 +1214,7 @@ void moments_rows(const MomentsArgs& a) {
   using A = AccT<T>;
   const GroupDims& d = a.dims;
   const MomentsRowsJob<T> job{{simd::prims<T>(), simd::rows<A>(), static_cast<const T*>(a.x), d.S,
-                               d.C, d.G, d.D},
+                               d.C, d.G, d.D, d.C},
                               static_cast<A*>(a.mean), static_cast<A*>(a.var), d.G, d};
   run_samples(job, d.N, d.S, d.C);
 }
@@ -1222,8 +1257,73 @@ void moments_bwd_rows(const MomentsBwdArgs& a) {
       const int64_t off = (n * d.S + r0) * C;
       const A* xr = io.in(x + off, buf.data(), rr * C);
       A* dr = io.out(dx + off, buf.data());
-      R.dx[0](xr, xr, dr, rr, C, mu.data(), nullptr, nullptr, zero.data(), c1.data(), c0.data());
+      R.dx[0](xr, xr, dr, rr, C, C, mu.data(), nullptr, nullptr, zero.data(), c1.data(), c0.data());
       io.flush(dr, dx + off, rr * C);
+    }
+  }
+}
+
+// Blocks of whole groups (fp32 / fp64 channels-last data whose samples exceed kRowBlockBytes): a
+// thread reduces the block's channels of one sample over all S rows (rows ld = C apart), then
+// applies them while they are still in its L2, as channels first handles a group; blocks are
+// independent, so the threads share samples without barriers.
+constexpr int64_t kRowBlockBytes = int64_t(256) << 10;
+constexpr int64_t kRowBlockMinChannels = 16;  // a 64-byte line of fp32 per row at least
+
+// Groups per block for fp32 / fp64 channels-last data on nt threads, or 0: whole rows (a sample
+// is one block).
+int64_t row_block_groups(const GroupDims& d, size_t elem, int nt) {
+  const int64_t group_bytes = d.S * d.D * static_cast<int64_t>(elem);
+  int64_t gpb = std::max<int64_t>(1, kRowBlockBytes / group_bytes);
+  gpb = std::max(gpb, (kRowBlockMinChannels + d.D - 1) / d.D);
+  const int64_t per_sample = (nt + d.N - 1) / d.N;  // blocks per sample that keep nt threads busy
+  gpb = std::min(gpb, (d.G + per_sample - 1) / per_sample);
+  return gpb >= d.G ? 0 : gpb;
+}
+
+template <typename T, Act ACT>
+void fwd_row_blocks(const FwdRowsJob<T, ACT>& job, int64_t gpb) {
+  using A = AccT<T>;
+  const GroupDims& d = job.dims;
+  const int64_t S = d.S, C = d.C, D = d.D, G = d.G, M = D * S, nb = (G + gpb - 1) / gpb;
+  const Plan pl = make_plan(d.N * nb, gpb * M);
+#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
+  {
+    typename RowStats<T>::Buffers b(C);
+    std::vector<A> ca(C), cb(C);
+    std::vector<Welford<A>> w(gpb);
+    std::vector<char> ex(gpb);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < d.N * nb; ++u) {
+      const int64_t n = u / nb, g0 = (u % nb) * gpb, gb = std::min(G - g0, gpb), c0 = g0 * D,
+                    cw = gb * D;
+      const RowStats<T> st{job.st.P, job.st.R, job.st.x + c0, S, cw, gb, D, C};
+      st.reduce(n, 0, S, w.data(), b);
+      for (int64_t g = 0; g < gb; ++g) {
+        const int64_t ng = n * G + g0 + g;
+        const A r = gn_rstd<A>(w[g].var(), job.eps_acc);
+        ex[g] = gn_exact_group<T>(w[g].mean, r, M);
+        if (!ex[g]) {
+          job.mean[ng] = w[g].mean;
+          job.rstd[ng] = r;
+        }
+        for (int64_t c = g * D; c < (g + 1) * D; ++c)
+          gn_fwd_coeffs<A>(w[g].mean, r, job.gam[c0 + c], job.bet[c0 + c], &ca[c], &cb[c]);
+      }
+      const int64_t rows = chunk_rows(cw);
+      for (int64_t k = (S + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L1 / L2 first
+        const int64_t r0 = k * rows, rr = std::min(rows, S - r0), off = (n * S + r0) * C + c0;
+        job.st.R.affine[static_cast<int>(ACT)](reinterpret_cast<const A*>(job.st.x + off),
+                                               reinterpret_cast<A*>(job.y + off), rr, cw, C,
+                                               ca.data(), cb.data());
+      }
+      for (int64_t g = 0; g < gb; ++g) {
+        if (!ex[g]) continue;
+        const int64_t ng = n * G + g0 + g, off = group_offset(d, n, g0 + g);
+        exact_fwd<T, ACT>(job.st.x + off, job.y + off, group_walk(d), job.eps,
+                          job.gam + (g0 + g) * D, job.bet + (g0 + g) * D, job.mean + ng,
+                          job.rstd + ng);
+      }
     }
   }
 }
@@ -1233,10 +1333,11 @@ void fwd_rows(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet)
   using A = AccT<T>;
   const GroupDims& d = a.dims;
   const FwdRowsJob<T, ACT> job{{simd::prims<T>(), simd::rows<A>(), static_cast<const T*>(a.x), d.S,
-                                d.C, d.G, d.D},
+                                d.C, d.G, d.D, d.C},
                                static_cast<T*>(a.y), static_cast<A*>(a.mean),
                                static_cast<A*>(a.rstd), gam, bet, d.G, d, a.eps,
-                               static_cast<A>(a.eps)};
+                               static_cast<A>(a.eps),
+                               stream_rows<T>(d, kStreamBytesFwd)};
   if (d.D * d.S <= kGnExactGroup) {
     for_all_groups(d.N * d.G, [&](int64_t ng) {
       const int64_t off = group_offset(d, ng / d.G, ng % d.G), c = (ng % d.G) * d.D;
@@ -1245,7 +1346,58 @@ void fwd_rows(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet)
     });
     return;
   }
+  const int64_t gpb = RowIo<T>::kSame ? row_block_groups(d, sizeof(T), team_size()) : 0;
+  if (gpb > 0) return fwd_row_blocks(job, gpb);
   run_samples(job, d.N, d.S, d.C);
+}
+
+// The input gradient in blocks of whole groups (fwd_row_blocks' schedule): per block the sums
+// over all S rows, then dx while the block's x and dy are in the thread's L2.
+template <typename T, Act ACT>
+void bwd_row_blocks(const BwdRowsJob<T, ACT>& job, int64_t gpb) {
+  using A = AccT<T>;
+  const GroupDims& d = job.dims;
+  const int64_t S = d.S, C = d.C, D = d.D, G = d.G, M = D * S, nb = (G + gpb - 1) / gpb;
+  const Plan pl = make_plan(d.N * nb, gpb * M);
+  const auto* x = reinterpret_cast<const A*>(job.x);
+  const auto* dy = reinterpret_cast<const A*>(job.dy);
+  auto* dx = reinterpret_cast<A*>(job.dx);
+#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
+  {
+    typename BwdRowsJob<T, ACT>::Scratch sc(job);
+    std::vector<A> p(2 * C);
+#pragma omp for schedule(static)
+    for (int64_t u = 0; u < d.N * nb; ++u) {
+      const int64_t n = u / nb, g0 = (u % nb) * gpb, gb = std::min(G - g0, gpb), c0 = g0 * D,
+                    cw = gb * D, rows = chunk_rows(cw);
+      job.begin(n, sc);  // the sample's per-channel coefficients (C values)
+      A* s1 = p.data() + c0;
+      A* s2 = p.data() + C + c0;
+      std::fill(s1, s1 + cw, A(0));
+      std::fill(s2, s2 + cw, A(0));
+      for (int64_t r0 = 0; r0 < S; r0 += rows) {
+        const int64_t rr = std::min(rows, S - r0), off = (n * S + r0) * C + c0;
+        // each chunk's sums first, then added (as BwdRowsJob::reduce)
+        std::fill(sc.t1.begin() + c0, sc.t1.begin() + c0 + cw, A(0));
+        std::fill(sc.t2.begin() + c0, sc.t2.begin() + c0 + cw, A(0));
+        job.R.sums[static_cast<int>(ACT)](x + off, dy + off, rr, cw, C, sc.mu.data() + c0,
+                                          sc.a.data() + c0, sc.b.data() + c0,
+                                          sc.t1.data() + c0, sc.t2.data() + c0);
+        for (int64_t c = 0; c < cw; ++c) {
+          s1[c] += sc.t1[c0 + c];
+          s2[c] += sc.t2[c0 + c];
+        }
+      }
+      for (int64_t g = g0; g < g0 + gb; ++g) job.finish_group(n, g, p.data(), 1, true, sc);
+      for (int64_t k = (S + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L1 / L2 first
+        const int64_t r0 = k * rows, rr = std::min(rows, S - r0), off = (n * S + r0) * C + c0;
+        job.R.dx[static_cast<int>(ACT)](x + off, dy + off, dx + off, rr, cw, C, sc.mu.data() + c0,
+                                        sc.a.data() + c0, sc.b.data() + c0, sc.c1.data() + c0,
+                                        sc.c2.data() + c0, sc.c3.data() + c0);
+      }
+      for (int64_t g = g0; g < g0 + gb; ++g) job.exact(n, g, sc);
+    }
+  }
 }
 
 template <typename T, Act ACT>
@@ -1266,7 +1418,8 @@ void bwd_input_rows(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>
                                carve_bwd_sums<A>(a.workspace, d),
                                d.G,
                                d,
-                               a.eps};
+                               a.eps,
+                               stream_rows<T>(d, kStreamBytesBwd)};
   if (d.D * d.S <= kGnExactGroup) {
     for_all_groups(d.N * d.G, [&](int64_t ng) {
       const int64_t off = group_offset(d, ng / d.G, ng % d.G), c = (ng % d.G) * d.D;
@@ -1277,6 +1430,8 @@ void bwd_input_rows(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>
     });
     return;
   }
+  const int64_t gpb = RowIo<T>::kSame ? row_block_groups(d, sizeof(T), team_size()) : 0;
+  if (gpb > 0) return bwd_row_blocks(job, gpb);
   run_samples(job, d.N, d.S, d.C);
 }
 
