@@ -798,13 +798,15 @@ void bwd_params(const GroupNormBwdArgs& a) {
 //             path. Then y = act(x * a_c + b_c) in a second read of the sample's rows.
 //   backward: the per-(n, c) sums dsc_c = sum g (x - mu), db_c = sum g (one read of x and dy per
 //             sample, chunk by chunk), then dx in a second read; bwd_params as channels first.
-// fp32 / fp64 samples larger than kRowBlockBytes (or fewer samples than threads) go in blocks of
-// whole groups instead (row_block_groups, fwd_row_blocks / bwd_row_blocks): a thread reads the
-// block's channels of every row (rows C apart), then applies them while they are in its L2, as
-// channels first handles a group, and the blocks keep the threads busy without barriers. Otherwise
-// (whole rows) the second read walks a thread's rows backwards (last chunk first), so it starts on
-// the rows the reduction left in L2, and outputs of kStreamBytesFwd / kStreamBytesBwd and more
-// (fp32 / fp64) are computed into an L1 chunk buffer and streamed out (RowPrims::stream).
+// The forward's second read walks a thread's rows backwards (last chunk first): every group needs
+// the whole sample's statistics, so rows cannot be applied while the reduction holds them, but it
+// starts on the rows the reduction left in L2; outputs of kStreamBytesFwd and more (fp32 / fp64)
+// are computed into an L1 chunk buffer and streamed out (RowPrims::stream), as channels first
+// writes them. The backward's dx pass stays forwards with cached stores: with both changes it
+// timed 1.0-1.35x slower in two interleaved A/B runs on the loaded machine (inconclusive, not kept). (Blocks of whole groups read down all rows, rows C apart, so that a block could be
+// applied from L2 like a channels-first group, were tried: blocks narrow enough for L2 (16-20
+// channels at S = 4096-16384) ran 2-5x slower than whole rows, in scalar column loops and strided
+// lines; not kept.)
 // Threads (run_samples): per sample, or, when N is small or uneven for the team, each thread takes
 // the same row slice of every sample and the partials meet after one barrier per sample, combined in
 // thread order (identical coefficients in every thread), as run_groups does for groups.
@@ -814,9 +816,15 @@ void bwd_params(const GroupNormBwdArgs& a) {
 // kGnExactGroup elements are recomputed whole, without the fast pass.
 
 constexpr int64_t kRowChunk = 4096;  // elements per statistics chunk (16 KB fp32): fits L1
+// Rows per chunk at most: each column sum runs sequentially down the rows, so its rounding grows
+// with their count; 64 keeps a constant group's mean within the edge cases' 16 ulp (576 rows of
+// 0.37 in one sum: 20 ulp) at one merge of C values per 64 rows.
+constexpr int64_t kRowChunkMaxRows = 64;
 
 // Rows per chunk for C channels: whole rows, at least one.
-int64_t chunk_rows(int64_t C) { return std::max<int64_t>(1, kRowChunk / C); }
+int64_t chunk_rows(int64_t C) {
+  return std::max<int64_t>(1, std::min(kRowChunkMaxRows, kRowChunk / C));
+}
 
 // Rows [lo, hi) of thread t of T over S positions.
 void row_slice(int64_t S, int t, int T, int64_t* lo, int64_t* hi) {
@@ -1090,16 +1098,14 @@ struct BwdRowsJob {
   int64_t G;
   GroupDims dims;
   double eps;
-  bool nt;  // streaming stores (fp32 / fp64 data only: stream_rows)
 
   struct Scratch {
-    std::vector<A> bx, bg, ob, mu, a, b, c1, c2, c3, t1, t2;  // ob: the chunk streamed out (nt)
+    std::vector<A> bx, bg, mu, a, b, c1, c2, c3, t1, t2;
     std::vector<char> ex;
     explicit Scratch(const BwdRowsJob& j) {
       const int64_t C = j.dims.C, buf = RowIo<T>::kSame ? 0 : chunk_rows(C) * C;
       bx.resize(buf);
       bg.resize(buf);
-      ob.resize(j.nt ? chunk_rows(C) * C : 0);
       for (auto* v : {&mu, &a, &b, &c1, &c2, &c3, &t1, &t2}) v->resize(C);
       ex.resize(j.G);
     }
@@ -1176,19 +1182,15 @@ struct BwdRowsJob {
   void apply(int64_t n, int64_t lo, int64_t hi, Scratch& sc) const {
     const RowIo<T> io{P};
     const int64_t C = dims.C, rows = chunk_rows(C);
-    for (int64_t k = (hi - lo + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L2 first
-      const int64_t r0 = lo + k * rows, rr = std::min(rows, hi - r0), off = (n * dims.S + r0) * C;
+    for (int64_t r0 = lo; r0 < hi; r0 += rows) {
+      const int64_t rr = std::min(rows, hi - r0), off = (n * dims.S + r0) * C;
       const A* xr = io.in(x + off, sc.bx.data(), rr * C);
       const A* gr = io.in(dy + off, sc.bg.data(), rr * C);
-      A* dr = nt ? sc.ob.data() : io.out(dx + off, sc.bg.data());
+      A* dr = io.out(dx + off, sc.bg.data());
       R.dx[static_cast<int>(ACT)](xr, gr, dr, rr, C, C, sc.mu.data(), sc.a.data(), sc.b.data(),
                                    sc.c1.data(), sc.c2.data(), sc.c3.data());
-      if (nt)
-        R.stream(dr, reinterpret_cast<A*>(dx + off), rr * C);
-      else
-        io.flush(dr, dx + off, rr * C);
+      io.flush(dr, dx + off, rr * C);
     }
-    if (nt) P.fence();  // before the barrier that precedes exact rewrites and the caller
   }
   void exact(int64_t n, int64_t g, Scratch& sc) const {
     if (!sc.ex[g]) return;
@@ -1263,71 +1265,6 @@ void moments_bwd_rows(const MomentsBwdArgs& a) {
   }
 }
 
-// Blocks of whole groups (fp32 / fp64 channels-last data whose samples exceed kRowBlockBytes): a
-// thread reduces the block's channels of one sample over all S rows (rows ld = C apart), then
-// applies them while they are still in its L2, as channels first handles a group; blocks are
-// independent, so the threads share samples without barriers.
-constexpr int64_t kRowBlockBytes = int64_t(256) << 10;
-constexpr int64_t kRowBlockMinChannels = 16;  // a 64-byte line of fp32 per row at least
-
-// Groups per block for fp32 / fp64 channels-last data on nt threads, or 0: whole rows (a sample
-// is one block).
-int64_t row_block_groups(const GroupDims& d, size_t elem, int nt) {
-  const int64_t group_bytes = d.S * d.D * static_cast<int64_t>(elem);
-  int64_t gpb = std::max<int64_t>(1, kRowBlockBytes / group_bytes);
-  gpb = std::max(gpb, (kRowBlockMinChannels + d.D - 1) / d.D);
-  const int64_t per_sample = (nt + d.N - 1) / d.N;  // blocks per sample that keep nt threads busy
-  gpb = std::min(gpb, (d.G + per_sample - 1) / per_sample);
-  return gpb >= d.G ? 0 : gpb;
-}
-
-template <typename T, Act ACT>
-void fwd_row_blocks(const FwdRowsJob<T, ACT>& job, int64_t gpb) {
-  using A = AccT<T>;
-  const GroupDims& d = job.dims;
-  const int64_t S = d.S, C = d.C, D = d.D, G = d.G, M = D * S, nb = (G + gpb - 1) / gpb;
-  const Plan pl = make_plan(d.N * nb, gpb * M);
-#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
-  {
-    typename RowStats<T>::Buffers b(C);
-    std::vector<A> ca(C), cb(C);
-    std::vector<Welford<A>> w(gpb);
-    std::vector<char> ex(gpb);
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < d.N * nb; ++u) {
-      const int64_t n = u / nb, g0 = (u % nb) * gpb, gb = std::min(G - g0, gpb), c0 = g0 * D,
-                    cw = gb * D;
-      const RowStats<T> st{job.st.P, job.st.R, job.st.x + c0, S, cw, gb, D, C};
-      st.reduce(n, 0, S, w.data(), b);
-      for (int64_t g = 0; g < gb; ++g) {
-        const int64_t ng = n * G + g0 + g;
-        const A r = gn_rstd<A>(w[g].var(), job.eps_acc);
-        ex[g] = gn_exact_group<T>(w[g].mean, r, M);
-        if (!ex[g]) {
-          job.mean[ng] = w[g].mean;
-          job.rstd[ng] = r;
-        }
-        for (int64_t c = g * D; c < (g + 1) * D; ++c)
-          gn_fwd_coeffs<A>(w[g].mean, r, job.gam[c0 + c], job.bet[c0 + c], &ca[c], &cb[c]);
-      }
-      const int64_t rows = chunk_rows(cw);
-      for (int64_t k = (S + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L1 / L2 first
-        const int64_t r0 = k * rows, rr = std::min(rows, S - r0), off = (n * S + r0) * C + c0;
-        job.st.R.affine[static_cast<int>(ACT)](reinterpret_cast<const A*>(job.st.x + off),
-                                               reinterpret_cast<A*>(job.y + off), rr, cw, C,
-                                               ca.data(), cb.data());
-      }
-      for (int64_t g = 0; g < gb; ++g) {
-        if (!ex[g]) continue;
-        const int64_t ng = n * G + g0 + g, off = group_offset(d, n, g0 + g);
-        exact_fwd<T, ACT>(job.st.x + off, job.y + off, group_walk(d), job.eps,
-                          job.gam + (g0 + g) * D, job.bet + (g0 + g) * D, job.mean + ng,
-                          job.rstd + ng);
-      }
-    }
-  }
-}
-
 template <typename T, Act ACT>
 void fwd_rows(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet) {
   using A = AccT<T>;
@@ -1346,58 +1283,7 @@ void fwd_rows(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet)
     });
     return;
   }
-  const int64_t gpb = RowIo<T>::kSame ? row_block_groups(d, sizeof(T), team_size()) : 0;
-  if (gpb > 0) return fwd_row_blocks(job, gpb);
   run_samples(job, d.N, d.S, d.C);
-}
-
-// The input gradient in blocks of whole groups (fwd_row_blocks' schedule): per block the sums
-// over all S rows, then dx while the block's x and dy are in the thread's L2.
-template <typename T, Act ACT>
-void bwd_row_blocks(const BwdRowsJob<T, ACT>& job, int64_t gpb) {
-  using A = AccT<T>;
-  const GroupDims& d = job.dims;
-  const int64_t S = d.S, C = d.C, D = d.D, G = d.G, M = D * S, nb = (G + gpb - 1) / gpb;
-  const Plan pl = make_plan(d.N * nb, gpb * M);
-  const auto* x = reinterpret_cast<const A*>(job.x);
-  const auto* dy = reinterpret_cast<const A*>(job.dy);
-  auto* dx = reinterpret_cast<A*>(job.dx);
-#pragma omp parallel num_threads(pl.nt) if (pl.nt > 1)
-  {
-    typename BwdRowsJob<T, ACT>::Scratch sc(job);
-    std::vector<A> p(2 * C);
-#pragma omp for schedule(static)
-    for (int64_t u = 0; u < d.N * nb; ++u) {
-      const int64_t n = u / nb, g0 = (u % nb) * gpb, gb = std::min(G - g0, gpb), c0 = g0 * D,
-                    cw = gb * D, rows = chunk_rows(cw);
-      job.begin(n, sc);  // the sample's per-channel coefficients (C values)
-      A* s1 = p.data() + c0;
-      A* s2 = p.data() + C + c0;
-      std::fill(s1, s1 + cw, A(0));
-      std::fill(s2, s2 + cw, A(0));
-      for (int64_t r0 = 0; r0 < S; r0 += rows) {
-        const int64_t rr = std::min(rows, S - r0), off = (n * S + r0) * C + c0;
-        // each chunk's sums first, then added (as BwdRowsJob::reduce)
-        std::fill(sc.t1.begin() + c0, sc.t1.begin() + c0 + cw, A(0));
-        std::fill(sc.t2.begin() + c0, sc.t2.begin() + c0 + cw, A(0));
-        job.R.sums[static_cast<int>(ACT)](x + off, dy + off, rr, cw, C, sc.mu.data() + c0,
-                                          sc.a.data() + c0, sc.b.data() + c0,
-                                          sc.t1.data() + c0, sc.t2.data() + c0);
-        for (int64_t c = 0; c < cw; ++c) {
-          s1[c] += sc.t1[c0 + c];
-          s2[c] += sc.t2[c0 + c];
-        }
-      }
-      for (int64_t g = g0; g < g0 + gb; ++g) job.finish_group(n, g, p.data(), 1, true, sc);
-      for (int64_t k = (S + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L1 / L2 first
-        const int64_t r0 = k * rows, rr = std::min(rows, S - r0), off = (n * S + r0) * C + c0;
-        job.R.dx[static_cast<int>(ACT)](x + off, dy + off, dx + off, rr, cw, C, sc.mu.data() + c0,
-                                        sc.a.data() + c0, sc.b.data() + c0, sc.c1.data() + c0,
-                                        sc.c2.data() + c0, sc.c3.data() + c0);
-      }
-      for (int64_t g = g0; g < g0 + gb; ++g) job.exact(n, g, sc);
-    }
-  }
 }
 
 template <typename T, Act ACT>
@@ -1418,8 +1304,7 @@ void bwd_input_rows(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>
                                carve_bwd_sums<A>(a.workspace, d),
                                d.G,
                                d,
-                               a.eps,
-                               stream_rows<T>(d, kStreamBytesBwd)};
+                               a.eps};
   if (d.D * d.S <= kGnExactGroup) {
     for_all_groups(d.N * d.G, [&](int64_t ng) {
       const int64_t off = group_offset(d, ng / d.G, ng % d.G), c = (ng % d.G) * d.D;
@@ -1430,8 +1315,6 @@ void bwd_input_rows(const GroupNormBwdArgs& a, const AccT<T>* gam, const AccT<T>
     });
     return;
   }
-  const int64_t gpb = RowIo<T>::kSame ? row_block_groups(d, sizeof(T), team_size()) : 0;
-  if (gpb > 0) return bwd_row_blocks(job, gpb);
   run_samples(job, d.N, d.S, d.C);
 }
 
