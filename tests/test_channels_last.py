@@ -394,12 +394,12 @@ def test_amp_float16():
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act", [None, "silu"], ids=str)
-def test_group_blocks_of_large_samples(act, dtype):
-    """fp32 / fp64 samples over 256 KB run in blocks of whole groups (rows C apart, the last block
-    smaller): the results, with output gradients of mean / rstd too, are channels first's and the
-    float64 references'; fp32 with a group far off zero whose spread is below eps (the exact-group
-    rule inside a block: |mean| * rstd > 2^24)."""
-    shape, G = (2, 48, 48, 112), 14  # groups of 8 channels x 2304 rows: 3 groups a block, 5 blocks
+def test_large_samples(act, dtype):
+    """Samples larger than a core's L2 (1.2 MB fp32; many statistics chunks): the results, with
+    output gradients of mean / rstd too, are channels first's and the float64 references'; fp32
+    with a group far off zero whose spread is below eps (the exact-group rule after the fast pass:
+    |mean| * rstd > 2^24)."""
+    shape, G = (2, 48, 48, 112), 14  # groups of 8 channels x 2304 rows
     rng = np.random.RandomState(7)
     x = (rng.randn(*shape) * 2 + 0.5)
     if dtype == np.float32:
