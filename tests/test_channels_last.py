@@ -392,6 +392,21 @@ def test_amp_float16():
     assert line[1] == "-1" and 0 < float(line[3]) < 2e-2, p.stdout
 
 
+@pytest.mark.parametrize("shape,G,act", [((1, 256, 256, 33), 3, None), ((3, 128, 128, 64), 8, "silu")],
+                         ids=["odd_C", "silu"])
+def test_streamed_forward_output(shape, G, act):
+    """fp32 outputs of 8 MB and more are streamed out of an L1 buffer (odd C: rows start at every
+    alignment, the stores' scalar head): y and the statistics are channels first's."""
+    rng = np.random.RandomState(1)
+    x = rng.randn(*shape).astype(np.float32)
+    assert x.nbytes >= 8 << 20
+    g, b = (rng.rand(shape[-1]) + .5).astype(np.float32), rng.randn(shape[-1]).astype(np.float32)
+    rl, rf = _run_gn(x, g, b, G, -1, act), _run_gn(first(x), g, b, G, 1, act)
+    np.testing.assert_allclose(first(rl["y"]), rf["y"], rtol=1e-5, atol=1e-5)
+    for k in ("mean", "rstd"):
+        np.testing.assert_allclose(rl[k], rf[k], rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
 @pytest.mark.parametrize("act", [None, "silu"], ids=str)
 def test_large_samples(act, dtype):
