@@ -392,6 +392,51 @@ def test_amp_float16():
     assert line[1] == "-1" and 0 < float(line[3]) < 2e-2, p.stdout
 
 
+@pytest.mark.parametrize("shape,G,act", [((1, 256, 256, 33), 3, None), ((3, 128, 128, 64), 8, "silu")],
+                         ids=["odd_C", "silu"])
+def test_streamed_forward_output(shape, G, act):
+    """fp32 outputs of 8 MB and more are streamed out of an L1 buffer (odd C: rows start at every
+    alignment, the stores' scalar head): y and the statistics are channels first's."""
+    rng = np.random.RandomState(1)
+    x = rng.randn(*shape).astype(np.float32)
+    assert x.nbytes >= 8 << 20
+    g, b = (rng.rand(shape[-1]) + .5).astype(np.float32), rng.randn(shape[-1]).astype(np.float32)
+    rl, rf = _run_gn(x, g, b, G, -1, act), _run_gn(first(x), g, b, G, 1, act)
+    np.testing.assert_allclose(first(rl["y"]), rf["y"], rtol=1e-5, atol=1e-5)
+    for k in ("mean", "rstd"):
+        np.testing.assert_allclose(rl[k], rf[k], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)
+@pytest.mark.parametrize("act", [None, "silu"], ids=str)
+def test_large_samples(act, dtype):
+    """Samples larger than a core's L2 (1.2 MB fp32; many statistics chunks): the results, with
+    output gradients of mean / rstd too, are channels first's and the float64 references'; fp32
+    with a group far off zero whose spread is below eps (the exact-group rule after the fast pass:
+    |mean| * rstd > 2^24)."""
+    shape, G = (2, 48, 48, 112), 14  # groups of 8 channels x 2304 rows
+    rng = np.random.RandomState(7)
+    x = (rng.randn(*shape) * 2 + 0.5)
+    if dtype == np.float32:
+        x[..., 8:16] = 1e5 + rng.randn(*shape[:-1], 8) * 1e-3  # group 1: recomputed exactly
+    x = x.astype(dtype)
+    dy = rng.randn(*shape).astype(dtype)
+    g, b = (rng.rand(shape[-1]) + .5).astype(dtype), rng.randn(shape[-1]).astype(dtype)
+    dmean, drstd = (rng.randn(shape[0], G).astype(dtype) for _ in range(2))
+    rl = _run_gn(x, g, b, G, -1, act, dy, dmean, drstd)
+    rf = _run_gn(first(x), g, b, G, 1, act, first(dy), dmean, drstd)
+    t = 1e-4 if dtype == np.float32 else 1e-10
+    for k in ("y", "dx"):
+        np.testing.assert_allclose(first(rl[k]), rf[k], rtol=t, atol=t * max(1, abs(rf[k]).max()))
+    for k in ("mean", "rstd", "dgamma", "dbeta"):
+        np.testing.assert_allclose(rl[k], rf[k], rtol=t, atol=t * max(1, abs(rf[k]).max()))
+    ref = group_norm_ref(first(x).astype(np.float64), g.astype(np.float64), b.astype(np.float64),
+                         G, 1e-5, act=act)
+    rt, at = tol(dtype)
+    np.testing.assert_allclose(first(rl["y"]), ref[0], rtol=rt, atol=at)
+    np.testing.assert_allclose(rl["mean"], ref[1], rtol=rt, atol=at * 1e5)
+
+
 @pytest.mark.parametrize("env", [{"GNMX_CPU_ISA": "generic"},
                                  {"MXNET_ENGINE_TYPE": "NaiveEngine", "OMP_NUM_THREADS": "2"}],
                          ids=["portable_loops", "two_threads"])

@@ -798,6 +798,15 @@ void bwd_params(const GroupNormBwdArgs& a) {
 //             path. Then y = act(x * a_c + b_c) in a second read of the sample's rows.
 //   backward: the per-(n, c) sums dsc_c = sum g (x - mu), db_c = sum g (one read of x and dy per
 //             sample, chunk by chunk), then dx in a second read; bwd_params as channels first.
+// The forward's second read walks a thread's rows backwards (last chunk first): every group needs
+// the whole sample's statistics, so rows cannot be applied while the reduction holds them, but it
+// starts on the rows the reduction left in L2; outputs of kStreamBytesFwd and more (fp32 / fp64)
+// are computed into an L1 chunk buffer and streamed out (RowPrims::stream), as channels first
+// writes them. The backward's dx pass stays forwards with cached stores: with both changes it
+// timed 1.0-1.35x slower in two interleaved A/B runs on the loaded machine (inconclusive, not kept). (Blocks of whole groups read down all rows, rows C apart, so that a block could be
+// applied from L2 like a channels-first group, were tried: blocks narrow enough for L2 (16-20
+// channels at S = 4096-16384) ran 2-5x slower than whole rows, in scalar column loops and strided
+// lines; not kept.)
 // Threads (run_samples): per sample, or, when N is small or uneven for the team, each thread takes
 // the same row slice of every sample and the partials meet after one barrier per sample, combined in
 // thread order (identical coefficients in every thread), as run_groups does for groups.
@@ -807,15 +816,28 @@ void bwd_params(const GroupNormBwdArgs& a) {
 // kGnExactGroup elements are recomputed whole, without the fast pass.
 
 constexpr int64_t kRowChunk = 4096;  // elements per statistics chunk (16 KB fp32): fits L1
+// Rows per chunk at most: each column sum runs sequentially down the rows, so its rounding grows
+// with their count; 64 keeps a constant group's mean within the edge cases' 16 ulp (576 rows of
+// 0.37 in one sum: 20 ulp) at one merge of C values per 64 rows.
+constexpr int64_t kRowChunkMaxRows = 64;
 
 // Rows per chunk for C channels: whole rows, at least one.
-int64_t chunk_rows(int64_t C) { return std::max<int64_t>(1, kRowChunk / C); }
+int64_t chunk_rows(int64_t C) {
+  return std::max<int64_t>(1, std::min(kRowChunkMaxRows, kRowChunk / C));
+}
 
 // Rows [lo, hi) of thread t of T over S positions.
 void row_slice(int64_t S, int t, int T, int64_t* lo, int64_t* hi) {
   const int64_t per = (S + T - 1) / T;
   *lo = std::min(S, per * t);
   *hi = std::min(S, *lo + per);
+}
+
+// Whether the channels-last output of data dims is streamed: fp32 / fp64 data (fp16 rows are
+// narrowed through RowIo's cached stores) of at least threshold bytes.
+template <typename T>
+bool stream_rows(const GroupDims& d, int64_t threshold) {
+  return std::is_same<T, AccT<T>>::value && stream_output(d.N * d.S * d.C, sizeof(T), threshold);
 }
 
 // AccT rows of data of dtype T: the data itself when T is AccT (fp32 / fp64), else widened into
@@ -898,14 +920,14 @@ void run_samples(const Job& job, int64_t N, int64_t S, int64_t C) {
 // the centred column M2 in a second read of the L1-resident chunk), merged into per-channel running
 // states with Chan's update (all channels hold the same count: vector loops, one division per
 // chunk); at the end the D channel states of each group merge into w[g]: the rows [lo, hi) of
-// sample n.
+// sample n. Rows lie ld apart (ld > C: x is a block of C channels of wider rows; fp32 / fp64 only).
 template <typename T>
 struct RowStats {
   using A = AccT<T>;
   const simd::Prims<T>& P;
   const simd::RowPrims<A>& R;
   const T* x;
-  int64_t S, C, G, D;
+  int64_t S, C, G, D, ld;
 
   struct Buffers {
     std::vector<A> buf, col, mu, mean, m2;
@@ -919,11 +941,11 @@ struct RowStats {
     int64_t have = 0;  // rows merged into b.mean / b.m2
     for (int64_t r0 = lo; r0 < hi; r0 += rows) {
       const int64_t rr = std::min(rows, hi - r0);
-      const A* xr = io.in(x + (n * S + r0) * C, b.buf.data(), rr * C);
+      const A* xr = io.in(x + (n * S + r0) * ld, b.buf.data(), rr * C);
       A* cm = have ? b.mu.data() : b.mean.data();  // the first chunk is the state
       A* cm2 = have ? b.col.data() : b.m2.data();
-      R.col_sum(xr, rr, C, A(1) / static_cast<A>(rr), cm);
-      R.col_m2(xr, rr, C, cm, cm2);
+      R.col_sum(xr, rr, C, ld, A(1) / static_cast<A>(rr), cm);
+      R.col_m2(xr, rr, C, ld, cm, cm2);
       if (have) {
         const A na = static_cast<A>(have), nb = static_cast<A>(rr), tot = na + nb;
         R.chan_merge(b.mean.data(), b.m2.data(), cm, cm2, C, nb / tot, na * nb / tot);
@@ -995,12 +1017,17 @@ struct FwdRowsJob {
   GroupDims dims;
   double eps;
   A eps_acc;
+  bool nt;  // streaming stores (fp32 / fp64 data only: stream_rows)
 
   struct Scratch : RowStats<T>::Buffers {
-    std::vector<A> a, b;
-    std::vector<char> ex;  // group is recomputed exactly
+    std::vector<A> a, b, ob;  // ob: the chunk streamed out (nt)
+    std::vector<char> ex;     // group is recomputed exactly
     explicit Scratch(const FwdRowsJob& j)
-        : RowStats<T>::Buffers(j.st.C), a(j.st.C), b(j.st.C), ex(j.G) {}
+        : RowStats<T>::Buffers(j.st.C),
+          a(j.st.C),
+          b(j.st.C),
+          ob(j.nt ? chunk_rows(j.st.C) * j.st.C : 0),
+          ex(j.G) {}
   };
   size_t part_len() const { return static_cast<size_t>(G); }
   void begin(int64_t, Scratch&) const {}
@@ -1028,13 +1055,17 @@ struct FwdRowsJob {
   void apply(int64_t n, int64_t lo, int64_t hi, Scratch& sc) const {
     const RowIo<T> io{st.P};
     const int64_t C = st.C, rows = chunk_rows(C);
-    for (int64_t r0 = lo; r0 < hi; r0 += rows) {
-      const int64_t rr = std::min(rows, hi - r0), off = (n * st.S + r0) * C;
+    for (int64_t k = (hi - lo + rows - 1) / rows - 1; k >= 0; --k) {  // backwards: L2 first
+      const int64_t r0 = lo + k * rows, rr = std::min(rows, hi - r0), off = (n * st.S + r0) * C;
       const A* xr = io.in(st.x + off, sc.buf.data(), rr * C);
-      A* yr = io.out(y + off, sc.buf.data());
-      st.R.affine[static_cast<int>(ACT)](xr, yr, rr, C, sc.a.data(), sc.b.data());
-      io.flush(yr, y + off, rr * C);
+      A* yr = nt ? sc.ob.data() : io.out(y + off, sc.buf.data());
+      st.R.affine[static_cast<int>(ACT)](xr, yr, rr, C, C, sc.a.data(), sc.b.data());
+      if (nt)
+        st.R.stream(yr, reinterpret_cast<A*>(y + off), rr * C);
+      else
+        io.flush(yr, y + off, rr * C);
     }
+    if (nt) st.P.fence();  // before the barrier that precedes exact rewrites and the caller
   }
   void exact(int64_t n, int64_t g, Scratch& sc) const {
     if (!sc.ex[g]) return;
@@ -1103,7 +1134,7 @@ struct BwdRowsJob {
       // each chunk's sums first, then added: shorter running sums over long sequences of rows
       std::fill(sc.t1.begin(), sc.t1.end(), A(0));
       std::fill(sc.t2.begin(), sc.t2.end(), A(0));
-      R.sums[static_cast<int>(ACT)](xr, gr, rr, C, sc.mu.data(), sc.a.data(), sc.b.data(),
+      R.sums[static_cast<int>(ACT)](xr, gr, rr, C, C, sc.mu.data(), sc.a.data(), sc.b.data(),
                                      sc.t1.data(), sc.t2.data());
       for (int64_t c = 0; c < C; ++c) {
         p[c] += sc.t1[c];
@@ -1112,11 +1143,18 @@ struct BwdRowsJob {
     }
   }
   bool finish(int64_t n, const A* parts, int k, bool owner, Scratch& sc) const {
-    const int64_t C = dims.C, D = dims.D, M = D * dims.S;
     bool any = false;
     for (int64_t g = 0; g < G; ++g) {
-      const A r = rstd[n * G + g];
+      finish_group(n, g, parts, k, owner, sc);
       any = any || sc.ex[g];
+    }
+    return any;
+  }
+  // Group g's dx coefficients from k partials (each 2*C sums, channels of all groups).
+  void finish_group(int64_t n, int64_t g, const A* parts, int k, bool owner, Scratch& sc) const {
+    const int64_t C = dims.C, D = dims.D, M = D * dims.S;
+    {
+      const A r = rstd[n * G + g];
       A sum_a = 0, sum_b = 0;
       for (int64_t c = g * D; c < (g + 1) * D; ++c) {
         A p1 = parts[c], p2 = parts[C + c];
@@ -1140,7 +1178,6 @@ struct BwdRowsJob {
         sc.c3[c] = c3;
       }
     }
-    return any;
   }
   void apply(int64_t n, int64_t lo, int64_t hi, Scratch& sc) const {
     const RowIo<T> io{P};
@@ -1150,7 +1187,7 @@ struct BwdRowsJob {
       const A* xr = io.in(x + off, sc.bx.data(), rr * C);
       const A* gr = io.in(dy + off, sc.bg.data(), rr * C);
       A* dr = io.out(dx + off, sc.bg.data());
-      R.dx[static_cast<int>(ACT)](xr, gr, dr, rr, C, sc.mu.data(), sc.a.data(), sc.b.data(),
+      R.dx[static_cast<int>(ACT)](xr, gr, dr, rr, C, C, sc.mu.data(), sc.a.data(), sc.b.data(),
                                    sc.c1.data(), sc.c2.data(), sc.c3.data());
       io.flush(dr, dx + off, rr * C);
     }
@@ -1179,7 +1216,7 @@ void moments_rows(const MomentsArgs& a) {
   using A = AccT<T>;
   const GroupDims& d = a.dims;
   const MomentsRowsJob<T> job{{simd::prims<T>(), simd::rows<A>(), static_cast<const T*>(a.x), d.S,
-                               d.C, d.G, d.D},
+                               d.C, d.G, d.D, d.C},
                               static_cast<A*>(a.mean), static_cast<A*>(a.var), d.G, d};
   run_samples(job, d.N, d.S, d.C);
 }
@@ -1222,7 +1259,7 @@ void moments_bwd_rows(const MomentsBwdArgs& a) {
       const int64_t off = (n * d.S + r0) * C;
       const A* xr = io.in(x + off, buf.data(), rr * C);
       A* dr = io.out(dx + off, buf.data());
-      R.dx[0](xr, xr, dr, rr, C, mu.data(), nullptr, nullptr, zero.data(), c1.data(), c0.data());
+      R.dx[0](xr, xr, dr, rr, C, C, mu.data(), nullptr, nullptr, zero.data(), c1.data(), c0.data());
       io.flush(dr, dx + off, rr * C);
     }
   }
@@ -1233,10 +1270,11 @@ void fwd_rows(const GroupNormFwdArgs& a, const AccT<T>* gam, const AccT<T>* bet)
   using A = AccT<T>;
   const GroupDims& d = a.dims;
   const FwdRowsJob<T, ACT> job{{simd::prims<T>(), simd::rows<A>(), static_cast<const T*>(a.x), d.S,
-                                d.C, d.G, d.D},
+                                d.C, d.G, d.D, d.C},
                                static_cast<T*>(a.y), static_cast<A*>(a.mean),
                                static_cast<A*>(a.rstd), gam, bet, d.G, d, a.eps,
-                               static_cast<A>(a.eps)};
+                               static_cast<A>(a.eps),
+                               stream_rows<T>(d, kStreamBytesFwd)};
   if (d.D * d.S <= kGnExactGroup) {
     for_all_groups(d.N * d.G, [&](int64_t ng) {
       const int64_t off = group_offset(d, ng / d.G, ng % d.G), c = (ng % d.G) * d.D;

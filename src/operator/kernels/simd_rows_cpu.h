@@ -6,7 +6,8 @@
  * group is D channels of every row, so nothing runs along a group; the loops run along a row instead,
  * with one coefficient per channel (a group's value repeated over its D channels): every loop is
  * "for each of R rows, for each channel c" over AccT rows (fp16 data is widened by simd_cpu.h's
- * load/store first), vectorized over c. The arithmetic is group_norm_math.h's, the formulas of the
+ * load/store first), vectorized over c; rows lie ld >= C apart (ld = C: whole rows; ld > C: a block
+ * of C channels of wider rows). The arithmetic is group_norm_math.h's, the formulas of the
  * channels-first primitives with per-channel instead of per-group scalars:
  *   col_sum:  out[c] = scale * sum_r x[r, c]
  *   col_m2:   out[c] = sum_r (x[r, c] - mu[c])^2
@@ -14,6 +15,9 @@
  *   affine:   y = act(x * a[c] + b[c])
  *   sums:     g = act'(x * a[c] + b[c]) dy;  s1[c] += sum_r g (x - mu[c]),  s2[c] += sum_r g
  *   dx:       dx = c1[c] g + c2[c] (x - mu[c]) + c3[c]
+ *   stream:   dst[0, n) = src[0, n) with streaming (non-temporal) stores where the ISA has them
+ *             (AVX2: a scalar head up to the first 32-byte boundary of dst); the channels-last
+ *             outputs too large to stay in cache are computed into an L1 buffer and streamed out
  * Each exists as one always-inlined template, compiled twice: for the baseline ISA and, on x86-64,
  * inside target("avx2,fma,f16c") functions (the compiler vectorizes the same loop 8 floats wide).
  * rows<A>() picks the table once (GNMX_CPU_ISA=generic forces the baseline, as for simd_cpu.h).
@@ -49,7 +53,7 @@ struct Vec32 {
 
 // out[c] = scale * sum_r x[r, c]
 template <typename A>
-GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, A scale, A* out) {
+GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, int64_t ld, A scale, A* out) {
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth, B = 4 * W;
@@ -57,7 +61,7 @@ GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, A scale, A* 
   for (; c0 + B <= C; c0 += B) {
     V a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t r = 0; r < R; ++r) {
-      const A* p = x + r * C + c0;
+      const A* p = x + r * ld + c0;
       a0 += Q::load(p);
       a1 += Q::load(p + W);
       a2 += Q::load(p + 2 * W);
@@ -71,7 +75,7 @@ GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, A scale, A* 
   if (c0 == C) return;
   for (int64_t c = c0; c < C; ++c) out[c] = 0;
   for (int64_t r = 0; r < R; ++r) {
-    const A* xr = x + r * C;
+    const A* xr = x + r * ld;
 #pragma omp simd
     for (int64_t c = c0; c < C; ++c) out[c] += xr[c];
   }
@@ -80,7 +84,8 @@ GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, A scale, A* 
 
 // out[c] = sum_r (x[r, c] - mu[c])^2
 template <typename A>
-GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, const A* mu, A* out) {
+GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, int64_t ld, const A* mu,
+                                 A* out) {
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth, B = 4 * W;
@@ -90,7 +95,7 @@ GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, const A* mu, 
     const V m0 = Q::load(mu + c0), m1 = Q::load(mu + c0 + W), m2 = Q::load(mu + c0 + 2 * W),
             m3 = Q::load(mu + c0 + 3 * W);
     for (int64_t r = 0; r < R; ++r) {
-      const A* p = x + r * C + c0;
+      const A* p = x + r * ld + c0;
       const V d0 = Q::load(p) - m0, d1 = Q::load(p + W) - m1, d2 = Q::load(p + 2 * W) - m2,
               d3 = Q::load(p + 3 * W) - m3;
       a0 += d0 * d0;
@@ -106,7 +111,7 @@ GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, const A* mu, 
   if (c0 == C) return;
   for (int64_t c = c0; c < C; ++c) out[c] = 0;
   for (int64_t r = 0; r < R; ++r) {
-    const A* xr = x + r * C;
+    const A* xr = x + r * ld;
 #pragma omp simd
     for (int64_t c = c0; c < C; ++c) {
       const A d = xr[c] - mu[c];
@@ -130,10 +135,11 @@ GNMX_ROW_INLINE void chan_merge_impl(A* mean, A* m2, const A* cm, const A* cm2, 
 }
 
 template <typename A, Act ACT>
-GNMX_ROW_INLINE void affine_impl(const A* x, A* y, int64_t R, int64_t C, const A* a, const A* b) {
+GNMX_ROW_INLINE void affine_impl(const A* x, A* y, int64_t R, int64_t C, int64_t ld, const A* a,
+                                 const A* b) {
   for (int64_t r = 0; r < R; ++r) {
-    const A* xr = x + r * C;
-    A* yr = y + r * C;
+    const A* xr = x + r * ld;
+    A* yr = y + r * ld;
 #pragma omp simd
     for (int64_t c = 0; c < C; ++c) yr[c] = gn_act<ACT>(xr[c] * a[c] + b[c]);
   }
@@ -142,7 +148,7 @@ GNMX_ROW_INLINE void affine_impl(const A* x, A* y, int64_t R, int64_t C, const A
 // s1[c] += sum_r g (x - mu[c]), s2[c] += sum_r g, g = act'(x a[c] + b[c]) dy (blocks of two
 // vectors: their sums, means and pre-activation coefficients stay in registers).
 template <typename A, Act ACT>
-GNMX_ROW_INLINE void sums_impl(const A* x, const A* dy, int64_t R, int64_t C, const A* mu,
+GNMX_ROW_INLINE void sums_impl(const A* x, const A* dy, int64_t R, int64_t C, int64_t ld, const A* mu,
                                const A* a, const A* b, A* s1, A* s2) {
   using Q = Vec32<A>;
   using V = typename Q::type;
@@ -153,8 +159,8 @@ GNMX_ROW_INLINE void sums_impl(const A* x, const A* dy, int64_t R, int64_t C, co
       V t10 = {}, t11 = {}, t20 = {}, t21 = {};
       const V m0 = Q::load(mu + c0), m1 = Q::load(mu + c0 + W);
       for (int64_t r = 0; r < R; ++r) {
-        const A* p = x + r * C + c0;
-        const A* q = dy + r * C + c0;
+        const A* p = x + r * ld + c0;
+        const A* q = dy + r * ld + c0;
         const V g0 = Q::load(q), g1 = Q::load(q + W);
         t10 += g0 * (Q::load(p) - m0);
         t11 += g1 * (Q::load(p + W) - m1);
@@ -168,8 +174,8 @@ GNMX_ROW_INLINE void sums_impl(const A* x, const A* dy, int64_t R, int64_t C, co
     }
   }
   for (int64_t r = 0; r < R && c0 < C; ++r) {
-    const A* xr = x + r * C;
-    const A* gr = dy + r * C;
+    const A* xr = x + r * ld;
+    const A* gr = dy + r * ld;
 #pragma omp simd
     for (int64_t c = c0; c < C; ++c) {
       const A g = ACT == Act::kNone ? gr[c] : gn_act_grad<ACT>(xr[c] * a[c] + b[c], gr[c]);
@@ -180,12 +186,13 @@ GNMX_ROW_INLINE void sums_impl(const A* x, const A* dy, int64_t R, int64_t C, co
 }
 
 template <typename A, Act ACT>
-GNMX_ROW_INLINE void dx_impl(const A* x, const A* dy, A* dx, int64_t R, int64_t C, const A* mu,
+GNMX_ROW_INLINE void dx_impl(const A* x, const A* dy, A* dx, int64_t R, int64_t C, int64_t ld,
+                             const A* mu,
                              const A* a, const A* b, const A* c1, const A* c2, const A* c3) {
   for (int64_t r = 0; r < R; ++r) {
-    const A* xr = x + r * C;
-    const A* gr = dy + r * C;
-    A* dr = dx + r * C;
+    const A* xr = x + r * ld;
+    const A* gr = dy + r * ld;
+    A* dr = dx + r * ld;
 #pragma omp simd
     for (int64_t c = 0; c < C; ++c) {
       const A g = ACT == Act::kNone ? gr[c] : gn_act_grad<ACT>(xr[c] * a[c] + b[c], gr[c]);
@@ -195,48 +202,82 @@ GNMX_ROW_INLINE void dx_impl(const A* x, const A* dy, A* dx, int64_t R, int64_t 
 }
 
 template <typename A>
+GNMX_ROW_INLINE void copy_impl(const A* src, A* dst, int64_t n) {
+  __builtin_memcpy(dst, src, static_cast<size_t>(n) * sizeof(A));
+}
+
+#if defined(GNMX_CPU_X86)
+__attribute__((target("avx2"), always_inline)) inline void stream8(float* p, const float* s) {
+  _mm256_stream_ps(p, _mm256_loadu_ps(s));
+}
+__attribute__((target("avx2"), always_inline)) inline void stream8(double* p, const double* s) {
+  _mm256_stream_pd(p, _mm256_loadu_pd(s));
+}
+// Streaming copy (the caller fences before others read dst).
+template <typename A>
+__attribute__((target("avx2"))) void stream_avx2(const A* src, A* dst, int64_t n) {
+  constexpr int64_t W = 32 / static_cast<int64_t>(sizeof(A));
+  int64_t i = 0;
+  for (; i < n && (reinterpret_cast<uintptr_t>(dst + i) & 31) != 0; ++i) dst[i] = src[i];
+  for (; i + 4 * W <= n; i += 4 * W) {
+    stream8(dst + i, src + i);
+    stream8(dst + i + W, src + i + W);
+    stream8(dst + i + 2 * W, src + i + 2 * W);
+    stream8(dst + i + 3 * W, src + i + 3 * W);
+  }
+  for (; i + W <= n; i += W) stream8(dst + i, src + i);
+  for (; i < n; ++i) dst[i] = src[i];
+}
+#endif
+
+template <typename A>
 struct RowPrims {
-  void (*col_sum)(const A* x, int64_t R, int64_t C, A scale, A* out);
-  void (*col_m2)(const A* x, int64_t R, int64_t C, const A* mu, A* out);
+  void (*stream)(const A* src, A* dst, int64_t n);
+  void (*col_sum)(const A* x, int64_t R, int64_t C, int64_t ld, A scale, A* out);
+  void (*col_m2)(const A* x, int64_t R, int64_t C, int64_t ld, const A* mu, A* out);
   void (*chan_merge)(A* mean, A* m2, const A* cm, const A* cm2, int64_t C, A wb, A wab);
   // indexed by Act (kNone, kRelu, kSilu); x and y / dy and dx may be the same rows
-  void (*affine[3])(const A* x, A* y, int64_t R, int64_t C, const A* a, const A* b);
-  void (*sums[3])(const A* x, const A* dy, int64_t R, int64_t C, const A* mu, const A* a,
-                  const A* b, A* s1, A* s2);
-  void (*dx[3])(const A* x, const A* dy, A* dx, int64_t R, int64_t C, const A* mu, const A* a,
-                const A* b, const A* c1, const A* c2, const A* c3);
+  void (*affine[3])(const A* x, A* y, int64_t R, int64_t C, int64_t ld, const A* a, const A* b);
+  void (*sums[3])(const A* x, const A* dy, int64_t R, int64_t C, int64_t ld, const A* mu,
+                  const A* a, const A* b, A* s1, A* s2);
+  void (*dx[3])(const A* x, const A* dy, A* dx, int64_t R, int64_t C, int64_t ld, const A* mu,
+                const A* a, const A* b, const A* c1, const A* c2, const A* c3);
 };
 
 // One instantiation of the loops per ISA: ATTR is empty (baseline) or the AVX2 target attribute.
 #define GNMX_ROW_PRIMS(NAME, ATTR)                                                                \
   template <typename A>                                                                          \
   struct NAME {                                                                                  \
-    ATTR static void col_sum(const A* x, int64_t R, int64_t C, A scale, A* out) {                \
-      col_sum_impl<A>(x, R, C, scale, out);                                                      \
+    ATTR static void col_sum(const A* x, int64_t R, int64_t C, int64_t ld, A scale, A* out) {    \
+      col_sum_impl<A>(x, R, C, ld, scale, out);                                                  \
     }                                                                                            \
     ATTR static void chan_merge(A* mean, A* m2, const A* cm, const A* cm2, int64_t C, A wb,      \
                                 A wab) {                                                         \
       chan_merge_impl<A>(mean, m2, cm, cm2, C, wb, wab);                                         \
     }                                                                                            \
-    ATTR static void col_m2(const A* x, int64_t R, int64_t C, const A* mu, A* out) {             \
-      col_m2_impl<A>(x, R, C, mu, out);                                                          \
+    ATTR static void col_m2(const A* x, int64_t R, int64_t C, int64_t ld, const A* mu, A* out) { \
+      col_m2_impl<A>(x, R, C, ld, mu, out);                                                      \
     }                                                                                            \
     template <Act ACT>                                                                           \
-    ATTR static void affine(const A* x, A* y, int64_t R, int64_t C, const A* a, const A* b) {    \
-      affine_impl<A, ACT>(x, y, R, C, a, b);                                                     \
+    ATTR static void affine(const A* x, A* y, int64_t R, int64_t C, int64_t ld, const A* a,      \
+                            const A* b) {                                                        \
+      affine_impl<A, ACT>(x, y, R, C, ld, a, b);                                                 \
     }                                                                                            \
     template <Act ACT>                                                                           \
-    ATTR static void sums(const A* x, const A* dy, int64_t R, int64_t C, const A* mu,            \
-                          const A* a, const A* b, A* s1, A* s2) {                                \
-      sums_impl<A, ACT>(x, dy, R, C, mu, a, b, s1, s2);                                          \
+    ATTR static void sums(const A* x, const A* dy, int64_t R, int64_t C, int64_t ld,             \
+                          const A* mu, const A* a, const A* b, A* s1, A* s2) {                   \
+      sums_impl<A, ACT>(x, dy, R, C, ld, mu, a, b, s1, s2);                                      \
     }                                                                                            \
     template <Act ACT>                                                                           \
-    ATTR static void dx(const A* x, const A* dy, A* d, int64_t R, int64_t C, const A* mu,        \
-                        const A* a, const A* b, const A* c1, const A* c2, const A* c3) {         \
-      dx_impl<A, ACT>(x, dy, d, R, C, mu, a, b, c1, c2, c3);                                     \
+    ATTR static void dx(const A* x, const A* dy, A* d, int64_t R, int64_t C, int64_t ld,         \
+                        const A* mu, const A* a, const A* b, const A* c1, const A* c2,           \
+                        const A* c3) {                                                           \
+      dx_impl<A, ACT>(x, dy, d, R, C, ld, mu, a, b, c1, c2, c3);                                 \
     }                                                                                            \
+    ATTR static void stream(const A* src, A* dst, int64_t n) { copy_impl<A>(src, dst, n); }      \
     static RowPrims<A> table() {                                                                 \
       RowPrims<A> p{};                                                                           \
+      p.stream = stream;                                                                         \
       p.col_sum = col_sum;                                                                       \
       p.col_m2 = col_m2;                                                                         \
       p.chan_merge = chan_merge;                                                                 \
@@ -262,7 +303,11 @@ GNMX_ROW_PRIMS(Avx2Rows, __attribute__((target("avx2,fma,f16c"))))
 template <typename A>
 const RowPrims<A>& rows() {
 #if defined(GNMX_CPU_X86)
-  static const RowPrims<A> avx2 = Avx2Rows<A>::table();
+  static const RowPrims<A> avx2 = [] {
+    RowPrims<A> p = Avx2Rows<A>::table();
+    p.stream = stream_avx2<A>;
+    return p;
+  }();
   static const RowPrims<A> generic = GenericRows<A>::table();
   return cpu_has_avx2() ? avx2 : generic;
 #else
