@@ -15,7 +15,7 @@ def test_edge_case(ctx, case):
     case(MxRunner(ctx))
 
 
-LAYOUT_CASES = list(edge_cases.CASES) + edge_cases.LAYOUT_EXTRA_CASES
+LAYOUT_CASES = edge_cases.LAYOUT_CASES
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=edge_cases.case_id)

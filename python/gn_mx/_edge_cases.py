@@ -448,6 +448,10 @@ LAYOUT_EXTRA_CASES = [Case(tiny_spatial_groups, dtype=d, D=dd, S=s, offset=o)
                       for d in ALL for dd, s in ((1, 2), (1, 4), (2, 2)) for o in (300.0, -3e4)]
 
 
+#: The channels-last list: every case of CASES on channels-last data, plus LAYOUT_EXTRA_CASES.
+LAYOUT_CASES = list(CASES) + LAYOUT_EXTRA_CASES
+
+
 def channels_last(run):
     """`run` on channels-last data (ChannelsLast); run CASES + LAYOUT_EXTRA_CASES through it."""
     return ChannelsLast(run)

@@ -68,7 +68,7 @@ def runner():
     return AxisRunner()
 
 
-LAYOUT_CASES = list(edge_cases.CASES) + edge_cases.LAYOUT_EXTRA_CASES
+LAYOUT_CASES = edge_cases.LAYOUT_CASES
 
 
 @pytest.mark.parametrize("case", LAYOUT_CASES, ids=edge_cases.case_id)
