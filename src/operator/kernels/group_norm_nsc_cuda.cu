@@ -143,7 +143,7 @@ __device__ void warp_exact_stats(const T* x, int64_t n, int64_t g, const GroupDi
 
 // One item (n, k, c): the exact (count, mean, M2) of rows [k R, min(S, (k+1) R)) of channel c.
 template <typename T>
-__global__ void nsc_stats_kernel(const T* __restrict__ x, GroupDims dm, NscPlan p,
+__global__ void __launch_bounds__(kThreads) nsc_stats_kernel(const T* __restrict__ x, GroupDims dm, NscPlan p,
                                  AccT<T>* __restrict__ part) {
   using A = AccT<T>;
   const int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
@@ -168,7 +168,7 @@ __global__ void nsc_stats_kernel(const T* __restrict__ x, GroupDims dm, NscPlan 
 // item states, decides whether it is recomputed in float64 and writes its statistics (and, for
 // the forward, its exact record).
 template <typename T, bool kMoments>
-__global__ void nsc_merge_kernel(const T* __restrict__ x, GroupDims dm, NscPlan p,
+__global__ void __launch_bounds__(kThreads) nsc_merge_kernel(const T* __restrict__ x, GroupDims dm, NscPlan p,
                                  const AccT<T>* __restrict__ part, double eps, AccT<T>* mean,
                                  AccT<T>* second, double* exact) {
   using A = AccT<T>;
@@ -204,7 +204,7 @@ __global__ void nsc_merge_kernel(const T* __restrict__ x, GroupDims dm, NscPlan 
 // Forward output
 
 template <typename T, typename P, Act ACT>
-__global__ void nsc_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
+__global__ void __launch_bounds__(kThreads) nsc_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
                                  const P* __restrict__ beta, const AccT<T>* __restrict__ mean,
                                  const AccT<T>* __restrict__ rstd, const double* __restrict__ exact,
                                  GroupDims dm, T* __restrict__ y) {
@@ -234,7 +234,7 @@ __global__ void nsc_apply_kernel(const T* __restrict__ x, const P* __restrict__ 
 // A warp per group: the exact decision from the saved statistics and, for those groups, the
 // float64 statistics recomputed from x (as the CPU's exact_bwd).
 template <typename T>
-__global__ void nsc_bwd_exact_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
+__global__ void __launch_bounds__(kThreads) nsc_bwd_exact_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
                                      const AccT<T>* __restrict__ rstd, GroupDims dm, double eps,
                                      double* exact) {
   const int64_t ng = static_cast<int64_t>(blockIdx.x) * kWarpsPerBlock + threadIdx.x / kWarpSize;
@@ -253,7 +253,7 @@ __global__ void nsc_bwd_exact_kernel(const T* __restrict__ x, const AccT<T>* __r
 // One item (n, k, c): s1 = sum g (x - mu), s2 = sum g over its rows, g = dy act'(z); exact groups
 // in float64 around x0 (s1 = sum g xc).
 template <typename T, typename P, Act ACT>
-__global__ void nsc_bwd_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+__global__ void __launch_bounds__(kThreads) nsc_bwd_sums_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                     const AccT<T>* __restrict__ mean,
                                     const AccT<T>* __restrict__ rstd, const P* __restrict__ gamma,
                                     const P* __restrict__ beta, const double* __restrict__ exact,
@@ -300,7 +300,7 @@ __global__ void nsc_bwd_sums_kernel(const T* __restrict__ dy, const T* __restric
 // A warp per group: the per-(n, c) sums over the K items (dsc = s1 r, db = s2, written to the
 // (N, C) rows of the parameter gradients) and the group's c2, c3 (float64 for exact groups).
 template <typename T, typename P>
-__global__ void nsc_bwd_coef_kernel(const double* __restrict__ part, const P* __restrict__ gamma,
+__global__ void __launch_bounds__(kThreads) nsc_bwd_coef_kernel(const double* __restrict__ part, const P* __restrict__ gamma,
                                     const AccT<T>* __restrict__ rstd,
                                     const AccT<T>* __restrict__ dmean_o,
                                     const AccT<T>* __restrict__ drstd_o,
@@ -353,7 +353,7 @@ __global__ void nsc_bwd_coef_kernel(const double* __restrict__ part, const P* __
 }
 
 template <typename T, typename P, Act ACT>
-__global__ void nsc_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+__global__ void __launch_bounds__(kThreads) nsc_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                                   const AccT<T>* __restrict__ mean,
                                   const AccT<T>* __restrict__ rstd,
                                   const AccT<T>* __restrict__ dmean_o, const P* __restrict__ gamma,
@@ -392,7 +392,7 @@ __global__ void nsc_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict_
 
 // dgamma[c] = sum_n dsc[n, c], dbeta[c] = sum_n db[n, c], in order of n.
 template <typename A, typename P>
-__global__ void nsc_params_kernel(const A* __restrict__ dsc, const A* __restrict__ db, int64_t N,
+__global__ void __launch_bounds__(kThreads) nsc_params_kernel(const A* __restrict__ dsc, const A* __restrict__ db, int64_t N,
                                   int64_t C, P* dgamma, P* dbeta) {
   const int64_t c = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x;
   if (c >= C) return;
@@ -407,7 +407,7 @@ __global__ void nsc_params_kernel(const A* __restrict__ dsc, const A* __restrict
 
 // gn_moments backward: dx = c0 + c1 (x - mu).
 template <typename T>
-__global__ void nsc_moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
+__global__ void __launch_bounds__(kThreads) nsc_moments_bwd_kernel(const T* __restrict__ x, const AccT<T>* __restrict__ mean,
                                        const AccT<T>* __restrict__ dmean,
                                        const AccT<T>* __restrict__ dvar, GroupDims dm,
                                        T* __restrict__ dx) {
