@@ -15,7 +15,7 @@ PTX to SASS (ptxas -v, sm_XX) with the build's flags, and every kernel entry is 
     (gram_smem, apply_smem, eig_smem, kTileBytes), evaluated by a host probe built with the CPU
     emulator's rewrite (tests/gpu/emu/build_emu.py), and every launch with a non-zero dynamic size
     in the sources must be one the plan covers;
-  * the ZCA shared-memory eigensolver's largest D per architecture, as dbn.h (and docs/dbn.md)
+  * the ZCA shared-memory eigensolver's largest D per architecture, as dbn.h (and docs/design/dbn.md)
     state it, equals what eig_smem and eig_kernel's static shared memory allow;
   * no half-precision arithmetic and no atomics in the code for sm_50/52/60 (PTX, and SASS when
     the toolkit has cuobjdump), and no atomics anywhere.
@@ -289,7 +289,7 @@ def planned_dynamic(name, plan, arch, static):
     m = re.search(r"::(gram|apply)_kernel<([^,]+), (?:true|false), (\d+)>", name)
     if m:
         return plan[m.group(1)][(int(m.group(3)), _acc_bytes(m.group(2)))]
-    if re.search(r"::bwd_small_kernel<", name):
+    if re.search(r"::(bwd_small|iternorm)_kernel<", name):
         return plan["tile_bytes"]
     if re.search(r"::eig_kernel<", name):
         # The shared path runs only while eig_smem(D, true) fits the opt-in maximum less the static
@@ -301,9 +301,9 @@ def planned_dynamic(name, plan, arch, static):
 
 
 def stated_eig_limits():
-    """{arch: D} as dbn.h states the shared-memory eigensolver's limits (and docs/dbn.md repeats)."""
+    """{arch: D} as dbn.h states the shared-memory eigensolver's limits (and docs/design/dbn.md repeats)."""
     out = {}
-    for path in (os.path.join(KDIR, "dbn.h"), os.path.join(ROOT, "docs", "dbn.md")):
+    for path in (os.path.join(KDIR, "dbn.h"), os.path.join(ROOT, "docs", "design", "dbn.md")):
         text = " ".join(open(path).read().replace("*", " ").split())
         m = re.search(r"D <= (\d+ on sm_.*?sm_90)", text)
         if not m:
