@@ -52,7 +52,7 @@ CONTRACT = contract_table()
 
 def test_contract_table_parsed():
     assert set(CONTRACT) == {"gn_moments", "gn_group_norm", "gn_channel_affine", "gn_dbn",
-                             "gn_dbn_inference"}, CONTRACT
+                             "gn_dbn_inference", "gn_weight_standardize"}, CONTRACT
     assert CONTRACT["gn_dbn"][0] == {"num_groups": "1", "eps": "1e-5", "momentum": "0.9",
                                      "affine": "False", "whitening": "zca", "iterations": "5"}
 
@@ -63,6 +63,8 @@ def _inputs(op):
     x = mx.nd.array(rs.randn(6, 4, 3), dtype=np.float64)
     if op in ("gn_moments",):
         return [x]
+    if op == "gn_weight_standardize":  # weight (O, I, k) and gain (O,)
+        return [x, mx.nd.array(rs.rand(6) + 0.5, dtype=np.float64)]
     if op in ("gn_group_norm", "gn_channel_affine"):
         return [x, mx.nd.array(rs.rand(4) + 0.5, dtype=np.float64),
                 mx.nd.array(rs.randn(4), dtype=np.float64)]

@@ -369,8 +369,8 @@ def _clear_hybrid_caches(block):
     """Drop the traced graphs of ``block`` and its HybridBlock descendants (they hold the old
     layers' graphs)."""
     if isinstance(block, mx.gluon.HybridBlock):
-        block._clear_cached_op()
-    for child in block._children.values():
+        _compat.clear_cached_op(block)
+    for child in _compat.children(block):
         _clear_hybrid_caches(child)
 
 
