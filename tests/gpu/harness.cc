@@ -241,6 +241,38 @@ GNH_API const char* gnh_dbn_inference(int dtype, int stat_dtype, int backward, c
   return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
 }
 
+// The inference workspace when the backward also gives dgamma / dbeta (the fused affine).
+GNH_API size_t gnh_dbn_inference_affine_workspace(int dtype, int stat_dtype, int64_t N, int64_t C,
+                                                  int64_t G, int64_t S) {
+  DbnInferenceArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  static char dummy;
+  a.dgamma = &dummy;  // only its presence sizes the workspace
+  a.dims = gn_dims(N, C, G, S);
+  return dbn_inference_workspace_cuda(a);
+}
+
+// With the fused affine (param_dtype gamma / beta): forward y = gamma P (x - r_mean) + beta;
+// backward (x is dy, data the forward's input): dx = P^T (gamma dy), dgamma, dbeta
+// (affine_grad_kernel).
+GNH_API const char* gnh_dbn_inference_affine(int dtype, int stat_dtype, int param_dtype,
+                                             int backward, const void* x, const void* data,
+                                             const void* running_mean, const void* running_proj,
+                                             const void* gamma, const void* beta, void* y,
+                                             void* dgamma, void* dbeta, void* workspace, int64_t N,
+                                             int64_t C, int64_t G, int64_t S, void* stream) {
+  DbnInferenceArgs a;
+  a.dtype = static_cast<DType>(dtype);
+  a.stat_dtype = static_cast<DType>(stat_dtype);
+  a.param_dtype = static_cast<DType>(param_dtype);
+  a.x = x; a.running_mean = running_mean; a.running_proj = running_proj; a.y = y;
+  a.gamma = gamma; a.beta = beta; a.data = data; a.dgamma = dgamma; a.dbeta = dbeta;
+  a.workspace = workspace;
+  a.dims = gn_dims(N, C, G, S);
+  return backward ? dbn_inference_bwd_cuda(a, stream) : dbn_inference_cuda(a, stream);
+}
+
 // IterNorm (whitening = iternorm, T iterations), no running statistics: workspace (fwd != 0: the
 // forward's, else the backward's), forward (eigvec / eigval: Sigma and its diagonal) and backward.
 GNH_API size_t gnh_dbn_it_workspace(int fwd, int dtype, int64_t N, int64_t C, int64_t G,

@@ -138,6 +138,35 @@ def test_dbn_inference(shape, G, dtype, stat_acc):
     assert rel_err(dx, from_groups(P.transpose(0, 2, 1) @ to_groups(dy, G), shape)) < TOL[dtype]
 
 
+@pytest.mark.parametrize("dtype,pdtype", [(np.float32, np.float32), (np.float16, np.float32),
+                                          (np.float64, np.float64)], ids=ids)
+@pytest.mark.parametrize("shape,G", [((16, 6, 3), 2), ((300, 8), 1)], ids=ids)
+def test_dbn_inference_fused_affine(shape, G, dtype, pdtype):
+    """The inference op with the fused affine (affine_grad_kernel for dgamma / dbeta) against
+    float64: y = gamma P (x - r_mean) + beta, dx = P^T (gamma dy), dgamma = sum(dy P (x - r_mean)),
+    dbeta = sum(dy). (300, 8): the gram partials over several chunks of N."""
+    x = make(shape, dtype, seed=11)
+    C, D = shape[1], shape[1] // G
+    r = rng(12)
+    sdt = ACC(dtype)
+    rm = r.standard_normal(C).astype(sdt)
+    rp = (np.eye(D) + 0.3 * r.standard_normal((G, D, D))).astype(sdt)
+    gamma = (r.random(C) + 0.5).astype(pdtype)
+    beta = r.standard_normal(C).astype(pdtype)
+    dy = r.standard_normal(shape).astype(dtype)
+    y, dx, dgamma, dbeta = hnp.dbn_inference_affine(x, rm, rp, gamma, beta, G, dy=dy)
+    P = rp.astype(np.float64)
+    g64 = gamma.astype(np.float64).reshape(G, D, 1)
+    xhat = P @ (to_groups(x, G) - rm.astype(np.float64).reshape(G, D, 1))
+    Dy = to_groups(dy, G)
+    tol = TOL[dtype]
+    assert rel_err(y, from_groups(g64 * xhat + beta.astype(np.float64).reshape(G, D, 1),
+                                  shape)) < tol
+    assert rel_err(dx, from_groups(P.transpose(0, 2, 1) @ (g64 * Dy), shape)) < tol
+    assert rel_err(dgamma, (Dy * xhat).sum(-1).reshape(-1)) < tol
+    assert rel_err(dbeta, Dy.sum(-1).reshape(-1)) < tol
+
+
 def test_dbn_nonfinite_input_gives_nan_not_crash():
     x = make((8, 8, 4), np.float32)
     x[0, 0, 0] = np.nan

@@ -4,10 +4,12 @@ edge cases hold with FMA contraction.
 A GPU runs a block's threads in no fixed order; the emulator runs them between barriers in forward,
 reverse or seeded random order (GNMX_EMU_SCHED, tests/gpu/emu/include/cuda_emu.h). A kernel whose
 output depends on that order has a race (a read of what another thread writes without a barrier
-between), which forward order alone hides when the writer has the lower index. Here every kernel
-call of the edge-case list (tests/edge_cases.py) and of the launch-plan boundaries
-(test_gpu_plans.py) runs under forward and reverse order (the plans also under a random one) and
-every output must be bitwise equal.
+between), which forward order alone hides when the writer has the lower index. Here the whole GPU
+test list (every test file of tests/gpu but this one, the emulator's rule tests and the benchmark)
+runs under forward and reverse order in fresh processes, and every result any test reads back
+from the device must be bitwise equal, call by call; the edge-case list (tests/edge_cases.py) and
+the launch-plan boundaries (test_gpu_plans.py) also run in-process, the plans under a seeded
+random order too.
 
 nvcc contracts a * b + c into FMAs by default; the emulator's default build does not. The FMA
 variant (GNMX_EMU_FMA=1: -ffp-contract=fast -mfma, its own build/gpu-emu-fma) runs the edge-case
@@ -85,8 +87,46 @@ def lib():
     return harness_np.load()
 
 
+# Every GPU test file except this one, the emulator's own rule tests (they plant violations) and
+# the benchmark.
+LIST_EXCLUDED = {"test_gpu_schedules.py", "test_gpu_emu_rules.py", "test_bench_gpu.py"}
+
+
+def gpu_test_files():
+    return sorted(f for f in os.listdir(HERE)
+                  if f.startswith("test_gpu") and f.endswith(".py") and f not in LIST_EXCLUDED)
+
+
+def run_list_recorded(sched, record):
+    """pytest on the GPU test list in a fresh process under GNMX_EMU_SCHED=sched; every result the
+    tests read back from the device is appended to `record` (harness_np's GNMX_HARNESS_RECORD)."""
+    env = dict(os.environ, GNMX_EMU_SCHED=sched, GNMX_HARNESS_RECORD=str(record),
+               GNMX_HARNESS_EMU="1")
+    files = [os.path.join(HERE, f) for f in gpu_test_files()]
+    r = subprocess.run([sys.executable, "-m", "pytest", "--confcutdir", HERE, "-q",
+                        "-p", "no:cacheprovider"] + files,
+                       cwd=ROOT, env=env, capture_output=True, text=True)
+    assert r.returncode == 0, f"{sched}:\n" + r.stdout[-6000:] + r.stderr[-3000:]
+    return record.read_text().splitlines()
+
+
+def test_gpu_test_list_bitwise_equal_under_two_schedules(lib, tmp_path):
+    """The whole GPU test list (GroupNorm, moments, both layouts, the double backward, the affine,
+    the parameter reductions, DBN ZCA / IterNorm / inference) under forward and reverse thread
+    order: every result of every test bitwise equal, call by call."""
+    fwd = run_list_recorded("forward", tmp_path / "forward.txt")
+    rev = run_list_recorded("reverse", tmp_path / "reverse.txt")
+    assert len(fwd) > 3000, len(fwd)
+    assert len(fwd) == len(rev), (len(fwd), len(rev))
+    diff = [i for i, (a, b) in enumerate(zip(fwd, rev)) if a != b]
+    assert not diff, f"{len(diff)} results differ between forward and reverse order, first: " \
+                     f"result {diff[0]}: {fwd[diff[0]]} vs {rev[diff[0]]}"
+
+
 @pytest.mark.parametrize("source", [edge_case_outputs, plan_outputs], ids=["edge_cases", "plans"])
 def test_schedules_bitwise_equal(lib, monkeypatch, source):
+    """In-process, with a seeded random order too (the plan boundaries: where a block's threads
+    share the most work)."""
     scheds = ["forward", "reverse"] + (["random:20261201"] if source is plan_outputs else [])
     got = {}
     for sched in scheds:
