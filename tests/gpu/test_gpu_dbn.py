@@ -7,6 +7,8 @@ independent of the kernels' Daleckii-Krein form). Eigenvectors are compared thro
 W = U diag(l^-1/2) U^T (sign-free). IterNorm (whitening="iternorm") against the paper's Newton
 iterations in float64, its backward against central differences of that reference.
 """
+import re
+
 import numpy as np
 import pytest
 
@@ -117,6 +119,23 @@ def test_dbn_backward(shape, G, dtype):
     assert dx.dtype == dtype
     e = rel_err(dx, dbn_bwd_ref(x, dy, G, eps))
     assert e < TOL[dtype] * (3 if dtype == np.float16 else 1), e
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=ids)
+def test_dbn_split_plan(dtype, tmp_path, monkeypatch):
+    """(4096, 52), G = 1: on any device (4 to 80+ SMs) the plan chunks the channel sums
+    (mean_finalize_kernel) and sums the gram kernel's column splits first (gram_reduce_kernel), in
+    the forward and the backward; D = 52 keeps the shared-memory eigensolver on a V100 (the
+    simulator's). The emulator's launch log shows both kernels ran; tests/test_gpgpusim.py checks
+    the same on the simulator."""
+    log = tmp_path / "launches.txt"
+    monkeypatch.setenv("GNMX_EMU_LAUNCH_LOG", str(log))
+    test_dbn_forward((4096, 52), 1, dtype)
+    test_dbn_backward((4096, 52), 1, dtype)
+    if hnp.emulated():
+        names = {re.match(r"\w+", line.split()[4]).group(0)
+                 for line in log.read_text().splitlines()}
+        assert {"mean_finalize_kernel", "gram_reduce_kernel"} <= names, sorted(names)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=ids)

@@ -79,7 +79,7 @@ def launches(tmp_path, monkeypatch):
     def read():
         if not log.exists():
             return []
-        rows = [tuple(int(v) for v in line.split()) for line in log.read_text().splitlines()]
+        rows = [tuple(int(v) for v in line.split()[:4]) for line in log.read_text().splitlines()]
         log.unlink()
         return rows
     return read

@@ -753,13 +753,17 @@ struct Launcher {
   }
 };
 
-// GNMX_EMU_LAUNCH_LOG=<file>: every launch appends "grid.x grid.y grid.z block.x" to it (tests
-// check launch plans with it, e.g. tests/gpu/test_gpu_plans.py).
-inline void log_launch(dim3 g, dim3 b) {
+// GNMX_EMU_LAUNCH_LOG=<file>: every launch appends "grid.x grid.y grid.z block.x name" to it
+// (tests check launch plans with it, e.g. tests/gpu/test_gpu_plans.py; name as launched, e.g.
+// "gram_reduce_kernel" or "stats_kernel<T, AccT, ...>" without spaces).
+inline void log_launch(const char* name, dim3 g, dim3 b) {
   const char* path = std::getenv("GNMX_EMU_LAUNCH_LOG");
   if (!path) return;
+  std::string n(name ? name : "?");
+  n.erase(std::remove_if(n.begin(), n.end(), [](char c) { return c == ' ' || c == '\n'; }),
+          n.end());
   if (FILE* f = std::fopen(path, "a")) {
-    std::fprintf(f, "%u %u %u %u\n", g.x, g.y, g.z, b.x);
+    std::fprintf(f, "%u %u %u %u %s\n", g.x, g.y, g.z, b.x, n.c_str());
     std::fclose(f);
   }
 }
@@ -806,7 +810,7 @@ inline bool launch_ok(const void* kernel, const char* name, dim3 g, dim3 b, size
 template <typename... P>
 Launcher<P...> launch_named(const char* name, void (*k)(P...), dim3 g, dim3 b, size_t smem = 0,
                             cudaStream_t = nullptr) {
-  log_launch(g, b);
+  log_launch(name, g, b);
   const bool ok = launch_ok(reinterpret_cast<const void*>(k), name, g, b, smem);
   return Launcher<P...>{k, g, b, smem, name, ok};
 }
