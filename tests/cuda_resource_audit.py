@@ -69,7 +69,9 @@ HALF_TO_FLOAT_SASS = re.compile(r"\bHADD2\.F32\b[^;]*-RZ")
 def half_sass(line):
     """Whether a SASS line is half-precision arithmetic (not the fp16 -> fp32 conversion idiom)."""
     return bool(HALF_SASS.search(line)) and not HALF_TO_FLOAT_SASS.search(line)
-LAUNCH = re.compile(r"\b([A-Za-z_]\w*)(?:<[^;]*?>)?<<<([^;]*?)>>>", re.S)
+# A launch `name<targs><<<config>>>`: template arguments hold no ';', parentheses or braces (so that
+# `const IterArgs<A>& a, ...) { ... iternorm_kernel<A, S><<<` names iternorm_kernel, not IterArgs).
+LAUNCH = re.compile(r"\b([A-Za-z_]\w*)(?:<[^;(){}]*?>)?<<<([^;]*?)>>>", re.S)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -185,6 +185,22 @@ __device__ __forceinline__ Welford<A> shfl_xor(const Welford<A>& w, int off) {
   return make_welford<A>(shfl_xor(w.count, off), shfl_xor(w.mean, off), shfl_xor(w.m2, off));
 }
 
+// pick(c, a, b) = c ? a : b member by member: a ternary on whole structs makes nvcc keep both in a
+// local-memory stack frame and select an address (24-48 bytes per kernel, seen by the resource
+// audit), where member-wise selects stay in registers.
+template <typename V>
+__device__ __forceinline__ V pick(bool c, V a, V b) {
+  return c ? a : b;
+}
+template <typename A>
+__device__ __forceinline__ Pair<A> pick(bool c, const Pair<A>& a, const Pair<A>& b) {
+  return Pair<A>{c ? a.a : b.a, c ? a.b : b.b};
+}
+template <typename A>
+__device__ __forceinline__ Welford<A> pick(bool c, const Welford<A>& a, const Welford<A>& b) {
+  return make_welford<A>(c ? a.count : b.count, c ? a.mean : b.mean, c ? a.m2 : b.m2);
+}
+
 struct SumOp {
   template <typename V>
   __device__ __forceinline__ V operator()(V a, V b) const { return a + b; }
@@ -229,7 +245,7 @@ __device__ __forceinline__ V warp_reduce(V v, Op op) {
   for (int off = kWidth / 2; off > 0; off >>= 1) {
     const V other = shfl_xor(v, off);
     const bool upper = (lane & off) != 0;
-    v = op(upper ? other : v, upper ? v : other);
+    v = op(pick(upper, other, v), pick(upper, v, other));
   }
   GN_ASSERT_UNIFORM(kWidth, v);
   return v;
