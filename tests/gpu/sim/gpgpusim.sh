@@ -10,7 +10,7 @@
 # PATH (or --src PATH before the command): a tarball of, or a clone of, the upstream simulator
 # (https://github.com/accel-sim/gpgpu-sim_distribution, branch dev; measured at commit 667834cf).
 # Steps, each cached:
-#   1. the simulator: the source unpacked/copied, tests/gpu/sim/gpgpusim-fixes.patch applied (eight
+#   1. the simulator: the source unpacked/copied, tests/gpu/sim/gpgpusim-fixes.patch applied (nine
 #      defects that break gn_mx's kernels, one note each in the patch), `make` with GNMX_JOBS jobs
 #      (default 2; ~3 min on 2 cores), in $GNMX_GPGPUSIM_CACHE/sim-<hash of source + patch + nvcc>;
 #   2. the CUDA 11.8 toolkit (tools/cuda11_toolchain.sh; cached in GNMX_TOOLCHAIN_DIR);
