@@ -131,3 +131,10 @@ def np_mode():
         yield
     finally:
         mx.npx.reset_np()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """The full CUDA 11.8 resource audit (GNMX_AUDIT=1) starts in the background now and its test
+    runs last (tests/audit_background.py)."""
+    import audit_background
+    audit_background.schedule(items)
