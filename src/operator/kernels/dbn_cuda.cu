@@ -68,6 +68,14 @@ constexpr size_t kAlign = 256;
 constexpr int64_t kMaxPartialDoubles = int64_t(2) << 20;  // 16 MiB of gram partials
 constexpr int kApplyTileElems = 4096;  // outputs per apply panel: TT x BN, 16 per thread
 constexpr int kMeanRows = kBlock / 32; // channel_sum_kernel: warps, each a row of columns
+// The one-block-per-group kernels (eig_kernel, bwd_small_kernel, iternorm_kernel: grid = G groups,
+// D x D products or Jacobi sweeps per block) declare a minimum of one resident block per SM, so
+// ptxas may give them up to 255 registers: with the plain bound it capped them at 64-128 and
+// spilled 8-312 bytes (CUDA 11.8 and nvcc 13, sm_50..sm_90) inside their product loops, to keep a
+// second block resident that a grid of G <= SM-count blocks never has (eig_kernel's shared path is
+// one block per SM by its shared memory anyway). With it: 112-211 registers, no spills (CUDA 11.8,
+// sm_50 / 75 / 90). A grid of more groups than SMs runs in more waves; not measured on a GPU.
+constexpr int kOneBlockPerSm = 1;
 constexpr int64_t kMaxMeanChunks = 64;
 // gram_reduce_kernel runs for G below the SM count when a group's split partials reach this many
 // doubles (512 KiB: below it, one block reads them in about the reduction's launch time).
@@ -863,7 +871,7 @@ __device__ void eig_sort(int finite, const double* l, const double* Ut, int ld, 
 // rank sort -> dbn_whitening_matrix (clamp, W), outputs and dbn_update_running. A non-finite
 // Sigma, or cuSOLVER's info != 0, gives NaN eigenpairs and outputs.
 template <typename A>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, kOneBlockPerSm)
 eig_kernel(const double* __restrict__ part, int64_t chunks, int D, double m, double eps,
            double momentum, const A* __restrict__ mean, A* __restrict__ eigvec,
            A* __restrict__ eigval, A* __restrict__ Wout, double* __restrict__ scratch,
@@ -966,7 +974,7 @@ struct IterArgs {
 };
 
 template <typename A, typename S>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, kOneBlockPerSm)
 iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {
   __shared__ double s_gam[kMaxD], s_dgam[kMaxD];
   extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec's tiles
@@ -1056,7 +1064,7 @@ const char* launch_iternorm(const IterArgs<A>& a, DType dtype, int64_t G, cudaSt
 // the summed gram partials. IterNorm: the summed partials (G_W), the forward's Sigma and the
 // finite flag into the group's IterScratch; iternorm_kernel's launches do the rest.
 template <typename A>
-__global__ void __launch_bounds__(kBlock)
+__global__ void __launch_bounds__(kBlock, kOneBlockPerSm)
 bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double m,
                  const A* __restrict__ eigvec, const A* __restrict__ eigval, A* __restrict__ Wout,
                  A* __restrict__ Bout, A* __restrict__ dymean, double* __restrict__ scratch,
