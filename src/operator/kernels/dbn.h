@@ -72,7 +72,8 @@
  *     norms, so the error is <= D 2^-24 ||C|| normwise (<= 3e-5 at D = 512, ~sqrt(D) 2^-24 in
  *     practice), below the fp32 outputs' own. On slow-fp64 GPUs (T4/L4: fp64 = 1/32-1/64 of
  *     fp32) this takes 3 of the ZCA backward's 5 products and the forward's one off the fp64
- *     pipes (~40 ms each at D = 512 on a T4 in fp64; estimates, docs/dbn.md "GPU").
+ *     pipes (~40 ms each at D = 512 on a T4 in fp64; estimates, docs/design/dbn.md, "GPU: the
+ *     eigensolver and the D x D products").
  *   fp64 where it must be: U^T sym(G_W) U in the backward (its entries are then scaled by
  *     K_ij ~ l^-3/2, up to cond(Sigma)^{3/2} times the largest: a normwise fp32 error there is
  *     amplified), IterNorm's Newton iterations and their backward above T = 5 (their rounding

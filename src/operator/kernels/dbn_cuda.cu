@@ -1122,7 +1122,7 @@ affine_grad_kernel(const double* __restrict__ part, int64_t chunks, int D, DType
                    const void* running_proj, DType param_dtype, void* dgamma, void* dbeta,
                    double* __restrict__ scratch) {
   __shared__ double s_dg[kMaxD];
-  const BlockExec ex;  // no products
+  const BlockExec ex{};  // no products
   const int64_t g = blockIdx.x;
   const int DD = D * D, E = DD + D;
   double* P = scratch + g * 2 * DD;

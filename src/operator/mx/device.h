@@ -12,8 +12,8 @@
  * error left by earlier GPU work is reported as such (cuda_op_prologue), never as the op's; with
  * GNMX_CUDA_SYNC=1 every kernel and then the op's stream are synchronized and checked, so a fault
  * names the op (and the kernel's launch line) that caused it (cuda_util.h).
- * A Kernel<Args> pairs the CPU and CUDA entry points of one computation (kernels/*.h); in a build
- * without CUDA its CUDA members are null.
+ * A Kernel<Args> pairs the CPU and CUDA entry points of one computation (kernels/<name>.h); in a
+ * build without CUDA its CUDA members are null.
  */
 #pragma once
 #include <cstdint>
