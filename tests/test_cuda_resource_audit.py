@@ -57,7 +57,7 @@ def _check_full_audit(r, data, archs):
         assert row["threads"] and row["block_regs"] <= 65536, row
         assert row["smem"] + row["dyn_smem"] <= row["smem_limit"], row
     # The planned dynamic shared memory was found for the DBN kernels that take it.
-    dyn = {row["kernel"].split("::")[-1].split("<")[0] for row in data["rows"] if row["dyn_smem"]}
+    dyn = {audit.kernel_short_name(row["kernel"]) for row in data["rows"] if row["dyn_smem"]}
     assert dyn == {"gram_kernel", "apply_kernel", "eig_kernel", "bwd_small_kernel",
                    "iternorm_kernel"}, dyn
     # dbn.h states the shared eigensolver's limits for every architecture of the list.
