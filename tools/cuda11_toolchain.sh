@@ -43,6 +43,12 @@ case "${1:-}" in
   *) echo "usage: bash tools/cuda11_toolchain.sh [--check|--cmake-args]" >&2; exit 2 ;;
 esac
 
+# One fetch at a time (the test suite's background resource audit and the GPGPU-Sim layer may ask
+# at once): the second waits here, then finds the toolkit complete.
+mkdir -p "$TOP"
+exec 9>"$TOP/.lock"
+if command -v flock >/dev/null; then flock 9; fi
+
 # Host compiler: CUDA 11.8 rejects gcc > 11.
 if ! command -v $HOST_CXX >/dev/null; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
