@@ -17,6 +17,11 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
+# From here on "the interpreter" is the venv's, for every script the suite or the demo starts that
+# reads PYTHON (examples/deploy_c/build.sh, tools/build_wheel.sh, tests/gpu/sim/gpgpusim.sh): a
+# PYTHON=<3.x> given to choose the venv's interpreter must not leak into them.
+PYTHON="$(cd "$(dirname "$VPY")" && pwd)/python"
+export PYTHON
 
 # Install requirements once per change of requirements-dev.txt.
 stamp="$VENV/.gnmx-requirements"

@@ -231,9 +231,10 @@ net.hybridize()
 x = np.random.RandomState(0).randn(2, 3, 8, 8).astype(np.float32)
 y = net(mx.nd.array(x)).asnumpy()
 net.export(os.path.join(d, "m"))
-mx.onnx.export_model(os.path.join(d, "m-symbol.json"), os.path.join(d, "m-0000.params"),
-                     in_shapes=[x.shape], in_types=[np.float32],
-                     onnx_file_path=os.path.join(d, "m.onnx"))
+import gn_mx.onnx  # the documented export (opset 17; MXNet's own writes onnx's newest)
+gn_mx.onnx.export_model(os.path.join(d, "m-symbol.json"), os.path.join(d, "m-0000.params"),
+                        in_shapes=[x.shape], in_types=[np.float32],
+                        onnx_file_path=os.path.join(d, "m.onnx"))
 sess = ort.InferenceSession(os.path.join(d, "m.onnx"), providers=["CPUExecutionProvider"])
 assert [i.name for i in sess.get_inputs()] == ["data"], [i.name for i in sess.get_inputs()]
 print("MAXERR", float(np.abs(sess.run(None, {"data": x})[0] - y).max()))

@@ -55,6 +55,31 @@ def _interpreter(version):
 
 
 PYTHONS = os.environ.get("GNMX_WHEEL_PYTHONS", " ".join(_python_range())).split()
+WHEEL_TOOLS_MIN_MINOR = 9  # tools/build_wheel.sh's tools: auditwheel >= 6.2 needs Python >= 3.9
+
+
+def wheel_build_env(**extra):
+    """The environment for tools/build_wheel.sh. Its build tools live in this interpreter's venv;
+    below Python 3.9 (the wheel serves 3.8, its tools need 3.9) in a venv of the newest claimed
+    Python found here, .toolchains/wheel-venv-3.X (skips without one)."""
+    env = dict(os.environ, GNMX_JOBS=os.environ.get("GNMX_JOBS", "2"), **extra)
+    if sys.version_info >= (3, WHEEL_TOOLS_MIN_MINOR):
+        env["GNMX_WHEEL_VENV"] = sys.prefix
+        return env
+    newest = int(_python_range()[1].split(".")[1])
+    for minor in range(newest, WHEEL_TOOLS_MIN_MINOR - 1, -1):
+        cand = _interpreter(f"3.{minor}")
+        if cand:
+            env["PYTHON"] = cand
+            env["GNMX_WHEEL_VENV"] = os.path.join(ROOT, ".toolchains", f"wheel-venv-3.{minor}")
+            return env
+    pytest.skip(f"building the wheel needs Python >= 3.{WHEEL_TOOLS_MIN_MINOR} for its tools "
+                f"(auditwheel >= 6.2); none found beside this {sys.version.split()[0]}")
+
+
+def wheel_tools_bin():
+    """The bin folder of the venv that holds auditwheel for the build (wheel_build_env's)."""
+    return os.path.join(wheel_build_env()["GNMX_WHEEL_VENV"], "bin")
 
 
 def _source_hash():
@@ -79,8 +104,7 @@ def wheel():
     out = os.path.join(ROOT, "build", "wheel-test", _source_hash())
     found = glob.glob(os.path.join(out, "gn_mx-*.whl"))
     if not found:
-        env = dict(os.environ, GNMX_WHEEL_OUT=out, GNMX_WHEEL_VENV=sys.prefix,
-                   GNMX_JOBS=os.environ.get("GNMX_JOBS", "2"))
+        env = wheel_build_env(GNMX_WHEEL_OUT=out)
         r = subprocess.run(["bash", os.path.join(ROOT, "tools", "build_wheel.sh"), "--cpu"],
                            capture_output=True, text=True, env=env, timeout=1800)
         assert r.returncode == 0, (r.stdout + r.stderr)[-6000:]

@@ -19,7 +19,7 @@ import sys
 import pytest
 
 from conftest import ROOT
-from test_wheel import wheel  # noqa: F401 (the fixture)
+from test_wheel import wheel, wheel_build_env, wheel_tools_bin  # noqa: F401 (the fixture)
 
 CHECK = os.path.join(ROOT, "tools", "check_wheel_symbols.py")
 
@@ -49,7 +49,7 @@ def test_wheel_library_needs_glibc_2_17_at_most_and_no_cxx_runtime(wheel):
 def test_auditwheel_places_the_wheel_in_manylinux2014(wheel):
     """auditwheel's own reading, libgomp.so.1 left external (searched for in glibc 2.17's stubs
     only, as tools/build_wheel.sh does: this machine's libgomp has its own, newer glibc needs)."""
-    auditwheel = os.path.join(os.path.dirname(sys.executable), "auditwheel")
+    auditwheel = os.path.join(wheel_tools_bin(), "auditwheel")
     stubs = os.path.join(ROOT, "build", "glibc-2.17", "lib")
     if not os.path.exists(auditwheel) or not os.path.isdir(stubs):
         pytest.skip("auditwheel / the glibc 2.17 stubs are made by tools/build_wheel.sh")
@@ -87,8 +87,7 @@ def test_build_fails_when_the_policy_is_above_the_allowed_one(wheel, tmp_path):
     """GNMX_WHEEL_MAX_POLICY=manylinux_2_5 (older than the wheel can be): the build must fail,
     say why in BUILD_REPORT.txt and leave no wheel (incremental: the CMake build is reused)."""
     out = tmp_path / "out"
-    env = dict(os.environ, GNMX_WHEEL_OUT=str(out), GNMX_WHEEL_VENV=sys.prefix,
-               GNMX_WHEEL_MAX_POLICY="manylinux_2_5", GNMX_JOBS=os.environ.get("GNMX_JOBS", "2"))
+    env = wheel_build_env(GNMX_WHEEL_OUT=str(out), GNMX_WHEEL_MAX_POLICY="manylinux_2_5")
     r = subprocess.run(["bash", os.path.join(ROOT, "tools", "build_wheel.sh"), "--cpu"],
                        capture_output=True, text=True, env=env, timeout=1800)
     assert r.returncode == 1, (r.stdout + r.stderr)[-4000:]

