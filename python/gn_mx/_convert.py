@@ -516,21 +516,34 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     report = report if report is not None else ConversionReport()
     g = json.loads(sym.tojson())
     nodes = g["nodes"]
-    row_ptr = g.get("node_row_ptr")
-    if row_ptr and len(row_ptr) == len(nodes) + 1:
-        n_out = [row_ptr[i + 1] - row_ptr[i] for i in range(len(nodes))]
-    else:
-        n_out = [_num_outputs(n) for n in nodes]
     arg_params = dict(arg_params)
     aux_params = dict(aux_params or {})
-    channels = None
+    plans, dropped = _plan_symbol(sym, g, arg_params, aux_params, fuse_activation, data_shapes,
+                                  report)
+    _per_channel_params(nodes, plans, arg_params)
+    new_sym = mx.sym.load_json(json.dumps(_rewrite_graph(g, plans, dropped, report)))
+    _warn_left("gn_mx.convert_symbol", report)
+    return new_sym, arg_params, aux_params
+
+
+def _consumers(nodes):
+    """[[(consumer node id, input slot)] per node] of a symbol's node list."""
     consumers = [[] for _ in nodes]
     for i, node in enumerate(nodes):
         for e in node["inputs"]:
             consumers[e[0]].append((i, e[1]))
+    return consumers
+
+
+def _plan_symbol(sym, g, arg_params, aux_params, fuse_activation, data_shapes, report):
+    """convert_symbol's decisions: ({norm node id: (num_groups, eps, fused activation node id or
+    None, act, C)}, {the _mul_scalar / sigmoid nodes of a fused swish}); what stays goes into
+    ``report.left`` with the reason."""
+    nodes = g["nodes"]
+    channels = None
+    consumers = _consumers(nodes)
     heads = {tuple(h[:2]) for h in g["heads"]}
-    plans = {}  # norm node id -> (num_groups, eps, fused activation node id or None, act, C)
-    dropped = set()  # the _mul_scalar / sigmoid nodes of a fused swish
+    plans, dropped = {}, set()
     for i, node in enumerate(nodes):
         if node["op"] not in ("GroupNorm", "InstanceNorm"):
             continue
@@ -577,9 +590,14 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
                 (fused, chain), act = sw, "silu"
                 dropped.update(chain)
         plans[i] = (groups, eps, fused, act, c)
-    # Per-channel parameters for MXNet GroupNorm nodes
+    return plans, dropped
+
+
+def _per_channel_params(nodes, plans, arg_params):
+    """MXNet GroupNorm's per-group gamma / beta (G,) repeated to per-channel (C,) in arg_params
+    (same names), and their variables' ``__shape__``."""
     done = set()
-    for i, (groups, eps, fused, act, c) in plans.items():
+    for i, (groups, _, _, _, c) in plans.items():
         node = nodes[i]
         if node["op"] != "GroupNorm":
             continue
@@ -588,11 +606,21 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
             if var["name"] in done:
                 continue
             done.add(var["name"])
-            v = arg_params[var["name"]]
-            arg_params[var["name"]] = v.repeat(c // groups)
+            arg_params[var["name"]] = arg_params[var["name"]].repeat(c // groups)
             if "__shape__" in var.get("attrs", {}):
                 var["attrs"]["__shape__"] = str((c,))
-    # Rewrite the node list
+
+
+def _rewrite_graph(g, plans, dropped, report):
+    """The symbol JSON with each planned norm as a gn_group_norm node (a fused one at its
+    activation's position, named as it) and the fused swish's nodes dropped; fills
+    ``report.replaced`` / ``report.fused``."""
+    nodes = g["nodes"]
+    row_ptr = g.get("node_row_ptr")
+    if row_ptr and len(row_ptr) == len(nodes) + 1:
+        n_out = [row_ptr[i + 1] - row_ptr[i] for i in range(len(nodes))]
+    else:
+        n_out = [_num_outputs(n) for n in nodes]
     new_nodes, new_nout, remap = [], [], {}
     fused_into = {f: i for i, (_, _, f, _, _) in plans.items() if f is not None}
     for i, node in enumerate(nodes):
@@ -630,9 +658,7 @@ def convert_symbol(sym, arg_params, aux_params, fuse_activation=False, data_shap
     result["node_row_ptr"] = [0]
     for k in new_nout:
         result["node_row_ptr"].append(result["node_row_ptr"][-1] + k)
-    new_sym = mx.sym.load_json(json.dumps(result))
-    _warn_left("gn_mx.convert_symbol", report)
-    return new_sym, arg_params, aux_params
+    return result
 
 
 def _parse_shape(text):
