@@ -187,6 +187,32 @@ def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
     return new
 
 
+def _checked_arguments(norm, num_groups, group_size, include, norm_kwargs):
+    """replace_norm's arguments checked before any change: (grouping rule, its value, include as a
+    tuple of kinds); a clear TypeError / ValueError otherwise."""
+    if norm not in _DEFAULT_GROUPING:
+        raise TypeError(f"replace_norm: norm must be gn_mx.GroupNorm or "
+                        f"gn_mx.DecorrelatedBatchNorm, got {norm!r}")
+    if num_groups is not None and group_size is not None:
+        raise ValueError("replace_norm: give num_groups or group_size, not both")
+    rule, value = _DEFAULT_GROUPING[norm]
+    if num_groups is not None:
+        rule, value = "num_groups", num_groups
+    elif group_size is not None:
+        rule, value = "group_size", group_size
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"replace_norm: {rule} must be a positive int, got {value!r}")
+    fixed = sorted(k for k in norm_kwargs if k in ("in_channels", "prefix", "params"))
+    if fixed:
+        raise TypeError(f"replace_norm: {', '.join(fixed)} come(s) from the replaced layer, not "
+                        "from norm_kwargs")
+    include = (include,) if isinstance(include, str) else tuple(include)
+    unknown = [k for k in include if k not in KINDS]
+    if unknown:
+        raise ValueError(f"replace_norm: unknown kind(s) {unknown} in include; known: {KINDS}")
+    return rule, value, include
+
+
 def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
                  include=("batch_norm",), sample=None, copy_affine=True, verbose=False,
                  **norm_kwargs):
@@ -257,26 +283,7 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
     >>> net.features[1]
     GroupNorm(num_groups=32, eps=1e-05, center=True, scale=True, in_channels=None)
     """
-    if norm not in _DEFAULT_GROUPING:
-        raise TypeError(f"replace_norm: norm must be gn_mx.GroupNorm or "
-                        f"gn_mx.DecorrelatedBatchNorm, got {norm!r}")
-    if num_groups is not None and group_size is not None:
-        raise ValueError("replace_norm: give num_groups or group_size, not both")
-    rule, value = _DEFAULT_GROUPING[norm]
-    if num_groups is not None:
-        rule, value = "num_groups", num_groups
-    elif group_size is not None:
-        rule, value = "group_size", group_size
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"replace_norm: {rule} must be a positive int, got {value!r}")
-    fixed = sorted(k for k in norm_kwargs if k in ("in_channels", "prefix", "params"))
-    if fixed:
-        raise TypeError(f"replace_norm: {', '.join(fixed)} come(s) from the replaced layer, not "
-                        "from norm_kwargs")
-    include = (include,) if isinstance(include, str) else tuple(include)
-    unknown = [k for k in include if k not in KINDS]
-    if unknown:
-        raise ValueError(f"replace_norm: unknown kind(s) {unknown} in include; known: {KINDS}")
+    rule, value, include = _checked_arguments(norm, num_groups, group_size, include, norm_kwargs)
 
     root = block
     if _kind(block) is not None:  # the block itself is a norm layer: wrap it for the walk
