@@ -257,6 +257,7 @@ def smem_plan(cache):
         # dbn_cuda.cu with the probe's main, and the two host-side sources it calls into (linked,
         # never run: the probe only evaluates the size formulas).
         ccs = []
+        build_emu.rewrite_headers(cache)  # dbn_cuda.cu's kernels in its dbn_*_cuda.cuh
         for name in ("dbn_cuda.cu", "cuda_util.cu", "cusolver_loader.cu"):
             path = os.path.join(KDIR, name)
             cc = os.path.join(cache, name + ".cc")

@@ -74,6 +74,24 @@ def rewrite(src):
     return s
 
 
+def rewrite_headers(dst, kdir=KDIR):
+    """The kernel folder's .cuh headers, rewritten like the sources (their kernels and launches,
+    e.g. dbn_cuda.cu's dbn_*_cuda.cuh), into `dst`: a rewritten source written to `dst` finds them
+    there first through its quoted #include; their own includes of ../common/ fall back to -I."""
+    for name in sorted(os.listdir(kdir)):
+        if not name.endswith(".cuh"):
+            continue
+        src = os.path.join(kdir, name)
+        text = f'#line 1 "{src}"\n' + rewrite(src)
+        path = os.path.join(dst, name)
+        if os.path.exists(path) and open(path).read() == text:
+            continue
+        tmp = path + f".{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
+            f.write(text)
+        os.replace(tmp, path)
+
+
 def cuda_sources(kdir=KDIR):
     """The CUDA sources, from the one list that CMake and tests/gpu/build.sh read too."""
     with open(os.path.join(kdir, "cuda_sources.txt")) as f:
@@ -111,6 +129,7 @@ def compile_objects(out=None, extra_sources=()):
     out = out or default_out()
     cache = os.path.join(out, "obj-" + _inputs_hash(extra_sources))
     os.makedirs(cache, exist_ok=True)
+    rewrite_headers(cache)
     jobs, objs = [], []
     for src in cuda_sources() + list(extra_sources):
         stem = os.path.basename(src).rsplit(".", 1)[0]

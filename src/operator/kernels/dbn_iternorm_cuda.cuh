@@ -1,0 +1,138 @@
+/*
+ * dbn_iternorm_cuda.cuh: IterNorm on CUDA (dbn_cuda.cu): iternorm_kernel runs dbn_math.h's Newton
+ * iterations and their backward through BlockExec (dbn_small_cuda.cuh), launch_iternorm issues its
+ * launches of at most two D x D products each. Private to dbn_cuda.cu (internal linkage).
+ */
+#pragma once
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "dbn_small_cuda.cuh"
+
+namespace gn_mx {
+namespace {
+
+// ---- IterNorm: the Newton iterations and their backward, in launches of at most two products ---
+// The per-group state lives in the scratch (IterScratch; the iteration's matrices in S: float when
+// dbn_iternorm_fp32, else double). Forward: eig_kernel (Sigma, flag) -> kStart -> kIter (k, part)
+// for k < T, parts < kDbnIterFwdParts -> kFwdFinish (W, saved Sigma / diag, running statistics).
+// Backward: bwd_small_kernel stage 0 (G_W, Sigma, dymean, dbeta) -> kStart -> kIter ... ->
+// kHeadFinish (W, dgamma, G) -> kBack (k, part) for k = T-1 .. 0, parts < kDbnIterBwdParts ->
+// kTail (B; W and B out). At D = 512 a launch is then <= 2 products (docs/performance/gpu.md).
+enum class IterStage : int { kStart, kIter, kFwdFinish, kHeadFinish, kBack, kTail };
+
+template <typename A>
+struct IterArgs {
+  double* scratch;
+  int64_t spg;  // scratch doubles per group
+  int D, T;
+  bool bwd;
+  double m, momentum;
+  // forward
+  A* eigvec;
+  A* eigval;
+  const A* mean;
+  DType stat_dtype;
+  void* running_mean;
+  void* running_proj;
+  A* bias;
+  const void* beta;
+  // both (W: diag(gamma) W in the forward, W diag(gamma) in the backward)
+  A* Wout;
+  DType param_dtype;
+  const void* gamma;
+  // backward
+  A* Bout;
+  void* dgamma;
+};
+
+template <typename A, typename S>
+__global__ void __launch_bounds__(kBlock, kOneBlockPerSm)
+iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {
+  __shared__ double s_gam[kMaxD], s_dgam[kMaxD];
+  extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec's tiles
+  const BlockExec ex{reinterpret_cast<double*>(smem), false};
+  const int64_t g = blockIdx.x;
+  const int D = a.D, DD = D * D, T = a.T;
+  const IterScratch z = iter_scratch(a.scratch + g * a.spg, D, T, a.bwd);
+  const DbnIterScratch<S> L =
+      dbn_iternorm_layout(reinterpret_cast<S*>(z.mats), z.dbl, D, T, a.bwd);
+  const bool finite = z.flag[0] != 0.0;  // uniform over the block
+  if (a.gamma)
+    for (int i = threadIdx.x; i < D; i += blockDim.x)
+      s_gam[i] = dbn_load_stat(a.param_dtype, a.gamma, g * D + i);
+  __syncthreads();
+  switch (stage) {
+    case IterStage::kStart:
+      if (finite) dbn_iternorm_start(ex, z.sig, D, L);
+      return;
+    case IterStage::kIter:
+      if (finite) dbn_iternorm_iter(ex, D, k, a.bwd, L, part);
+      return;
+    case IterStage::kFwdFinish: {
+      if (finite) {
+        dbn_iternorm_w(ex, L.Q + int64_t(T % 2) * DD, D, *L.tr, z.W);
+      } else {
+        const double nan = __longlong_as_double(0x7ff8000000000000LL);
+        for (int e = threadIdx.x; e < DD; e += blockDim.x) z.W[e] = nan;
+        __syncthreads();
+      }
+      for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+        a.eigvec[g * DD + e] = static_cast<A>(z.sig[e]);
+        a.Wout[g * DD + e] = static_cast<A>(a.gamma ? s_gam[e / D] * z.W[e] : z.W[e]);
+      }
+      for (int i = threadIdx.x; i < D; i += blockDim.x) {
+        a.eigval[g * D + i] = static_cast<A>(z.sig[i * D + i]);
+        if (a.gamma)
+          a.bias[g * D + i] = static_cast<A>(dbn_load_stat(a.param_dtype, a.beta, g * D + i));
+      }
+      dbn_update_running(ex, a.stat_dtype, a.running_proj, a.running_mean, g, D, z.W, a.mean,
+                         a.momentum);
+      return;
+    }
+    case IterStage::kHeadFinish:
+      dbn_bwd_iternorm_head_finish(ex, z.GW, D, T, a.gamma ? s_gam : nullptr, s_dgam, z.W, L);
+      if (a.gamma)
+        for (int i = threadIdx.x; i < D; i += blockDim.x)
+          dbn_store_stat(a.param_dtype, a.dgamma, g * D + i, s_dgam[i]);
+      return;
+    case IterStage::kBack:
+      dbn_bwd_iternorm_step(ex, D, k, L, part);
+      return;
+    case IterStage::kTail:
+      dbn_bwd_iternorm_tail(ex, z.sig, D, a.m, /*B=*/z.GW, L);
+      for (int e = threadIdx.x; e < DD; e += blockDim.x) {
+        a.Bout[g * DD + e] = static_cast<A>(z.GW[e]);
+        a.Wout[g * DD + e] = static_cast<A>(a.gamma ? z.W[e] * s_gam[e % D] : z.W[e]);
+      }
+      return;
+  }
+}
+
+// The launches of one IterNorm forward (bwd = false: from kStart to kFwdFinish) or backward (from
+// kStart to kTail), S chosen by dbn_iternorm_fp32.
+template <typename A, typename S>
+const char* launch_iternorm_s(const IterArgs<A>& a, int64_t G, cudaStream_t st) {
+  auto run = [&](IterStage stage, int k, int part) -> const char* {
+    iternorm_kernel<A, S><<<static_cast<unsigned>(G), kBlock, kTileBytes, st>>>(a, stage, k, part);
+    GN_CUDA_CHECK_LAUNCH();
+    return nullptr;
+  };
+  const char* e = run(IterStage::kStart, 0, 0);
+  for (int k = 0; k < a.T && !e; ++k)
+    for (int p = 0; p < kDbnIterFwdParts && !e; ++p) e = run(IterStage::kIter, k, p);
+  if (e || !a.bwd) return e ? e : run(IterStage::kFwdFinish, 0, 0);
+  e = run(IterStage::kHeadFinish, 0, 0);
+  for (int k = a.T - 1; k >= 0 && !e; --k)
+    for (int p = 0; p < kDbnIterBwdParts && !e; ++p) e = run(IterStage::kBack, k, p);
+  return e ? e : run(IterStage::kTail, 0, 0);
+}
+template <typename A>
+const char* launch_iternorm(const IterArgs<A>& a, DType dtype, int64_t G, cudaStream_t st) {
+  return dbn_iternorm_fp32(dtype, a.T) ? launch_iternorm_s<A, float>(a, G, st)
+                                       : launch_iternorm_s<A, double>(a, G, st);
+}
+
+}  // namespace
+}  // namespace gn_mx
