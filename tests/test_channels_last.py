@@ -146,6 +146,20 @@ def test_other_axes_are_refused(axis):
         mx.nd.gn_moments(x, num_groups=3, axis=axis)[0].wait_to_read()
 
 
+def test_axis_message_has_one_wording():
+    """The op's message (validate.h) and the blocks' (_validate.channel_axis) are AXIS_RULE's."""
+    from gn_mx._validate import AXIS_RULE, channel_axis
+    shape = (2, 3, 4, 6)
+    want = "gn_group_norm: " + AXIS_RULE.format(last=3) + "; got axis=2 for "
+    with pytest.raises(mx.base.MXNetError) as e:
+        mx.nd.gn_group_norm(mx.nd.ones(shape), mx.nd.ones(6), mx.nd.zeros(6), num_groups=3,
+                            axis=2)[0].wait_to_read()
+    assert want + "data shape " in str(e.value), str(e.value)
+    with pytest.raises(ValueError) as e:
+        channel_axis("gn_group_norm", 2, shape)
+    assert str(e.value) == want + "input shape (2, 3, 4, 6)"
+
+
 def test_bad_axis_attribute_and_arguments():
     with pytest.raises(mx.base.MXNetError, match="gn_group_norm: attribute axis must be an integer"):
         mx.nd.gn_group_norm(mx.nd.ones((2, 4)), mx.nd.ones(4), mx.nd.zeros(4), axis="last")

@@ -16,7 +16,24 @@ import mxnet as mx
 import gn_mx
 
 from conftest import run_python
+from gn_mx._library import OPS
 from reference import dbn_ref, group_norm_ref
+
+# The ops each section covers; every op of the one list (gn_mx._library.OPS) is in each.
+_COVERED = {
+    "symbolic inference": {"gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference",
+                           "gn_moments", "gn_weight_standardize"},
+    "attribute parser": {"gn_group_norm", "gn_moments", "gn_dbn", "gn_dbn_inference",
+                         "gn_weight_standardize", "gn_channel_affine"},  # the last: no attributes
+    "non-finite inputs": {"gn_channel_affine", "gn_dbn", "gn_dbn_inference",
+                          "gn_weight_standardize",
+                          "gn_group_norm", "gn_moments"},  # the last two: tests/edge_cases.py
+}
+
+
+@pytest.mark.parametrize("section", sorted(_COVERED))
+def test_every_op_is_covered(section):
+    assert _COVERED[section] == set(OPS), f"{section}: add {set(OPS) - _COVERED[section]}"
 
 # ---------------------------------------------------------------------------------------------
 # 1. Symbolic shape inference with parameters of unknown shape
@@ -59,6 +76,18 @@ for op, kw in OPS.items():
         res[key] = r
 for nsp in range(4):
     shp = (4, 6) + (3,) * nsp
+    s = mx.sym.gn_weight_standardize(V('data'), V('p_gain', init=mx.init.One()))
+    args, outs, aux = s.infer_shape(data=shp)
+    pa = s.infer_shape_partial(data=shp)[0]
+    g = json.loads(s.tojson())
+    for n in g['nodes']:
+        n.get('attrs', {}).pop('__shape__', None)
+    res[f'gn_weight_standardize/{nsp}'] = [[list(a) for a in args], [list(o) for o in outs],
+                                           [list(a) for a in pa],
+                                           [list(a) for a in mx.sym.load_json(
+                                               json.dumps(g)).infer_shape(data=shp)[0]]]
+for nsp in range(4):
+    shp = (4, 6) + (3,) * nsp
     s = mx.sym.gn_moments(V('data'), num_groups=2)
     m = mx.mod.Module(s[1], data_names=['data'], label_names=None)
     m.bind(data_shapes=[('data', shp)], for_training=False)
@@ -75,9 +104,12 @@ def test_symbolic_inference_with_shapeless_parameters_every_op_and_rank():
     assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     assert res.pop("example") == [[[4, 6], [6], [6]], [[4, 6], [4, 2], [4, 2]], []]
-    assert len(res) == 20
+    assert len(res) == 24
     for nsp in range(4):
         assert res.pop(f"gn_moments/{nsp}") == [[4, 2], [4, 2]]
+        shp = [4, 6] + [3] * nsp
+        assert res.pop(f"gn_weight_standardize/{nsp}") == [[shp, [4]], [shp, [4], [4]],
+                                                          [shp, [4]], [shp, [4]]]
     for key, r in res.items():
         op, nsp = key.split("/")
         shp = [4, 6] + [3] * int(nsp)
@@ -124,6 +156,23 @@ print('RESULT ' + json.dumps(res))
     assert res == [op for op in ["gn_group_norm", "gn_channel_affine", "gn_dbn",
                                  "gn_dbn_inference"] for _ in range(20)] + \
         ["gn_moments raised: bad_alloc"] * 20, res
+
+
+@pytest.mark.xfail(strict=True, reason="known: with data of unknown rank MXNet 1.9.1 sizes its "
+                   "shape buffer as -1 + 1 = 0 entries for the two-input gn_weight_standardize and "
+                   "writes past it (SIGSEGV in libmxnet, before gn_mx code runs; _symbolic.py's "
+                   "'Not covered' case). Fails loudly here so that a fix turns it into a pass")
+def test_weight_standardize_partial_inference_without_data_shape():
+    p = run_python(r"""
+import mxnet as mx, gn_mx
+s = mx.sym.gn_weight_standardize(mx.sym.var('data'), mx.sym.var('gain'))
+try:
+    s.infer_shape_partial()
+    print('RESULT completed')
+except mx.base.MXNetError as e:
+    print('RESULT raised')
+""", timeout=120)
+    assert p.returncode == 0 and "RESULT " in p.stdout, (p.returncode, p.stderr[-2000:])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -263,6 +312,24 @@ def test_channel_affine_backward_issue_example(ctx):
 
 
 @pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nonfinite_stays_in_its_row_weight_standardize(ctx, bad, dtype):
+    with ctx:  # arrays default to the test context (cpu; gpu when present)
+        w = np.random.RandomState(0).randn(3, 2, 3).astype(dtype)
+        w[1, 0, 2] = bad  # row 1 of O = 3
+        gain = np.array([1.0, 2.0, 0.5], dtype)
+        (y, mean, rstd), (dw, dgain) = _fwd_bwd(mx.nd.gn_weight_standardize, [w, gain])
+        rows = np.array([True, False, True])
+        assert np.isfinite(y[rows]).all() and np.isfinite(dw[rows]).all()
+        assert not np.isfinite(y[1]).any() and not np.isfinite(dw[1]).any()
+        assert np.isfinite(mean[rows]).all() and np.isfinite(dgain[rows]).all()
+        ref = group_norm_ref(w[rows].reshape(1, 2, -1).astype(np.float64), gain[rows], np.zeros(2),
+                             2, 1e-5)[0]
+        tol = 2e-3 if dtype == np.float16 else 1e-5
+        np.testing.assert_allclose(y[rows], ref.reshape(2, 2, 3), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("bad", BAD)
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_nonfinite_stays_in_its_group_dbn(ctx, bad, dtype):
     with ctx:  # arrays default to the test context (cpu; gpu when present)
@@ -379,6 +446,8 @@ def test_eps_below_float32_range_rejected_for_fp16_fp32_data(ctx, dtype, eps):
         g = mx.nd.ones((4,), dtype=dtype)
         _raises(lambda: mx.nd.gn_group_norm(x, g, g, num_groups=4, eps=eps),
                 "below the smallest normal float32")
+        _raises(lambda: mx.nd.gn_weight_standardize(x, mx.nd.ones((2,), dtype=dtype), eps=eps),
+                "below the smallest normal float32")
         _raises(lambda: mx.nd.gn_dbn(x, mx.nd.zeros((4,), dtype=dtype),
                                      mx.nd.zeros((1, 4, 4), dtype=dtype), eps=eps),
                 "below the smallest normal float32")
@@ -473,6 +542,7 @@ def test_attribute_parser_rejects(key, val, text):
     ("gn_dbn", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "momentum"),
     ("gn_dbn", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "eps"),
     ("gn_dbn_inference", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "num_groups"),
+    ("gn_weight_standardize", (X6, mx.nd.ones((X6.shape[0],))), "eps"),
 ])
 def test_attribute_parser_same_rules_every_op(op, args, key):
     fn = getattr(mx.nd, op)

@@ -151,7 +151,10 @@ def _import_mxnet():
 
 
 #: The ops libgn_mx.so registers (docs/reference/ops.md); all of them present = the library is loaded.
-OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine")
+#: The one list: the fuzz and robustness suites (tests/fuzz_worker.py, tests/test_robust.py) and the
+#: self-test read it, so an op added here is fuzzed and checked there too.
+OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine",
+       "gn_weight_standardize")
 
 
 def ops_registered(mx=None):

@@ -12,6 +12,11 @@ import numbers
 _ACTS = {None: "none", "none": "none", "relu": "relu", "silu": "silu", "swish": "silu"}
 #: DecorrelatedBatchNorm's number of groups when neither num_groups nor group_size is given.
 DBN_DEFAULT_GROUPS = 16
+#: The channel-axis rule of data of a known rank, worded once: channel_axis's message and the ops'
+#: (src/operator/mx/validate.h data_groups, checked against this text by
+#: tests/test_channels_last.py::test_axis_message_has_one_wording). ``last`` = ndim - 1.
+AXIS_RULE = ("axis must be 1 (channels first, (N, C, *spatial)) or the last axis (-1 or {last}, "
+             "channels last, (N, *spatial, C))")
 
 
 def _positive_int(x):
@@ -45,8 +50,7 @@ def channel_axis(who, axis, shape):
     nd = len(shape)
     a = axis + nd if axis < 0 else axis
     if a != 1 and a != nd - 1:
-        raise ValueError(f"{who}: axis must be 1 (channels first, (N, C, *spatial)) or the last "
-                         f"axis (-1 or {nd - 1}, channels last, (N, *spatial, C)); got axis={axis} "
+        raise ValueError(f"{who}: {AXIS_RULE.format(last=nd - 1)}; got axis={axis} "
                          f"for input shape {tuple(shape)}")
     return a
 

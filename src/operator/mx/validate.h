@@ -33,7 +33,8 @@ inline GroupDims data_groups(const char* op, const std::vector<int64_t>& shape, 
     fail(op, ": data must have at least 2 dims ", axis == 1 ? "(N, C, *spatial)" : "(N, *spatial, C)",
          "; got shape ", shape_str(shape));
   const int64_t a = axis < 0 ? axis + nd : axis;
-  if (a != 1 && a != nd - 1)
+  if (a != 1 && a != nd - 1)  // the wording's home: python/gn_mx/_validate.py AXIS_RULE (a test
+                              // checks this text against it)
     fail(op, ": axis must be 1 (channels first, (N, C, *spatial)) or the last axis (-1 or ",
          nd - 1, ", channels last, (N, *spatial, C)); got axis=", axis, " for data shape ",
          shape_str(shape));
