@@ -1,7 +1,7 @@
 """The cooperative CPU schedule of gn_group_norm and gn_moments (threads share each group) in every
 dtype, forward and backward, with gradients into the statistics outputs (mean/rstd, mean/var).
 
-src/operator/kernels/group_norm_cpu.cc (make_plan) shares groups between the threads of a team of
+src/operator/kernels/group_norm_cpu_common.h (make_plan) shares groups between the threads of a team of
 nt >= 2 when the N*G groups do not split evenly over the team (N*G < nt, or N*G % nt != 0 with
 N*G < 8 nt) and a group has at least kMinCoopGroup = 8192 elements (and the input at least
 kMinParallel = 16384). With OMP_NUM_THREADS=2 the shapes below take it: 3 groups of 8192 and one
