@@ -7,7 +7,7 @@
  *     ISA; fp16 goes through the software conversions of acc_type.h on builds without F16C), and
  *   - on x86-64 with GCC/Clang, an AVX2+FMA+F16C version compiled with __attribute__((target(...))),
  *     8 floats a vector, several independent accumulators, fp16 widened with vcvtph2ps in registers,
- *   - and an AVX-512 version: 16 floats a vector, run tails by masked loads / stores.
+ *   - and, for fp32 / fp64, an AVX-512 version: 16 floats a vector, run tails by masked loads / stores.
  * prims<T>() picks one table per dtype on first use by cpu_isa.h's level. The environment variable
  * GNMX_CPU_ISA=generic|avx2 forces a lower level (tests run every level the CPU has).
  *
@@ -429,9 +429,12 @@ const Prims<T>& avx2_prims() {
 }
 
 // ------------------------------------------------------------------------------------------------
-// AVX-512 versions (the avx512 level of cpu_isa.h): 16 floats a vector, fp16 widened with the
-// 512-bit vcvtph2ps, and the last n % 16 elements of a run done by masked loads / stores instead of
-// scalar loops. fp64 gets the portable loops compiled for AVX-512.
+// AVX-512 versions (the avx512 level of cpu_isa.h) for fp32: 16 floats a vector, the last n % 16
+// elements of a run done by masked loads / stores instead of scalar loops; fp64 gets the portable
+// loops compiled for AVX-512. fp16 keeps the AVX2/F16C versions on this level: written with the
+// 512-bit vcvtph2ps / vcvtps2ph they were 1.15x slower than those on a Zen 4 (double-pumped 512-bit
+// conversions; cached forward of a 64x3136 sample 29.2 vs 25.4 us, benchmarks/simd_levels.cc), so
+// prims<Half>() never picks an AVX-512 table.
 
 #define GNMX_AVX512 __attribute__((target(GNMX_AVX512_TARGET)))
 #define GNMX_AVX512_INLINE __attribute__((target(GNMX_AVX512_TARGET), always_inline)) inline
@@ -441,27 +444,12 @@ GNMX_AVX512_INLINE __mmask16 lanes16(int64_t n) {
   return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
 }
 GNMX_AVX512_INLINE __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
-GNMX_AVX512_INLINE __m512 ld16(const Half* p, __mmask16 m) {
-  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
-}
 GNMX_AVX512_INLINE __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
-GNMX_AVX512_INLINE __m512 ld16(const Half* p) {
-  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
-}
 GNMX_AVX512_INLINE void st16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-GNMX_AVX512_INLINE void st16(Half* p, __m512 v, __mmask16 m) {
-  _mm256_mask_storeu_epi16(p, m, _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT));
-}
-// Full vectors; streaming needs a 64-byte aligned fp32 / 32-byte aligned fp16 destination.
+// Full vectors; streaming needs a 64-byte aligned destination.
 template <bool NT>
 GNMX_AVX512_INLINE void st16x(float* p, __m512 v) {
   if (NT) _mm512_stream_ps(p, v); else _mm512_storeu_ps(p, v);
-}
-template <bool NT>
-GNMX_AVX512_INLINE void st16x(Half* p, __m512 v) {
-  const __m256i h = _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT);
-  if (NT) _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h);
-  else _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
 }
 // Elements before the first streaming-aligned one (0 when not streaming).
 template <bool NT, typename T>
@@ -683,11 +671,10 @@ const Prims<T>& avx512_prims() {
 
 template <typename T>
 const Prims<T>& prims() {
-  switch (cpu_isa()) {
-    case CpuIsa::kAvx512: return avx512_prims<T>();
-    case CpuIsa::kAvx2: return avx2_prims<T>();
-    default: return generic_prims<T>();
+  if constexpr (!std::is_same<T, Half>::value) {
+    if (cpu_has_avx512()) return avx512_prims<T>();
   }
+  return cpu_has_avx2() ? avx2_prims<T>() : generic_prims<T>();
 }
 #else
 template <typename T>
