@@ -7,6 +7,8 @@ for every level. The level the CPU has also runs the rest of the suite.
 """
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -106,3 +108,29 @@ def test_each_level(level):
     op checks (every op, dtype, 0-3 spatial dims) pass; on every level the long-run cases."""
     r = _run(LONG_RUNS, level, level, LEVELS[-1])
     assert r.returncode == 0 and f"LONG_OK {level}" in r.stdout, r.stdout[-4000:] + r.stderr[-3000:]
+
+
+# EVEX-only operands: zmm registers, mask registers k1-k7, xmm/ymm 16-31, embedded broadcasts.
+EVEX = re.compile(r"%zmm|%k[1-7]|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to")
+
+
+def evex_functions(lib):
+    """Names of the functions of `lib` whose code uses AVX-512 (EVEX-only) operands."""
+    out = subprocess.run(["objdump", "-d", "--no-show-raw-insn", "-C", lib], capture_output=True,
+                         text=True, check=True).stdout
+    found, fn = set(), None
+    for line in out.splitlines():
+        if line.endswith(">:"):
+            fn = line.split(" <", 1)[1][:-2]
+        elif fn is not None and EVEX.search(line):
+            found.add(fn)
+    return found
+
+
+@pytest.mark.skipif(shutil.which("objdump") is None, reason="needs binutils' objdump")
+def test_avx512_code_only_in_the_avx512_level():
+    """The library runs on CPUs without AVX-512 (the manylinux2014 wheel targets baseline x86-64):
+    only the functions of the avx512 level (target attributes, named *avx512*) use its registers."""
+    import gn_mx
+    found = evex_functions(gn_mx.library_path())
+    assert found and all("avx512" in f for f in found), sorted(f for f in found if "avx512" not in f)
