@@ -5,6 +5,7 @@
  *
  *   g++ -O3 -fopenmp-simd -std=c++17 -Isrc/operator benchmarks/simd_levels.cc -o build/simd_levels
  *   build/simd_levels [C S G reps]          # default 64 3136 32 400: one 2x64x56x56 sample
+ *   build/simd_levels rows R C [reps]       # channels-last statistics of R rows of C channels
  *
  * One "forward" is what group_norm_cpu.cc's FwdJob does per group on one thread: the chunked
  * moments primitive (2048-element chunks, Chan merge), then y = x a_c + b_c per channel. The sample
@@ -12,6 +13,8 @@
  * part MXNet's per-call cost and DRAM traffic do not hide. Levels and the copy run interleaved,
  * round after round; the time per level is the minimum over rounds (the machine is shared: the
  * minimum is the run least disturbed by other jobs), with the median beside it.
+ * `rows`: the channels-last statistics of one chunk (simd_rows_cpu.h's col_sum then col_m2 over R
+ * rows of C fp32 channels, as group_norm_nsc_cpu.cc's reduction) per level, next to a copy.
  */
 #include <algorithm>
 #include <chrono>
@@ -22,6 +25,7 @@
 
 #include "common/welford.h"
 #include "kernels/simd_cpu.h"
+#include "kernels/simd_rows_cpu.h"
 
 using namespace gn_mx;
 
@@ -87,9 +91,43 @@ void run(const char* dtype, int64_t C, int64_t S, int64_t G, int reps) {
                 mn(l.t) / mn(copy));
 }
 
+double min_us(const std::vector<double>& v) { return *std::min_element(v.begin(), v.end()) * 1e6; }
+
+void run_rows(int64_t R, int64_t C, int reps) {
+  std::vector<float> x(R * C), y(R * C), mu(C), out(C);
+  for (int64_t i = 0; i < R * C; ++i) x[i] = static_cast<float>((i * 7919 % 1000) * 1e-3);
+  struct Level { const char* name; simd::RowPrims<float> P; std::vector<double> t; };
+  std::vector<Level> lv = {{"generic", simd::GenericRows<float>::table(), {}}};
+#if defined(GNMX_CPU_X86)
+  if (cpu_isa_supported() >= CpuIsa::kAvx2) lv.push_back({"avx2", simd::Avx2Rows<float>::table(), {}});
+#endif
+  std::vector<double> copy;
+  for (int r = 0; r < reps; ++r) {
+    for (auto& l : lv) {
+      const auto t0 = std::chrono::steady_clock::now();
+      l.P.col_sum(x.data(), R, C, C, 1.0f / static_cast<float>(R), mu.data());
+      l.P.col_m2(x.data(), R, C, C, mu.data(), out.data());
+      l.t.push_back(seconds(t0));
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    std::memcpy(y.data(), x.data(), x.size() * sizeof(float));
+    asm volatile("" ::: "memory");
+    copy.push_back(seconds(t0));
+  }
+  std::printf("| rows | C | path | min us | min / copy min |\n|---|---|---|---|---|\n");
+  std::printf("| %lld | %lld | copy | %.1f | 1.00 |\n", (long long)R, (long long)C, min_us(copy));
+  for (auto& l : lv)
+    std::printf("| | | %s | %.1f | %.2f |\n", l.name, min_us(l.t), min_us(l.t) / min_us(copy));
+}
+
 }  // namespace
 
 int main(int argc, char** argv) {
+  if (argc > 1 && std::strcmp(argv[1], "rows") == 0) {
+    run_rows(argc > 2 ? std::atoll(argv[2]) : 4096, argc > 3 ? std::atoll(argv[3]) : 24,
+             argc > 4 ? std::atoi(argv[4]) : 200);
+    return 0;
+  }
   const int64_t C = argc > 1 ? std::atoll(argv[1]) : 64, S = argc > 2 ? std::atoll(argv[2]) : 3136;
   const int64_t G = argc > 3 ? std::atoll(argv[3]) : 32;
   const int reps = argc > 4 ? std::atoi(argv[4]) : 400;
