@@ -53,7 +53,8 @@ struct Vec32 {
   static GNMX_ROW_INLINE void store(A* p, type v) { __builtin_memcpy(p, &v, sizeof(v)); }
 };
 
-// The 1-3 whole vectors of channels left after the 4-vector blocks, NV of them in ONE pass over
+// The 1-3 whole vectors of channels left after the 4-vector blocks (or all 5-7 of a row narrower
+// than 8 vectors, C = 40-56 fp32), NV of them in ONE pass over
 // the rows (a pass per vector re-read every row's cache lines NV times), U rows at a time so that
 // NV * U independent add chains hide the add latency; a single chain per vector was latency-bound
 // (R = 4096, C = 8: 30 -> 2.3 us, C = 16: 30 -> 9 us; benchmarks/simd_levels.cc rows).
@@ -64,7 +65,7 @@ GNMX_ROW_INLINE void col_vectors_impl(const A* x, int64_t R, int64_t ld, const A
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth;
-  constexpr int U = NV == 1 ? 4 : 2;
+  constexpr int U = NV == 1 ? 4 : NV <= 3 ? 2 : 1;
   V acc[U][NV] = {};
   V m[NV] = {};
   if (kM2)
@@ -88,12 +89,16 @@ GNMX_ROW_INLINE void col_vectors_impl(const A* x, int64_t R, int64_t ld, const A
   }
 }
 
-// col_vectors_impl over the whole vectors of [0, C) (C < 4 vectors); returns the channels done.
+// col_vectors_impl over the whole vectors of [0, C) (C < 4 vectors, or 5-7); returns the
+// channels done.
 template <typename A, bool kM2>
 GNMX_ROW_INLINE int64_t col_vectors(const A* x, int64_t R, int64_t C, int64_t ld, const A* mu,
                                     A scale, A* out) {
   constexpr int64_t W = Vec32<A>::kWidth;
   switch (C / W) {
+    case 7: col_vectors_impl<A, 7, kM2>(x, R, ld, mu, scale, out); return 7 * W;
+    case 6: col_vectors_impl<A, 6, kM2>(x, R, ld, mu, scale, out); return 6 * W;
+    case 5: col_vectors_impl<A, 5, kM2>(x, R, ld, mu, scale, out); return 5 * W;
     case 3: col_vectors_impl<A, 3, kM2>(x, R, ld, mu, scale, out); return 3 * W;
     case 2: col_vectors_impl<A, 2, kM2>(x, R, ld, mu, scale, out); return 2 * W;
     case 1: col_vectors_impl<A, 1, kM2>(x, R, ld, mu, scale, out); return W;
@@ -107,7 +112,7 @@ GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, int64_t ld, 
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth, B = 4 * W;
-  int64_t c0 = 0;
+  int64_t c0 = C / W >= 5 && C / W <= 7 ? col_vectors<A, false>(x, R, C, ld, nullptr, scale, out) : 0;
   for (; c0 + B <= C; c0 += B) {
     V a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t r = 0; r < R; ++r) {
@@ -140,7 +145,7 @@ GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, int64_t ld, c
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth, B = 4 * W;
-  int64_t c0 = 0;
+  int64_t c0 = C / W >= 5 && C / W <= 7 ? col_vectors<A, true>(x, R, C, ld, mu, A(0), out) : 0;
   for (; c0 + B <= C; c0 += B) {
     V a0 = {}, a1 = {}, a2 = {}, a3 = {};
     const V m0 = Q::load(mu + c0), m1 = Q::load(mu + c0 + W), m2 = Q::load(mu + c0 + 2 * W),
