@@ -9,8 +9,8 @@ neutral directory, and runs:
   - every op forward + backward against numpy (test_loading.CHECK_OPS, the same script);
   - a hybridized net exported in one process and reloaded in a fresh one;
   - gn_mx.build_info() (CPU only, this gn_mx version, MXNet's lib_api version);
-  - both CPU code paths of the run-time ISA dispatch (AVX2 where the CPU has it, and
-    GNMX_CPU_ISA=generic) giving the same GroupNorm / DBN results;
+  - every level of the run-time ISA dispatch the CPU has (generic, avx2, avx512, forced by
+    GNMX_CPU_ISA) giving the same GroupNorm / DBN results;
   - a forked gluon DataLoader worker calling an op after the parent did (one OpenMP runtime:
     libgomp.so.1 is kept external, as MXNet's own wheel does);
   - the README quickstart.
@@ -186,8 +186,8 @@ print("RELOAD-OK")
 '''
 
 # The run-time ISA dispatch (cpu_isa.h) in the wheel's library: the path build_info() names, and
-# the same GroupNorm / DBN (ZCA, IterNorm) results from the portable path (GNMX_CPU_ISA=generic,
-# read once at the first call). argv: 'default' or 'generic', then an output .npz.
+# the same GroupNorm / DBN (ZCA, IterNorm) results from every level the CPU has (GNMX_CPU_ISA,
+# read once at the first call). argv: 'default' or a level (generic, avx2, avx512), then an output .npz.
 ISA = r'''
 import os, sys, json
 if sys.argv[1] != "default":
@@ -278,10 +278,10 @@ def check_build_info(run, cuda):
     return info
 
 
-def check_cpu_isa(run, out_dir):
-    """Both paths of the ISA dispatch give the same results; the active one is what the CPU has."""
+def check_cpu_isa(run, out_dir, levels=("generic",)):
+    """Every level of the ISA dispatch gives the same results; the active one is what the CPU has."""
     got = {}
-    for isa in ("default", "generic"):
+    for isa in ("default",) + tuple(levels):
         r = run(ISA, isa, f"{out_dir}/{isa}.npz")
         assert r.returncode == 0 and "ISA " in r.stdout, r.stdout[-2000:] + r.stderr[-4000:]
         got[isa] = json.loads(r.stdout.split("ISA ", 1)[1])
@@ -315,20 +315,19 @@ def test_installed_wheel_build_info(installed, tmp_path):
     check_build_info(lambda code, *a: _run(installed, code, tmp_path, *a), cuda=False)
 
 
-def _cpu_flags():
-    with open("/proc/cpuinfo") as f:
-        return set(next(line for line in f if line.startswith("flags")).split(":")[1].split())
-
-
 def test_installed_wheel_cpu_isa_dispatch(installed, tmp_path):
     import numpy as np
-    got = check_cpu_isa(lambda code, *a: _run(installed, code, tmp_path, *a), str(tmp_path))
-    want = "avx2" if {"avx2", "fma", "f16c"} <= _cpu_flags() else "generic"
-    assert got["default"] == [["generic", "avx2"], want], got
-    assert got["generic"] == [["generic", "avx2"], "generic"], got
-    a, b = np.load(tmp_path / "default.npz"), np.load(tmp_path / "generic.npz")
-    for k in a.files:
-        assert np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4), (k, np.abs(a[k] - b[k]).max())
+    from test_cpu_isa import cpu_isa_levels
+    levels = cpu_isa_levels()
+    got = check_cpu_isa(lambda code, *a: _run(installed, code, tmp_path, *a), str(tmp_path), levels)
+    compiled = ["generic", "avx2", "avx512"]
+    assert got["default"] == [compiled, levels[-1]], got
+    a = np.load(tmp_path / "default.npz")
+    for level in levels:
+        assert got[level] == [compiled, level], got
+        b = np.load(tmp_path / f"{level}.npz")
+        for k in a.files:
+            assert np.allclose(a[k], b[k], rtol=1e-4, atol=1e-4), (level, k, np.abs(a[k] - b[k]).max())
 
 
 def test_installed_wheel_runs_its_selftest(installed, tmp_path):

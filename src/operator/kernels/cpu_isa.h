@@ -2,9 +2,16 @@
  * cpu_isa.h: the one run-time x86 ISA check and the AVX2 helpers shared by the CPU kernels
  * (GroupNorm's simd_cpu.h, DBN's panels and small D x D math).
  *
- * GNMX_CPU_X86 is defined where the compiler can emit target("avx2,...") functions next to the
- * portable code; cpu_has_avx2() then tells at run time whether the CPU has AVX2 + FMA + F16C, and
- * GNMX_CPU_ISA=generic forces the portable paths (tests run both).
+ * GNMX_CPU_X86 is defined where the compiler can emit target("avx2,...") / target("avx512f,...")
+ * functions next to the portable code (no global -m flags: the library runs on any x86-64). The
+ * levels, lowest first:
+ *   generic  the portable loops (baseline x86-64: SSE2)
+ *   avx2     AVX2 + FMA + F16C
+ *   avx512   the avx2 level plus AVX-512 F/BW/VL/DQ (Skylake-SP, Ice Lake, Sapphire Rapids, Zen 4)
+ * cpu_isa() is the highest level the CPU (and OS) supports, read once per process; the environment
+ * variable GNMX_CPU_ISA=generic|avx2|avx512 lowers it (a level above the CPU's is capped to the
+ * CPU's; another value is ignored with one line on stderr). Every level >= avx2 also runs the avx2
+ * kernels that have no avx512 version (cpu_has_avx2()). The tests run each supported level.
  */
 #pragma once
 
@@ -13,22 +20,53 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <type_traits>
 
+// The target attribute string of the avx512 level's functions.
+#define GNMX_AVX512_TARGET "avx512f,avx512bw,avx512vl,avx512dq,avx2,fma,f16c"
+
 namespace gn_mx {
 
-inline bool cpu_has_avx2() {
-  static const bool ok = [] {
-    const char* e = std::getenv("GNMX_CPU_ISA");
-    if (e != nullptr && std::strcmp(e, "generic") == 0) return false;
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
-           __builtin_cpu_supports("f16c");
-  }();
-  return ok;
+enum class CpuIsa : int { kGeneric = 0, kAvx2 = 1, kAvx512 = 2 };
+
+inline const char* cpu_isa_name(CpuIsa l) {
+  return l == CpuIsa::kAvx512 ? "avx512" : l == CpuIsa::kAvx2 ? "avx2" : "generic";
 }
+
+// The highest level this CPU supports (libgcc's checks include the OS saving the ymm/zmm state).
+inline CpuIsa cpu_isa_supported() {
+  __builtin_cpu_init();
+  if (!(__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c")))
+    return CpuIsa::kGeneric;
+  if (__builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq"))
+    return CpuIsa::kAvx512;
+  return CpuIsa::kAvx2;
+}
+
+// The level the kernels use: the CPU's, lowered by GNMX_CPU_ISA.
+inline CpuIsa cpu_isa() {
+  static const CpuIsa level = [] {
+    const CpuIsa hw = cpu_isa_supported();
+    const char* e = std::getenv("GNMX_CPU_ISA");
+    if (e == nullptr || *e == '\0') return hw;
+    for (int i = 0; i <= static_cast<int>(CpuIsa::kAvx512); ++i) {
+      const CpuIsa l = static_cast<CpuIsa>(i);
+      if (std::strcmp(e, cpu_isa_name(l)) == 0) return l < hw ? l : hw;
+    }
+    std::fprintf(stderr, "gn_mx: GNMX_CPU_ISA=%s is not one of generic, avx2, avx512; using %s\n",
+                 e, cpu_isa_name(hw));
+    return hw;
+  }();
+  return level;
+}
+
+inline bool cpu_has_avx2() { return cpu_isa() >= CpuIsa::kAvx2; }
+inline bool cpu_has_avx512() { return cpu_isa() >= CpuIsa::kAvx512; }
 
 // Horizontal sums (inlined into any avx2,fma[,f16c] caller).
 __attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {

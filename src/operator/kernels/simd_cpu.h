@@ -2,13 +2,14 @@
  * simd_cpu.h: the CPU kernels' inner loops ("primitives") with runtime ISA dispatch.
  *
  * The library is built for the baseline x86-64 (or any other) target; nothing here needs -march flags.
- * Each primitive exists twice:
+ * Each primitive exists three times:
  *   - a portable version (plain loops over to_acc/from_acc that the compiler vectorizes for the baseline
  *     ISA; fp16 goes through the software conversions of acc_type.h on builds without F16C), and
  *   - on x86-64 with GCC/Clang, an AVX2+FMA+F16C version compiled with __attribute__((target(...))),
- *     8 floats a vector, several independent accumulators, fp16 widened with vcvtph2ps in registers.
- * prims<T>() picks one table per dtype on first use with __builtin_cpu_supports. Setting the environment
- * variable GNMX_CPU_ISA=generic forces the portable versions (tests use it to cover both paths).
+ *     8 floats a vector, several independent accumulators, fp16 widened with vcvtph2ps in registers,
+ *   - and, for fp32 / fp64, an AVX-512 version: 16 floats a vector, run tails by masked loads / stores.
+ * prims<T>() picks one table per dtype on first use by cpu_isa.h's level. The environment variable
+ * GNMX_CPU_ISA=generic|avx2 forces a lower level (tests run every level the CPU has).
  *
  * Every primitive works on one contiguous run of n elements, reads T (fp16/fp32/fp64) and computes in
  * AccT<T>; no primitive allocates. The arithmetic is that of group_norm_math.h.
@@ -427,8 +428,252 @@ const Prims<T>& avx2_prims() {
   return p;
 }
 
+// ------------------------------------------------------------------------------------------------
+// AVX-512 versions (the avx512 level of cpu_isa.h) for fp32: 16 floats a vector, the last n % 16
+// elements of a run done by masked loads / stores instead of scalar loops; fp64 gets the portable
+// loops compiled for AVX-512. fp16 keeps the AVX2/F16C versions on this level: written with the
+// 512-bit vcvtph2ps / vcvtps2ph they were 1.15x slower than those on a Zen 4 (double-pumped 512-bit
+// conversions; cached forward of a 64x3136 sample 29.2 vs 25.4 us, benchmarks/simd_levels.cc), so
+// prims<Half>() never picks an AVX-512 table.
+
+#define GNMX_AVX512 __attribute__((target(GNMX_AVX512_TARGET)))
+#define GNMX_AVX512_INLINE __attribute__((target(GNMX_AVX512_TARGET), always_inline)) inline
+
+// The first min(n, 16) lanes.
+GNMX_AVX512_INLINE __mmask16 lanes16(int64_t n) {
+  return n >= 16 ? __mmask16(0xFFFF) : static_cast<__mmask16>((1u << n) - 1u);
+}
+GNMX_AVX512_INLINE __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
+GNMX_AVX512_INLINE __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
+GNMX_AVX512_INLINE void st16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
+// Full vectors; streaming needs a 64-byte aligned destination.
+template <bool NT>
+GNMX_AVX512_INLINE void st16x(float* p, __m512 v) {
+  if (NT) _mm512_stream_ps(p, v); else _mm512_storeu_ps(p, v);
+}
+// Elements before the first streaming-aligned one (0 when not streaming).
+template <bool NT, typename T>
+GNMX_AVX512_INLINE int64_t nt_head16(const T* p, int64_t n) {
+  if (!NT) return 0;
+  const int64_t mis = static_cast<int64_t>(reinterpret_cast<uintptr_t>(p) & (16 * sizeof(T) - 1));
+  const int64_t head = mis == 0 ? 0 : (static_cast<int64_t>(16 * sizeof(T)) - mis) / sizeof(T);
+  return head < n ? head : n;
+}
+
+template <typename T>
+GNMX_AVX512 void moments_avx512(const T* x, int64_t n, float* mean, float* m2) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  int64_t i = 0;
+  for (; i + 64 <= n; i += 64) {
+    a0 = _mm512_add_ps(a0, ld16(x + i));
+    a1 = _mm512_add_ps(a1, ld16(x + i + 16));
+    a2 = _mm512_add_ps(a2, ld16(x + i + 32));
+    a3 = _mm512_add_ps(a3, ld16(x + i + 48));
+  }
+  for (; i < n; i += 16) a0 = _mm512_add_ps(a0, ld16(x + i, lanes16(n - i)));
+  const float mu =
+      _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3))) /
+      static_cast<float>(n);
+  const __m512 vmu = _mm512_set1_ps(mu);
+  a0 = _mm512_setzero_ps(); a1 = a0; a2 = a0; a3 = a0;
+  i = 0;
+  for (; i + 64 <= n; i += 64) {
+    const __m512 d0 = _mm512_sub_ps(ld16(x + i), vmu), d1 = _mm512_sub_ps(ld16(x + i + 16), vmu);
+    const __m512 d2 = _mm512_sub_ps(ld16(x + i + 32), vmu), d3 = _mm512_sub_ps(ld16(x + i + 48), vmu);
+    a0 = _mm512_fmadd_ps(d0, d0, a0);
+    a1 = _mm512_fmadd_ps(d1, d1, a1);
+    a2 = _mm512_fmadd_ps(d2, d2, a2);
+    a3 = _mm512_fmadd_ps(d3, d3, a3);
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    const __m512 d = _mm512_maskz_sub_ps(m, ld16(x + i, m), vmu);
+    a0 = _mm512_fmadd_ps(d, d, a0);
+  }
+  *mean = mu;
+  *m2 = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(a0, a1), _mm512_add_ps(a2, a3)));
+}
+
+// exp and sigmoid: exp8's method (simd_cpu.h's AVX2 version above), 2^n by vscalefps.
+GNMX_AVX512_INLINE __m512 exp16(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+  const __m512 fx = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                         _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(fx, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  return _mm512_scalef_ps(y, fx);
+}
+template <Act ACT>
+GNMX_AVX512_INLINE __m512 act16(__m512 z) {
+  if (ACT == Act::kRelu) return _mm512_max_ps(z, _mm512_setzero_ps());
+  if (ACT == Act::kSilu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    return _mm512_div_ps(z, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+  }
+  return z;
+}
+// dy * act'(z).
+template <Act ACT>
+GNMX_AVX512_INLINE __m512 act_grad16(__m512 z, __m512 dy) {
+  if (ACT == Act::kRelu) return _mm512_maskz_mov_ps(_mm512_cmp_ps_mask(z, _mm512_setzero_ps(), _CMP_GT_OQ), dy);
+  if (ACT == Act::kSilu) {
+    const __m512 one = _mm512_set1_ps(1.0f);
+    const __m512 s = _mm512_div_ps(one, _mm512_add_ps(one, exp16(_mm512_sub_ps(_mm512_setzero_ps(), z))));
+    return _mm512_mul_ps(dy, _mm512_mul_ps(s, _mm512_fmadd_ps(z, _mm512_sub_ps(one, s), one)));
+  }
+  return dy;
+}
+
+template <typename T, Act ACT, bool NT>
+GNMX_AVX512 void affine_avx512(const T* x, T* y, int64_t n, float a, float b) {
+  const __m512 va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  const int64_t h = nt_head16<NT>(y, n);
+  if (h > 0) st16(y, act16<ACT>(_mm512_fmadd_ps(ld16(x, lanes16(h)), va, vb)), lanes16(h));
+  int64_t i = h;
+  for (; i + 32 <= n; i += 32) {
+    st16x<NT>(y + i, act16<ACT>(_mm512_fmadd_ps(ld16(x + i), va, vb)));
+    st16x<NT>(y + i + 16, act16<ACT>(_mm512_fmadd_ps(ld16(x + i + 16), va, vb)));
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    st16(y + i, act16<ACT>(_mm512_fmadd_ps(ld16(x + i, m), va, vb)), m);
+  }
+}
+
+template <typename T, Act ACT>
+GNMX_AVX512 void bwd_sums_avx512(const T* x, const T* dy, int64_t n, float mu, float a, float b,
+                                 float* s1, float* s2) {
+  const __m512 vmu = _mm512_set1_ps(mu), va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+  __m512 p0 = _mm512_setzero_ps(), p1 = p0, q0 = p0, q1 = p0;
+  int64_t i = 0;
+  for (; i + 32 <= n; i += 32) {
+    const __m512 x0 = ld16(x + i), x1 = ld16(x + i + 16);
+    const __m512 g0 = act_grad16<ACT>(_mm512_fmadd_ps(x0, va, vb), ld16(dy + i));
+    const __m512 g1 = act_grad16<ACT>(_mm512_fmadd_ps(x1, va, vb), ld16(dy + i + 16));
+    p0 = _mm512_fmadd_ps(g0, _mm512_sub_ps(x0, vmu), p0);
+    p1 = _mm512_fmadd_ps(g1, _mm512_sub_ps(x1, vmu), p1);
+    q0 = _mm512_add_ps(q0, g0);
+    q1 = _mm512_add_ps(q1, g1);
+  }
+  for (; i < n; i += 16) {  // masked-off lanes load dy = 0, so g = 0 there
+    const __mmask16 m = lanes16(n - i);
+    const __m512 x0 = ld16(x + i, m);
+    const __m512 g0 = act_grad16<ACT>(_mm512_fmadd_ps(x0, va, vb), ld16(dy + i, m));
+    p0 = _mm512_fmadd_ps(g0, _mm512_sub_ps(x0, vmu), p0);
+    q0 = _mm512_add_ps(q0, g0);
+  }
+  *s1 += _mm512_reduce_add_ps(_mm512_add_ps(p0, p1));
+  *s2 += _mm512_reduce_add_ps(_mm512_add_ps(q0, q1));
+}
+
+// c1 act'(x a + b) dy + c2 (x - mu) + c3 of 16 elements.
+template <Act ACT>
+GNMX_AVX512_INLINE __m512 dx16(__m512 x, __m512 dy, __m512 vmu, __m512 va, __m512 vb, __m512 v1,
+                               __m512 v2, __m512 v3) {
+  const __m512 t = _mm512_fmadd_ps(v2, _mm512_sub_ps(x, vmu), v3);
+  return _mm512_fmadd_ps(v1, act_grad16<ACT>(_mm512_fmadd_ps(x, va, vb), dy), t);
+}
+
+template <typename T, Act ACT, bool NT>
+GNMX_AVX512 void bwd_dx_avx512(const T* x, const T* dy, T* dx, int64_t n, float mu, float a,
+                               float b, float c1, float c2, float c3) {
+  const __m512 vmu = _mm512_set1_ps(mu), v1 = _mm512_set1_ps(c1), v2 = _mm512_set1_ps(c2),
+               v3 = _mm512_set1_ps(c3), va = _mm512_set1_ps(a), vb = _mm512_set1_ps(b);
+#define one16(j, m) dx16<ACT>(ld16(x + (j), m), ld16(dy + (j), m), vmu, va, vb, v1, v2, v3)
+  const int64_t h = nt_head16<NT>(dx, n);
+  if (h > 0) st16(dx, one16(0, lanes16(h)), lanes16(h));
+  int64_t i = h;
+  for (; i + 32 <= n; i += 32) {
+    st16x<NT>(dx + i, dx16<ACT>(ld16(x + i), ld16(dy + i), vmu, va, vb, v1, v2, v3));
+    st16x<NT>(dx + i + 16, dx16<ACT>(ld16(x + i + 16), ld16(dy + i + 16), vmu, va, vb, v1, v2, v3));
+  }
+  for (; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    st16(dx + i, one16(i, m), m);
+  }
+#undef one16
+}
+
+template <typename T>
+GNMX_AVX512 void load_avx512(const T* x, float* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    _mm512_mask_storeu_ps(out + i, m, ld16(x + i, m));
+  }
+}
+
+template <typename T>
+GNMX_AVX512 void store_avx512(const float* in, T* out, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) {
+    const __mmask16 m = lanes16(n - i);
+    st16(out + i, _mm512_maskz_loadu_ps(m, in + i), m);
+  }
+}
+
+// fp64: the portable loops, compiled for AVX-512 by inlining them into target functions.
+GNMX_AVX512 inline void moments_avx512_d(const double* x, int64_t n, double* mean, double* m2) {
+  moments_generic<double>(x, n, mean, m2);
+}
+template <Act ACT>
+GNMX_AVX512 void affine_avx512_d(const double* x, double* y, int64_t n, double a, double b) {
+  affine_generic<double, ACT>(x, y, n, a, b);
+}
+template <Act ACT>
+GNMX_AVX512 void bwd_sums_avx512_d(const double* x, const double* dy, int64_t n, double mu,
+                                   double a, double b, double* s1, double* s2) {
+  bwd_sums_generic<double, ACT>(x, dy, n, mu, a, b, s1, s2);
+}
+template <Act ACT>
+GNMX_AVX512 void bwd_dx_avx512_d(const double* x, const double* dy, double* dx, int64_t n,
+                                 double mu, double a, double b, double c1, double c2, double c3) {
+  bwd_dx_generic<double, ACT>(x, dy, dx, n, mu, a, b, c1, c2, c3);
+}
+
+template <typename T> struct Avx512Ops {
+  template <Act ACT, bool NT> struct Affine { static constexpr auto f = affine_avx512<T, ACT, NT>; };
+  template <Act ACT> struct Sums { static constexpr auto f = bwd_sums_avx512<T, ACT>; };
+  template <Act ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx512<T, ACT, NT>; };
+};
+template <> struct Avx512Ops<double> {
+  template <Act ACT, bool NT> struct Affine { static constexpr auto f = affine_avx512_d<ACT>; };
+  template <Act ACT> struct Sums { static constexpr auto f = bwd_sums_avx512_d<ACT>; };
+  template <Act ACT, bool NT> struct Dx { static constexpr auto f = bwd_dx_avx512_d<ACT>; };
+};
+
+template <typename T>
+const Prims<T>& avx512_prims() {
+  static const Prims<T> p = [] {
+    Prims<T> q{};
+    fill_act_tables<T, Avx512Ops<T>::template Affine, Avx512Ops<T>::template Sums,
+                    Avx512Ops<T>::template Dx>(&q);
+    if constexpr (std::is_same<T, double>::value) {
+      q.moments = moments_avx512_d;
+      q.fence = fence_none;
+      q.load = load_generic<double>;
+      q.store = store_generic<double>;
+    } else {
+      q.moments = moments_avx512<T>;
+      q.fence = fence_avx2;
+      q.load = load_avx512<T>;
+      q.store = store_avx512<T>;
+    }
+    return q;
+  }();
+  return p;
+}
+
 template <typename T>
 const Prims<T>& prims() {
+  if constexpr (!std::is_same<T, Half>::value) {
+    if (cpu_has_avx512()) return avx512_prims<T>();
+  }
   return cpu_has_avx2() ? avx2_prims<T>() : generic_prims<T>();
 }
 #else

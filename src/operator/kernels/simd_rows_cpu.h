@@ -20,7 +20,9 @@
  *             outputs too large to stay in cache are computed into an L1 buffer and streamed out
  * Each exists as one always-inlined template, compiled twice: for the baseline ISA and, on x86-64,
  * inside target("avx2,fma,f16c") functions (the compiler vectorizes the same loop 8 floats wide).
- * rows<A>() picks the table once (GNMX_CPU_ISA=generic forces the baseline, as for simd_cpu.h).
+ * rows<A>() picks the table once (GNMX_CPU_ISA=generic forces the baseline, as for simd_cpu.h). The
+ * avx512 level runs the AVX2 table: the same loops compiled for AVX-512 were 2-14% slower on a
+ * Zen 4 (col_sum + col_m2 + affine over cached 3136x64 .. 4096x320 fp32 rows, minimum of 200).
  */
 #pragma once
 #include <cstdint>
@@ -38,7 +40,7 @@ namespace simd {
 // extensions: 32-byte vectors, 8 floats / 4 doubles, which the AVX2 instantiation keeps in ymm
 // registers and the baseline one in pairs of xmm) while the rows stream past; a row-by-row
 // `out[c] += x[r, c]` would load and store every accumulator once per row (store-bound). The last
-// C % block channels take plain loops.
+// C % block channels take col_vectors (below), the last C % vector channels plain loops.
 template <typename A>
 struct Vec32 {
   typedef A type __attribute__((vector_size(32)));
@@ -51,13 +53,66 @@ struct Vec32 {
   static GNMX_ROW_INLINE void store(A* p, type v) { __builtin_memcpy(p, &v, sizeof(v)); }
 };
 
+// The 1-3 whole vectors of channels left after the 4-vector blocks (or all 5-7 of a row narrower
+// than 8 vectors, C = 40-56 fp32), NV of them in ONE pass over
+// the rows (a pass per vector re-read every row's cache lines NV times), U rows at a time so that
+// NV * U independent add chains hide the add latency; a single chain per vector was latency-bound
+// (R = 4096, C = 8: 30 -> 2.3 us, C = 16: 30 -> 9 us; benchmarks/simd_levels.cc rows).
+//   kM2 false: out[c] = scale * sum_r x[r, c];  true: out[c] = sum_r (x[r, c] - mu[c])^2
+template <typename A, int NV, bool kM2>
+GNMX_ROW_INLINE void col_vectors_impl(const A* x, int64_t R, int64_t ld, const A* mu, A scale,
+                                      A* out) {
+  using Q = Vec32<A>;
+  using V = typename Q::type;
+  constexpr int64_t W = Q::kWidth;
+  constexpr int U = NV == 1 ? 4 : NV <= 3 ? 2 : 1;
+  V acc[U][NV] = {};
+  V m[NV] = {};
+  if (kM2)
+    for (int v = 0; v < NV; ++v) m[v] = Q::load(mu + v * W);
+  int64_t r = 0;
+  for (; r + U <= R; r += U)
+    for (int u = 0; u < U; ++u)
+      for (int v = 0; v < NV; ++v) {
+        const V d = Q::load(x + (r + u) * ld + v * W) - m[v];
+        acc[u][v] += kM2 ? d * d : d;
+      }
+  for (; r < R; ++r)
+    for (int v = 0; v < NV; ++v) {
+      const V d = Q::load(x + r * ld + v * W) - m[v];
+      acc[0][v] += kM2 ? d * d : d;
+    }
+  for (int v = 0; v < NV; ++v) {
+    V t = acc[0][v];
+    for (int u = 1; u < U; ++u) t += acc[u][v];
+    Q::store(out + v * W, kM2 ? t : t * scale);
+  }
+}
+
+// col_vectors_impl over the whole vectors of [0, C) (C < 4 vectors, or 5-7); returns the
+// channels done.
+template <typename A, bool kM2>
+GNMX_ROW_INLINE int64_t col_vectors(const A* x, int64_t R, int64_t C, int64_t ld, const A* mu,
+                                    A scale, A* out) {
+  constexpr int64_t W = Vec32<A>::kWidth;
+  switch (C / W) {
+    case 7: col_vectors_impl<A, 7, kM2>(x, R, ld, mu, scale, out); return 7 * W;
+    case 6: col_vectors_impl<A, 6, kM2>(x, R, ld, mu, scale, out); return 6 * W;
+    case 5: col_vectors_impl<A, 5, kM2>(x, R, ld, mu, scale, out); return 5 * W;
+    case 3: col_vectors_impl<A, 3, kM2>(x, R, ld, mu, scale, out); return 3 * W;
+    case 2: col_vectors_impl<A, 2, kM2>(x, R, ld, mu, scale, out); return 2 * W;
+    case 1: col_vectors_impl<A, 1, kM2>(x, R, ld, mu, scale, out); return W;
+    default: return 0;
+  }
+}
+
 // out[c] = scale * sum_r x[r, c]
 template <typename A>
 GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, int64_t ld, A scale, A* out) {
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth, B = 4 * W;
-  int64_t c0 = 0;
+  int64_t c0 = C / W >= 5 && C / W <= 7 ? col_vectors<A, false>(x, R, C, ld, nullptr, scale, out) : 0;
   for (; c0 + B <= C; c0 += B) {
     V a0 = {}, a1 = {}, a2 = {}, a3 = {};
     for (int64_t r = 0; r < R; ++r) {
@@ -72,6 +127,7 @@ GNMX_ROW_INLINE void col_sum_impl(const A* x, int64_t R, int64_t C, int64_t ld, 
     Q::store(out + c0 + 2 * W, a2 * scale);
     Q::store(out + c0 + 3 * W, a3 * scale);
   }
+  c0 += col_vectors<A, false>(x + c0, R, C - c0, ld, nullptr, scale, out + c0);
   if (c0 == C) return;
   for (int64_t c = c0; c < C; ++c) out[c] = 0;
   for (int64_t r = 0; r < R; ++r) {
@@ -89,7 +145,7 @@ GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, int64_t ld, c
   using Q = Vec32<A>;
   using V = typename Q::type;
   constexpr int64_t W = Q::kWidth, B = 4 * W;
-  int64_t c0 = 0;
+  int64_t c0 = C / W >= 5 && C / W <= 7 ? col_vectors<A, true>(x, R, C, ld, mu, A(0), out) : 0;
   for (; c0 + B <= C; c0 += B) {
     V a0 = {}, a1 = {}, a2 = {}, a3 = {};
     const V m0 = Q::load(mu + c0), m1 = Q::load(mu + c0 + W), m2 = Q::load(mu + c0 + 2 * W),
@@ -108,6 +164,7 @@ GNMX_ROW_INLINE void col_m2_impl(const A* x, int64_t R, int64_t C, int64_t ld, c
     Q::store(out + c0 + 2 * W, a2);
     Q::store(out + c0 + 3 * W, a3);
   }
+  c0 += col_vectors<A, true>(x + c0, R, C - c0, ld, mu + c0, A(0), out + c0);
   if (c0 == C) return;
   for (int64_t c = c0; c < C; ++c) out[c] = 0;
   for (int64_t r = 0; r < R; ++r) {

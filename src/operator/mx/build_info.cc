@@ -7,8 +7,8 @@
  *   mxnet            the MXNet distribution and version the library was built against
  *   lib_api          MX_LIBRARY_VERSION of that MXNet's lib_api.h
  *   compiler         C++ compiler and version; build_type
- *   cpu_isa          the CPU code paths compiled in (generic, avx2 = AVX2+FMA+F16C) and
- *   cpu_isa_active   the one this CPU runs (GNMX_CPU_ISA=generic forces the portable one)
+ *   cpu_isa          the CPU code paths compiled in (generic, avx2, avx512: cpu_isa.h) and
+ *   cpu_isa_active   the one this CPU runs (GNMX_CPU_ISA=generic|avx2 forces a lower one)
  *   openmp           the OpenMP version the CPU kernels use (0: none)
  *   cuda_runtime     CUDA runtime version linked in statically (empty: CPU only)
  *   cuda_archs       CUDA architectures as given to CMake ("50-real,...,90": SASS, + PTX if no -real)
@@ -50,8 +50,8 @@ std::string make_info() {
   add("compiler", compiler());
   add("build_type", GNMX_BUILD_TYPE);
 #if defined(GNMX_CPU_X86)
-  add("cpu_isa", "generic,avx2");
-  add("cpu_isa_active", gn_mx::cpu_has_avx2() ? "avx2" : "generic");
+  add("cpu_isa", "generic,avx2,avx512");
+  add("cpu_isa_active", gn_mx::cpu_isa_name(gn_mx::cpu_isa()));
 #else
   add("cpu_isa", "generic");
   add("cpu_isa_active", "generic");
