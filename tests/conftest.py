@@ -42,6 +42,55 @@ def run_python(code, timeout=300, cwd=None):
                           text=True, timeout=timeout, cwd=cwd or ROOT, env=env)
 
 
+_RELOAD = """
+import sys, numpy as np, mxnet as mx
+import gn_mx
+prefix, epoch, names, io = sys.argv[1], int(sys.argv[2]), sys.argv[3].split(","), sys.argv[4]
+net = mx.gluon.SymbolBlock.imports(prefix + "-symbol.json", names,
+                                   prefix + "-%04d.params" % epoch if epoch >= 0 else None)
+exec(sys.argv[5])  # after_load
+ins = np.load(io + "-in.npz")
+outs = net(*[mx.nd.array(ins["a%d" % i], dtype=ins["a%d" % i].dtype) for i in range(len(names))])
+outs = outs if isinstance(outs, (list, tuple)) else [outs]
+np.savez(io + "-out.npz", *[o.asnumpy() for o in outs])
+"""
+
+
+def reload_outputs(prefix, inputs, input_names=("data",), epoch=0, after_load="", timeout=300):
+    """The outputs of the model exported at ``prefix`` (``prefix-symbol.json`` and
+    ``prefix-%04d.params`` % epoch; epoch -1: no params file) when a FRESH interpreter that only
+    imports gn_mx loads it with ``gluon.SymbolBlock.imports`` and calls it on ``inputs`` (numpy
+    arrays, one per input name, passed in their own dtype). ``after_load``: statements run on
+    ``net`` first (e.g. ``net.cast('float64')``). A list of numpy arrays; fails the test with the
+    child's stderr when the child fails. The one export -> reload -> compare path of the suite."""
+    io = prefix + "-reload"
+    np.savez(io + "-in.npz", **{f"a{i}": np.asarray(a) for i, a in enumerate(inputs)})
+    env = dict(os.environ)
+    env.setdefault("OMP_NUM_THREADS", "1")
+    p = subprocess.run([sys.executable, "-c", _RELOAD, prefix, str(epoch), ",".join(input_names), io,
+                        textwrap.dedent(after_load)], capture_output=True, text=True,
+                       timeout=timeout, cwd=ROOT, env=env)
+    assert p.returncode == 0, f"reloading {prefix} in a fresh process failed:\n{p.stderr[-3000:]}"
+    with np.load(io + "-out.npz") as f:
+        return [f[f"arr_{i}"] for i in range(len(f.files))]
+
+
+def export_and_reload(block, inputs, path, rtol=1e-6, atol=1e-6, **kw):
+    """Hybridize and run ``block`` on ``inputs`` (numpy), export it to ``path``/model, reload it in a
+    fresh process (reload_outputs, ``kw`` passed on) and assert its outputs equal the block's within
+    rtol / atol. Returns the export prefix (for checks of the symbol JSON)."""
+    block.hybridize()
+    outs = block(*[mx.nd.array(a, dtype=np.asarray(a).dtype) for a in inputs])
+    outs = [o.asnumpy() for o in (outs if isinstance(outs, (list, tuple)) else [outs])]
+    prefix = os.path.join(str(path), "model")
+    block.export(prefix)
+    got = reload_outputs(prefix, inputs, **kw)
+    assert len(got) == len(outs), (len(got), len(outs))
+    for g, want in zip(got, outs):
+        np.testing.assert_allclose(g, want, rtol=rtol, atol=atol)
+    return prefix
+
+
 def rounded(a, dtype):
     """The array as the op sees it (rounded to dtype) and as float64 for the reference."""
     r = np.asarray(a).astype(dtype)

@@ -9,6 +9,8 @@ test_edge_cases.py (edge_cases.ChannelsLast).
 """
 import json
 import os
+import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -20,7 +22,7 @@ import mxnet as mx
 from mxnet import autograd, gluon
 
 import gn_mx
-from conftest import run_python
+from conftest import reload_outputs, run_python
 from reference import group_norm_bwd_ref, group_norm_ref, moments_ref
 from tolerances import GRAD_TOL, tol
 
@@ -305,21 +307,7 @@ def test_block_export_reload_fresh_process(tmp_path):
     node = [n for n in json.load(open(prefix + "-symbol.json"))["nodes"]
             if n["op"] == "gn_group_norm"][0]
     assert node["attrs"]["axis"] == "-1"
-    np.save(str(tmp_path / "x.npy"), x)
-    np.save(str(tmp_path / "y.npy"), y)
-    p = run_python(f"""
-        import numpy as np, mxnet as mx
-        import gn_mx
-        from mxnet import gluon
-        blk = gluon.SymbolBlock.imports({prefix + '-symbol.json'!r}, ['data'],
-                                        {prefix + '-0000.params'!r})
-        y = blk(mx.nd.array(np.load({str(tmp_path / 'x.npy')!r}))).asnumpy()
-        err = np.abs(y - np.load({str(tmp_path / 'y.npy')!r})).max()
-        print('MAXERR', err)
-        assert err < 1e-6, err
-    """)
-    assert p.returncode == 0, p.stdout + p.stderr[-3000:]
-    assert "MAXERR" in p.stdout
+    np.testing.assert_allclose(reload_outputs(prefix, [x])[0], y, rtol=0, atol=1e-6)
     plain = gn_mx.GroupNorm(2)
     plain.initialize()
     plain.hybridize()
@@ -419,6 +407,45 @@ def test_streamed_forward_output(shape, G, act):
     np.testing.assert_allclose(first(rl["y"]), rf["y"], rtol=1e-5, atol=1e-5)
     for k in ("mean", "rstd"):
         np.testing.assert_allclose(rl[k], rf[k], rtol=1e-5, atol=1e-6)
+
+
+_STREAM_RUN = """
+import sys, numpy as np, mxnet as mx, gn_mx
+shape = tuple(int(v) for v in sys.argv[1].split(","))
+x = mx.nd.array(np.random.RandomState(1).randn(*shape).astype(np.float32))
+C = shape[-1]
+mx.nd.gn_group_norm(x, mx.nd.ones(C), mx.nd.zeros(C), num_groups=3, axis=-1)[0].wait_to_read()
+print("FORWARD_DONE")
+"""
+
+
+def _stream_store_called(shape):
+    """Whether the channels-last forward of float32 data of `shape` calls the rows' streaming
+    store (RowPrims::stream): a gdb breakpoint on the portable primitives' (GNMX_CPU_ISA=generic:
+    a function of its own, reached through the RowPrims table like every ISA's) is hit or not."""
+    env = dict(os.environ, GNMX_CPU_ISA="generic", OMP_NUM_THREADS="1")
+    # Symbols of libgn_mx.so only (libmxnet's would take most of the time): stop once when it
+    # loads, read its symbols, break on the store, run on; gdb -batch ends the run at the first hit.
+    gdb = ["gdb", "-batch", "-nx", "-iex", "set debuginfod enabled off", "-iex",
+           "set auto-solib-add off", "-ex", "set pagination off", "-ex", "tcatch load libgn_mx",
+           "-ex", "run", "-ex", "sharedlibrary libgn_mx", "-ex",
+           "break gn_mx::simd::GenericRows<float>::stream", "-ex", "continue"]
+    p = subprocess.run(gdb + ["--args", sys.executable, "-c", _STREAM_RUN,
+                              ",".join(map(str, shape))],
+                       capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert re.search(r"Breakpoint \d+ at", p.stdout), p.stdout[-2000:] + p.stderr[-2000:]  # found
+    hit = re.search(r"hit Breakpoint \d+, .*GenericRows<float>::stream", p.stdout) is not None
+    assert hit or "FORWARD_DONE" in p.stdout, p.stdout[-2000:] + p.stderr[-2000:]
+    return hit
+
+
+@pytest.mark.skipif(shutil.which("gdb") is None, reason="needs gdb to see which store path ran")
+def test_streamed_forward_output_takes_the_streaming_path():
+    """test_streamed_forward_output's first shape (8.6 MB of float32 output) is written through the
+    streaming store, and one just below kStreamBytesFwd (8 MB, group_norm_cpu_common.h) is not:
+    the size check above alone would pass if the threshold moved or the path were skipped."""
+    assert _stream_store_called((1, 256, 256, 33))
+    assert not _stream_store_called((1, 252, 252, 33))  # 8.38e6 bytes < 8 MiB = 8.39e6
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=lambda d: np.dtype(d).name)

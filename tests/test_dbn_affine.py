@@ -14,7 +14,7 @@ import mxnet as mx
 from mxnet import autograd
 
 import gn_mx  # noqa: F401
-from conftest import DTYPES, GRAD_TOL, dbn_data, run_python, tol
+from conftest import DTYPES, GRAD_TOL, dbn_data, reload_outputs, tol
 from reference import dbn_bwd_ref, dbn_inference_ref, dbn_ref, numeric_grad
 
 EPS = 1e-3
@@ -216,18 +216,7 @@ def test_old_export_loads_and_matches(tmp_path):
                                                          dtype=np.float64)}
     mx.nd.save(str(tmp_path / "old-0000.params"), params)
     x = np.random.randn(4, C, 5).astype(np.float64)
-    np.save(tmp_path / "x.npy", x)
-    p = run_python(f"""
-        import numpy as np, mxnet as mx, gn_mx
-        net = mx.gluon.SymbolBlock.imports({sym_file!r}, ['data'],
-                                           {str(tmp_path / 'old-0000.params')!r})
-        net.cast('float64')
-        y = net(mx.nd.array(np.load({str(tmp_path / 'x.npy')!r}), dtype='float64'))
-        np.save({str(tmp_path / 'y.npy')!r}, y.asnumpy())
-        print('OK')
-    """)
-    assert "OK" in p.stdout, p.stderr[-3000:]
-    y_old = np.load(tmp_path / "y.npy")
+    y_old = reload_outputs(str(tmp_path / "old"), [x], after_load="net.cast('float64')")[0]
     ref = (_channel(params["arg:dbn0_gamma"].asnumpy(), 3)
            * dbn_inference_ref(x, params["aux:dbn0_running_mean"].asnumpy(),
                                params["aux:dbn0_running_projection"].asnumpy(), G)

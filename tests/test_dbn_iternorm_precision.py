@@ -136,7 +136,7 @@ def test_old_exported_model_same_output(tmp_path):
     block's, unchanged; the old model's running projection is rebuilt in-test from the old op's
     output, the float64 iteration (numpy reference, which the old float64 op matched to ~1e-11),
     after the same training step, and written into the exported parameters."""
-    from conftest import run_python
+    from conftest import reload_outputs
     rng = np.random.default_rng(2)
     G, C, T = 2, 8, 5
     D = C // G
@@ -160,17 +160,7 @@ def test_old_exported_model_same_output(tmp_path):
     assert rel(rp_new - 0.9 * np.tile(np.eye(D), (G, 1, 1)), 0.1 * W) <= GROWTH_T5 * U32 + 2 * U32
     params[key[0]] = mx.nd.array(rp_old, dtype=np.float32)
     mx.nd.save(prefix + "-0000.params", params)
-    np.save(tmp_path / "x.npy", x)
-    p = run_python(f"""
-        import numpy as np, mxnet as mx, gn_mx
-        net = mx.gluon.SymbolBlock.imports({prefix + '-symbol.json'!r}, ['data'],
-                                           {prefix + '-0000.params'!r})
-        np.save({str(tmp_path / 'y.npy')!r},
-                net(mx.nd.array(np.load({str(tmp_path / 'x.npy')!r}))).asnumpy())
-        print('OK')
-    """)
-    assert "OK" in p.stdout, p.stderr[-3000:]
-    y_old = np.load(tmp_path / "y.npy").astype(np.float64)
+    y_old = reload_outputs(prefix, [x])[0].astype(np.float64)
     rm = params[[k for k in params if k.endswith("running_mean")][0]].asnumpy().astype(np.float64)
     want = np.empty_like(y_old)
     for g in range(G):

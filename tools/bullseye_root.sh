@@ -22,17 +22,7 @@ if [ "$(cat "$DIR/.gnmx-root" 2>/dev/null)" != "$SUITE $INCLUDE" ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >&2 ||
       { apt-get update -qq >&2 && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq debootstrap >&2; }
   fi
-  # The host's Debian mirror (deb822 or one-line sources), as tools/cuda11_toolchain.sh finds it.
-  mirror=""
-  for f in /etc/apt/sources.list.d/*.sources; do
-    [ -f "$f" ] || continue
-    u=$(awk '/^URIs:/{print $2; exit}' "$f")
-    case "$u" in */debian) mirror="$u"; break ;; esac
-  done
-  if [ -z "$mirror" ] && [ -f /etc/apt/sources.list ]; then
-    mirror=$(awk '$1=="deb" {for(i=2;i<=NF;i++) if ($i ~ /^https?:.*\/debian\/?$/) {print $i; exit}}' /etc/apt/sources.list)
-  fi
-  mirror="${mirror:-http://deb.debian.org/debian}"
+  mirror=$(bash "$(dirname "${BASH_SOURCE[0]}")/debian_mirror.sh")  # the host's Debian mirror
   log "debootstrap $SUITE ($INCLUDE) from $mirror into $DIR"
   find "$DIR" -mindepth 1 -maxdepth 1 -exec rm -rf {} +
   t0=$(date +%s)

@@ -73,16 +73,8 @@ command -v apt-get >/dev/null && command -v dpkg >/dev/null ||
 A="$TOP/apt"
 mkdir -p "$A/lists/partial" "$A/cache/archives/partial" "$A/etc/preferences.d"
 : > "$A/status"
-mirror=""; keyring=/usr/share/keyrings/debian-archive-keyring.gpg
-for f in /etc/apt/sources.list.d/*.sources; do
-  [ -f "$f" ] || continue
-  u=$(awk '/^URIs:/{print $2; exit}' "$f")
-  case "$u" in */debian) mirror="$u"; break ;; esac
-done
-if [ -z "$mirror" ] && [ -f /etc/apt/sources.list ]; then
-  mirror=$(awk '$1=="deb" {for(i=2;i<=NF;i++) if ($i ~ /^https?:.*\/debian\/?$/) {print $i; exit}}' /etc/apt/sources.list)
-fi
-mirror="${mirror:-http://deb.debian.org/debian}"
+keyring=/usr/share/keyrings/debian-archive-keyring.gpg
+mirror=$(bash "$REPO/tools/debian_mirror.sh")
 echo "deb [signed-by=$keyring] $mirror bookworm main contrib non-free" > "$A/sources.list"
 APT=(apt-get -q -o "Dir::Etc::SourceList=$A/sources.list" -o Dir::Etc::SourceParts=/nonexistent
      -o "Dir::Etc::Preferences=$A/etc/preferences" -o "Dir::Etc::PreferencesParts=$A/etc/preferences.d"

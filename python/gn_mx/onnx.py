@@ -435,7 +435,13 @@ def convert_dbn_inference(node, **kwargs):
     yg = b.op("MatMul", [p, b.reshape(xc, view)])                         # (N, G, D, S)
     if gamma is not None:
         yg = _per_channel_affine(b, b.reshape(yg, b.op("Shape", [x3])), gamma, beta, gdt, bdt, cdt)
-    y = b.reshape(yg, b.op("Shape", [x]))
+    return _single_output(b, yg, x, cdt, xdt)
+
+
+def _single_output(b, y, x, cdt, xdt):
+    """A one-output converter's end: ``y`` (compute dtype ``cdt``) in ``x``'s shape, cast back to
+    ``xdt`` as the node's output; the exporter's (nodes, output dtypes)."""
+    y = b.reshape(y, b.op("Shape", [x]))
     b.cast(y, cdt, xdt, b.name)
     return b.nodes, (xdt,)
 
@@ -449,9 +455,7 @@ def convert_channel_affine(node, **kwargs):
     cdt = _compute_dtype(xdt) if gdt != xdt else xdt
     x3 = b.reshape(b.cast(x, xdt, cdt), [0, 0, -1])
     y3 = _per_channel_affine(b, x3, gamma, beta, gdt, bdt, cdt)
-    y = b.reshape(y3, b.op("Shape", [x]))
-    b.cast(y, cdt, xdt, b.name)
-    return b.nodes, (xdt,)
+    return _single_output(b, y3, x, cdt, xdt)
 
 
 @_register("gn_weight_standardize")

@@ -52,6 +52,17 @@ const char* file_name(const char* path) {
   return slash ? slash + 1 : path;
 }
 
+// The one wording of GPU work that failed while running, found by GNMX_CUDA_SYNC's synchronization
+// (`what`: the work, `after`: what the mode synchronizes after), in the calling thread's buffer.
+const char* failed_while_running(const char* what, cudaError_t e, bool sticky, const char* after) {
+  thread_local char buf[640];
+  std::snprintf(buf, sizeof buf,
+                "%s failed while running: %s (%s) (GNMX_CUDA_SYNC=1 synchronizes after %s).%s",
+                what, cudaGetErrorName(e), cudaGetErrorString(e), after,
+                sticky ? kStickyAdvice : "");
+  return buf;
+}
+
 }  // namespace
 
 const char* cuda_check_launch(const char* file, int line) {
@@ -62,13 +73,9 @@ const char* cuda_check_launch(const char* file, int line) {
   if (e == cudaSuccess) return nullptr;
   (void)cudaGetLastError();
   const bool sticky = sticky_error(nullptr) != cudaSuccess;
-  thread_local char buf[640];
-  std::snprintf(buf, sizeof buf,
-                "the kernel launched at %s:%d failed while running: %s (%s) (GNMX_CUDA_SYNC=1 "
-                "synchronizes after every gn_mx kernel).%s",
-                file_name(file), line, cudaGetErrorName(e), cudaGetErrorString(e),
-                sticky ? kStickyAdvice : "");
-  return buf;
+  char where[320];
+  std::snprintf(where, sizeof where, "the kernel launched at %s:%d", file_name(file), line);
+  return failed_while_running(where, e, sticky, "every gn_mx kernel");
 }
 
 const char* cuda_op_prologue(int dev_id, void* stream) {
@@ -105,12 +112,7 @@ const char* cuda_op_epilogue(void* stream) {
   if (e == cudaSuccess) return nullptr;
   (void)cudaGetLastError();
   const bool sticky = sticky_error(stream) != cudaSuccess;
-  thread_local char buf[640];
-  std::snprintf(buf, sizeof buf,
-                "its GPU work failed while running: %s (%s) (GNMX_CUDA_SYNC=1 synchronizes after "
-                "each op).%s",
-                cudaGetErrorName(e), cudaGetErrorString(e), sticky ? kStickyAdvice : "");
-  return buf;
+  return failed_while_running("its GPU work", e, sticky, "each op");
 }
 
 int cuda_runtime_built_version() { return CUDART_VERSION; }

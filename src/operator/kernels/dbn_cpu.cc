@@ -156,6 +156,21 @@ void run_stages(const PanelGeo& q, bool per_group, int64_t gb, int prof, P1&& pa
   }
 }
 
+// A training pass (FwdPass, BwdPass) over its team: the schedule of its data type T (group_block,
+// use_per_group), each thread's Tls, then run_stages with the pass's three member stages.
+// The stages are template arguments (member pointers known at compile time: direct calls).
+template <typename T, auto kPass1, auto kStep, auto kPass2, class Pass>
+void run_team(const Pass& p, int prof) {
+  const int64_t gb = group_block(p.q, sizeof(T), p.nt);
+  const bool per_group = use_per_group(p.q, sizeof(T), p.nt);
+#pragma omp parallel num_threads(p.nt)
+  {
+    const auto s = p.tls(threads::thread_id());
+    run_stages(p.q, per_group, gb, prof, [&](int64_t it) { (p.*kPass1)(s, it); },
+               [&](int64_t g) { (p.*kStep)(s, g); }, [&](int64_t it) { (p.*kPass2)(s, it); });
+  }
+}
+
 // ---- IterNorm scratch ---------------------------------------------------------------------------
 // One thread's IterNorm state (dbn_math.h's DbnIterScratch): its matrices in S (float when
 // dbn_iternorm_fp32, else double; bytes `s`) and its doubles `d`, carved per thread. keep: the
@@ -433,18 +448,11 @@ struct FwdPass {
   }
 
   const char* run() {
-    const int64_t gb = group_block(q, sizeof(T), nt);
-    const bool per_group = use_per_group(q, sizeof(T), nt);
     // Zeroed up front: a team smaller than nt must still leave every partial state defined.
     std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
     std::fill(L.tmean, L.tmean + nt * q.G * D, 0.0);
     std::fill(L.tcnt, L.tcnt + nt * q.G, 0.0);
-#pragma omp parallel num_threads(nt)
-    {
-      const Tls s = tls(threads::thread_id());
-      run_stages(q, per_group, gb, 1, [&](int64_t it) { stats_chunk(s, it); },
-                 [&](int64_t g) { finish_group(s, g); }, [&](int64_t it) { whiten_chunk(s, it); });
-    }
+    run_team<T, &FwdPass::stats_chunk, &FwdPass::finish_group, &FwdPass::whiten_chunk>(*this, 1);
     return nullptr;
   }
 };
@@ -652,16 +660,9 @@ struct BwdPass {
   }
 
   const char* run() {
-    const int64_t gb = group_block(q, sizeof(T), nt);
-    const bool per_group = use_per_group(q, sizeof(T), nt);
     std::fill(L.acc, L.acc + nt * q.G * DD, 0.0);
     std::fill(L.dysum, L.dysum + nt * q.G * D, 0.0);
-#pragma omp parallel num_threads(nt)
-    {
-      const Tls s = tls(threads::thread_id());
-      run_stages(q, per_group, gb, 4, [&](int64_t it) { gram_chunk(s, it); },
-                 [&](int64_t g) { group_step(s, g); }, [&](int64_t it) { apply_chunk(s, it); });
-    }
+    run_team<T, &BwdPass::gram_chunk, &BwdPass::group_step, &BwdPass::apply_chunk>(*this, 4);
     return nullptr;
   }
 };

@@ -299,13 +299,8 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
     return e;
   }
   if (a.whitening == DbnWhitening::kIterNorm) {
-    IterArgs<A> it{};
-    it.scratch = w.scratch;
-    it.spg = spg;
-    it.D = D;
-    it.T = a.iterations;
-    it.bwd = false;
-    it.m = static_cast<double>(q.m);
+    IterArgs<A> it = iter_args<A>(w.scratch, spg, D, a.iterations, false,
+                                  static_cast<double>(q.m), w.W, a.param_dtype, a.gamma);
     it.momentum = a.momentum;
     it.eigvec = static_cast<A*>(a.eigvec);
     it.eigval = static_cast<A*>(a.eigval);
@@ -315,9 +310,6 @@ const char* fwd_impl(const DbnFwdArgs& a, cudaStream_t st) {
     it.running_proj = a.running_proj;
     it.bias = w.bias;
     it.beta = a.beta;
-    it.Wout = w.W;
-    it.param_dtype = a.param_dtype;
-    it.gamma = a.gamma;
     if (const char* e = launch_iternorm(it, a.dtype, q.G, st)) return e;
   }
   return launch_apply<T, false>(q, x, mean, w.W, nullptr, nullptr, nullptr,
@@ -344,16 +336,8 @@ const char* bwd_impl(const DbnBwdArgs& a, cudaStream_t st) {
       a.dgamma, a.dbeta, a.whitening, a.iterations, spg);
   GN_CUDA_CHECK_LAUNCH();
   if (a.whitening == DbnWhitening::kIterNorm) {
-    IterArgs<A> it{};
-    it.scratch = w.scratch;
-    it.spg = spg;
-    it.D = D;
-    it.T = a.iterations;
-    it.bwd = true;
-    it.m = static_cast<double>(q.m);
-    it.Wout = w.W;
-    it.param_dtype = a.param_dtype;
-    it.gamma = a.gamma;
+    IterArgs<A> it = iter_args<A>(w.scratch, spg, D, a.iterations, true,
+                                  static_cast<double>(q.m), w.W, a.param_dtype, a.gamma);
     it.Bout = w.B;
     it.dgamma = a.dgamma;
     if (const char* e = launch_iternorm(it, a.dtype, q.G, st)) return e;

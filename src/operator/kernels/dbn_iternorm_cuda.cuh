@@ -47,6 +47,24 @@ struct IterArgs {
   void* dgamma;
 };
 
+// The fields both directions set (the groups' scratch, sizes, W's output, gamma); the forward adds
+// its outputs and running statistics, the backward Bout and dgamma.
+template <typename A>
+IterArgs<A> iter_args(double* scratch, int64_t spg, int D, int T, bool bwd, double m, A* Wout,
+                      DType param_dtype, const void* gamma) {
+  IterArgs<A> it{};
+  it.scratch = scratch;
+  it.spg = spg;
+  it.D = D;
+  it.T = T;
+  it.bwd = bwd;
+  it.m = m;
+  it.Wout = Wout;
+  it.param_dtype = param_dtype;
+  it.gamma = gamma;
+  return it;
+}
+
 template <typename A, typename S>
 __global__ void __launch_bounds__(kBlock, kOneBlockPerSm)
 iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {

@@ -317,6 +317,14 @@ __device__ void block_jacobi(double* A, int lda, double* Ut, int ldu, int D, dou
   }
 }
 
+// Entry e (of E per group) of group g's gram partials, summed over its `chunks` in chunk order.
+__device__ __forceinline__ double sum_chunks(const double* __restrict__ part, int64_t chunks,
+                                             int64_t g, int E, int e) {
+  double s = 0.0;
+  for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+  return s;
+}
+
 // Sigma = (sum of the group's gram partials) / m + eps I into A (row stride ld). Returns 1 when
 // every entry is finite, 0 otherwise (the same on every thread of the block).
 __device__ int eig_load_sigma(const double* __restrict__ part, int64_t chunks, int64_t g, int D,
@@ -324,9 +332,7 @@ __device__ int eig_load_sigma(const double* __restrict__ part, int64_t chunks, i
   const int DD = D * D;
   int finite = 1;
   for (int e = threadIdx.x; e < DD; e += blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * DD + e];
-    s /= m;
+    double s = sum_chunks(part, chunks, g, DD, e) / m;
     const int i = e / D, j = e - i * D;
     if (i == j) s += eps;
     A[i * ld + j] = s;
@@ -460,8 +466,7 @@ bwd_small_kernel(const double* __restrict__ part, int64_t chunks, int D, double 
   double* Ut = Tm + 2 * DD;
   double* W = Ut + DD;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+    const double s = sum_chunks(part, chunks, g, E, e);
     if (e < DD) {
       GW[e] = s;
       U[e] = static_cast<double>(eigvec[g * DD + e]);
@@ -504,8 +509,7 @@ affine_grad_kernel(const double* __restrict__ part, int64_t chunks, int D, DType
   double* P = scratch + g * 2 * DD;
   double* Gs = P + DD;
   for (int e = threadIdx.x; e < E; e += blockDim.x) {
-    double s = 0.0;
-    for (int64_t c = 0; c < chunks; ++c) s += part[(g * chunks + c) * E + e];
+    const double s = sum_chunks(part, chunks, g, E, e);
     if (e < DD) {
       Gs[e] = s;
       P[e] = dbn_load_stat(stat_dtype, running_proj, g * DD + e);

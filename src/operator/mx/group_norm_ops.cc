@@ -237,25 +237,12 @@ MXReturnValue gn_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const MXTensor& x = (*in)[kBData];
     const Device dev = device_of(kGroupNorm, x, res);
     const GroupDims gs = data_groups(kGroupNorm, x.shape, p.num_groups, p.axis);
-    const int acc = mx_acc_dtype(x.dtype);
-    check_grad_dtype(kGroupNorm, (*in)[kBdOut], x.dtype, "out");
-    check_grad_dtype(kGroupNorm, (*in)[kBdMean], acc, "mean");
-    check_grad_dtype(kGroupNorm, (*in)[kBdRstd], acc, "rstd");
-    GroupNormBwdArgs a;
-    a.dtype = to_dtype(x.dtype);
-    a.param_dtype = to_dtype((*in)[kBGamma].dtype);
-    a.dy = (*in)[kBdOut].data_ptr;
-    a.dmean = (*in)[kBdMean].data_ptr;
-    a.drstd = (*in)[kBdRstd].data_ptr;
-    a.x = x.data_ptr;
-    a.mean = (*in)[kBMean].data_ptr;
-    a.rstd = (*in)[kBRstd].data_ptr;
-    a.gamma = (*in)[kBGamma].data_ptr;
+    static_assert(kBdOut == 0 && kBdMean == 1 && kBdRstd == 2 && kBData == 3 && kBGamma == 4 &&
+                      kBRstd == kBMean + 1 && kAffData == 0 && kAffGamma == 1,
+                  "gn_bwd_args's input / output order");
+    GroupNormBwdArgs a = gn_bwd_args(kGroupNorm, *in, *out, kBMean, gs);
     a.beta = (*in)[kBBeta].data_ptr;
-    a.dx = (*out)[kAffData].data_ptr;
-    a.dgamma = (*out)[kAffGamma].data_ptr;
     a.dbeta = (*out)[kAffBeta].data_ptr;
-    a.dims = gs;
     a.eps = p.eps;
     a.act = p.act;
     run(kGroupNorm, dev, kGnBwdKernel, a);

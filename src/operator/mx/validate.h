@@ -8,6 +8,7 @@
  *   shapes filled in from data (Gluon's deferred initialization); tensors re-checked at run time.
  * - data_shape_unknown(): the data shape an inferShape starts from; a zero-size array under the
  *   NumPy interface is refused there (see below).
+ * - gn_bwd_args(): the checked kernel arguments of a backward on the GroupNorm kernels.
  * Shape and type inference run these, so a bad call fails at the call site; forward/backward
  * re-check only what they index with.
  */
@@ -18,6 +19,7 @@
 #include <vector>
 
 #include "tensors.h"
+#include "../kernels/group_norm.h"
 
 namespace gn_mx {
 namespace mxa {
@@ -135,6 +137,35 @@ inline void infer_affine_param_shapes(const char* op, std::vector<std::vector<un
 inline void check_param_tensor(const char* op, const MXTensor& t, const GroupDims& gs, int i) {
   if (t.shape.size() != 1 || t.shape[0] != gs.C)
     fail(op, ": ", affine_input_name(i), " must have shape (", gs.C, ",); got ", shape_str(t.shape));
+}
+
+// The GroupNormBwdArgs of a backward on the GroupNorm kernels (gn_group_norm's, gn_weight_
+// standardize's), whose inputs are [d out, d mean, d rstd, data, gamma, ...] with the forward's mean
+// and rstd at in[mean_at], in[mean_at + 1], and whose outputs start [d data, d gamma]: the output
+// gradients' dtypes checked (the op's messages). beta / dbeta / eps / act are the caller's.
+inline GroupNormBwdArgs gn_bwd_args(const char* op, const std::vector<MXTensor>& in,
+                                    const std::vector<MXTensor>& out, int mean_at,
+                                    const GroupDims& dims) {
+  enum { kdOut = 0, kdMean, kdRstd, kData, kGamma };
+  const MXTensor& x = in[kData];
+  const int acc = mx_acc_dtype(x.dtype);
+  check_grad_dtype(op, in[kdOut], x.dtype, "out");
+  check_grad_dtype(op, in[kdMean], acc, "mean");
+  check_grad_dtype(op, in[kdRstd], acc, "rstd");
+  GroupNormBwdArgs a;
+  a.dtype = to_dtype(x.dtype);
+  a.param_dtype = to_dtype(in[kGamma].dtype);
+  a.dy = in[kdOut].data_ptr;
+  a.dmean = in[kdMean].data_ptr;
+  a.drstd = in[kdRstd].data_ptr;
+  a.x = x.data_ptr;
+  a.mean = in[mean_at].data_ptr;
+  a.rstd = in[mean_at + 1].data_ptr;
+  a.gamma = in[kGamma].data_ptr;
+  a.dx = out[0].data_ptr;
+  a.dgamma = out[1].data_ptr;
+  a.dims = dims;
+  return a;
 }
 
 }  // namespace mxa

@@ -179,25 +179,12 @@ MXReturnValue ws_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vecto
     const MXTensor& w = (*in)[kWsBWeight];
     const Device dev = device_of(kWs, w, res);
     const GroupDims d = weight_rows(w.shape);
-    const int acc = mx_acc_dtype(w.dtype);
-    check_grad_dtype(kWs, (*in)[kWsBdOut], w.dtype, "out");
-    check_grad_dtype(kWs, (*in)[kWsBdMean], acc, "mean");
-    check_grad_dtype(kWs, (*in)[kWsBdRstd], acc, "rstd");
-    GroupNormBwdArgs a;
-    a.dtype = to_dtype(w.dtype);
-    a.param_dtype = to_dtype((*in)[kWsBGain].dtype);
-    a.dy = (*in)[kWsBdOut].data_ptr;
-    a.dmean = (*in)[kWsBdMean].data_ptr;
-    a.drstd = (*in)[kWsBdRstd].data_ptr;
-    a.x = w.data_ptr;
-    a.mean = (*in)[kWsBMean].data_ptr;
-    a.rstd = (*in)[kWsBRstd].data_ptr;
-    a.gamma = (*in)[kWsBGain].data_ptr;
+    static_assert(kWsBdOut == 0 && kWsBdMean == 1 && kWsBdRstd == 2 && kWsBWeight == 3 &&
+                      kWsBGain == 4 && kWsBRstd == kWsBMean + 1 && kWsWeight == 0 && kWsGain == 1,
+                  "gn_bwd_args's input / output order");
+    GroupNormBwdArgs a = gn_bwd_args(kWs, *in, *out, kWsBMean, d);
     a.beta = nullptr;  // read only with a fused activation (none here)
-    a.dx = (*out)[kWsWeight].data_ptr;
-    a.dgamma = (*out)[kWsGain].data_ptr;
     a.dbeta = nullptr;
-    a.dims = d;
     a.eps = eps;
     run(kWs, dev, kWsBwdKernel, a);
     return MX_SUCCESS;
