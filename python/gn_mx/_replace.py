@@ -18,8 +18,8 @@ inference; nothing runs), or is left to the new layer's deferred initialization.
 import mxnet as mx
 from mxnet import gluon
 
-from . import _compat
-from ._convert import _param_state, _replace_child, _walk
+from . import _blocktree, _compat
+from ._blocktree import param_state as _param_state
 from .nn import DecorrelatedBatchNorm, GroupNorm
 
 __all__ = ["replace_norm", "ReplacementReport"]
@@ -92,8 +92,8 @@ def _input_shapes(block, sample_shape, layers):
         if any(_param_state(p) == "none" for p in block.collect_params().values()):
             raise ValueError("replace_norm: sample= on a non-hybrid Block runs one forward, which "
                              "needs an initialized block: call initialize() first")
-        blocks = [block] + [c for _, _, c, _ in _walk(block)]
-        active = [(b, b._active) for b in blocks if isinstance(b, gluon.HybridBlock)]
+        active = [(b, b._active) for b in _blocktree.blocks(block)
+                  if isinstance(b, gluon.HybridBlock)]
         try:
             for b, _ in active:
                 b._active = False
@@ -285,11 +285,9 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
     """
     rule, value, include = _checked_arguments(norm, num_groups, group_size, include, norm_kwargs)
 
-    root = block
-    if _kind(block) is not None:  # the block itself is a norm layer: wrap it for the walk
-        root = gluon.nn.HybridSequential(prefix="")
-        root._children["0"] = block
-    found = [(parent, key, child, path, _kind(child)) for parent, key, child, path in _walk(root)]
+    root = _blocktree.root_holder(block, lambda b: _kind(b) is not None)
+    found = [(parent, key, child, path, _kind(child))
+             for parent, key, child, path in _blocktree.walk(root)]
     found = [f for f in found if f[4] in include]
     shapes = {}
     if sample is not None and found:
@@ -312,12 +310,10 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
                          f"{len(errors)} layer(s) cannot be replaced:\n  " + "\n  ".join(errors))
     for parent, key, child, path, kind, c, grouping in todo:
         new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
-        _replace_child(parent, key, child, new)
+        _blocktree.replace_child(parent, key, child, new)
         report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}"))
-    for b in [root] + [c for _, _, c, _ in _walk(root)]:
-        if isinstance(b, gluon.HybridBlock):
-            _compat.clear_cached_op(b)
-    result = root._children["0"] if root is not block else block
+    _blocktree.clear_hybrid_caches(root)
+    result = _blocktree.unwrap(root, block)
     result.gn_mx_report = report
     if verbose:
         print(report)
