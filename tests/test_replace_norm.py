@@ -332,3 +332,111 @@ def test_non_hybrid_block_with_sample():
     gn_mx.replace_norm(net, group_size=4, sample=(2, 3, 4, 4))
     assert isinstance(net.bn, gn_mx.GroupNorm) and net.bn._num_groups == 3
     assert net(mx.nd.ones((2, 3, 4, 4))).shape == (2, 12, 4, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inside SymbolBlocks (issue 40.1): the graph's BatchNorm nodes become gn_group_norm nodes
+
+def _graph_ops(block):
+    return [n["op"] for n in json.loads(block._cached_graph[1].tojson())["nodes"]]
+
+
+def test_symbolblock_imports_of_model_zoo_net_matches_the_block_path(tmp_path):
+    """SymbolBlock.imports of an exported ResNet-18: one replace_norm call replaces all 20
+    BatchNorm nodes (the block walk alone saw none), the output equals the same net converted
+    block by block (same values through another path), it trains, and export + fresh-process
+    reload gives the same output with no BatchNorm and no running statistics left."""
+    net = vision.resnet18_v1(classes=10)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    rs = np.random.RandomState(0)
+    x = mx.nd.array(rs.randn(2, 3, 32, 32))
+    net(x)
+    prefix = str(tmp_path / "bn")
+    net.export(prefix)
+    sb = gluon.SymbolBlock.imports(prefix + "-symbol.json", ["data"], prefix + "-0000.params")
+    assert _graph_ops(sb).count("BatchNorm") == 20
+    out = gn_mx.replace_norm(sb)
+    rep = sb.gn_mx_report
+    assert out is sb and len(rep.replaced) == 20 and rep.left == [], rep
+    assert rep.replaced[0] == ("resnetv10_batchnorm0_fwd",
+                               "BatchNorm(C=64) node -> gn_group_norm(num_groups=32, eps=1e-05)")
+    assert "BatchNorm" not in _graph_ops(sb) and _graph_ops(sb).count("gn_group_norm") == 20
+    names = list(sb.collect_params().keys())
+    assert not [k for k in names if "running" in k], names
+    want = gn_mx.replace_norm(net)(x)  # the block path, same gamma/beta values (copy_affine)
+    np.testing.assert_allclose(sb(x).asnumpy(), want.asnumpy(), rtol=1e-5, atol=1e-6)
+    sb.hybridize()
+    losses = _train(sb, x, mx.nd.array([1, 3]), steps=3, lr=0.0005)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert _batch_independent(sb, x) < 1e-4
+    _export_and_reload(sb, x, tmp_path, {"gn_group_norm": 20})
+
+
+def _conv_bn_symbolblock(channels=4, **bn_attrs):
+    data = mx.sym.var("data")
+    y = mx.sym.Convolution(data, num_filter=channels, kernel=(3, 3), pad=(1, 1), name="conv")
+    y = mx.sym.BatchNorm(y, name="bn", **bn_attrs)
+    sb = gluon.SymbolBlock(mx.sym.relu(y, name="out"), data)
+    sb.initialize(mx.init.Normal(1.0))
+    sb(mx.nd.zeros((1, 3, 5, 5)))
+    return sb
+
+
+def _group_norm_f64(x, groups, gamma, beta, eps):
+    n, c = x.shape[:2]
+    g = x.astype(np.float64).reshape(n, groups, -1)
+    y = (g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + eps)
+    return y.reshape(x.shape) * gamma.reshape(1, c, 1, 1) + beta.reshape(1, c, 1, 1)
+
+
+@pytest.mark.parametrize("fix_gamma", [False, True])
+@pytest.mark.parametrize("copy_affine", [True, False])
+def test_symbolblock_node_against_float64_group_norm(fix_gamma, copy_affine):
+    """The rewritten node is GroupNorm on the old gamma/beta (ones when the BatchNorm fixed its
+    gamma; ones / zeros without copy_affine), against a float64 reference."""
+    sb = _conv_bn_symbolblock(fix_gamma=fix_gamma, eps=1e-3)
+    gamma, beta = sb.params.get("bn_gamma"), sb.params.get("bn_beta")
+    g0, b0 = gamma.data().asnumpy(), beta.data().asnumpy()
+    gn_mx.replace_norm(sb, num_groups=2, copy_affine=copy_affine)
+    assert sb.gn_mx_report.replaced == [
+        ("bn", "BatchNorm(C=4) node -> gn_group_norm(num_groups=2, eps=0.001)")]
+    assert sorted(sb.collect_params().keys()) == ["bn_beta", "bn_gamma", "conv_bias",
+                                                  "conv_weight"]
+    g_want = np.ones(4) if fix_gamma or not copy_affine else g0
+    b_want = b0 if copy_affine else np.zeros(4)
+    assert (gamma.grad_req == "null") == fix_gamma
+    x = mx.nd.array(np.random.RandomState(1).randn(2, 3, 5, 5))
+    conv = mx.nd.Convolution(x, sb.params.get("conv_weight").data(),
+                             sb.params.get("conv_bias").data(), num_filter=4, kernel=(3, 3),
+                             pad=(1, 1)).asnumpy()
+    want = np.maximum(_group_norm_f64(conv, 2, g_want, b_want, 1e-3), 0)
+    np.testing.assert_allclose(sb(x).asnumpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_symbolblock_nodes_that_stay_or_cannot_be_divided():
+    sb = _conv_bn_symbolblock(channels=6)
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNorm node\): C=6 is not divisible by "
+                                         r"num_groups=4"):
+        gn_mx.replace_norm(sb, num_groups=4)
+    assert "BatchNorm" in _graph_ops(sb)  # nothing changed
+    gn_mx.replace_norm(sb, norm=gn_mx.DecorrelatedBatchNorm)
+    assert sb.gn_mx_report.left == [("bn", "BatchNorm node: inside a SymbolBlock only GroupNorm "
+                                           "replaces BatchNorm (DecorrelatedBatchNorm is not "
+                                           "supported there)")]
+    assert str(sb.gn_mx_report).splitlines()[0] == "gn_mx.replace_norm: 0 replaced, 1 left in place"
+    sb = _conv_bn_symbolblock(axis=3)
+    gn_mx.replace_norm(sb, num_groups=1)
+    assert "BatchNorm(axis=3) node" in sb.gn_mx_report.left[0][1]
+
+
+def test_symbolblock_as_a_child():
+    """A SymbolBlock inside a Gluon tree (GluonCV's FeatureExpander backbones) is found and its
+    nodes are reported under the child's path; the tree's own BatchNorm is replaced too."""
+    net = nn.HybridSequential()
+    net.add(_conv_bn_symbolblock(), nn.BatchNorm(in_channels=4))
+    net[1].initialize()
+    gn_mx.replace_norm(net, num_groups=2)
+    assert [p for p, _ in net.gn_mx_report.replaced] == ["1", "0:bn"]
+    net.hybridize()
+    assert net(mx.nd.ones((1, 3, 5, 5))).shape == (1, 4, 5, 5)

@@ -13,12 +13,14 @@ epsilon, ``center`` / ``scale``, initializers, dtype, ``lr_mult`` / ``wd_mult`` 
 momentum and ``use_global_stats``; with values present, gamma/beta are copied (``copy_affine``).
 BatchNorm's running statistics have no counterpart and are dropped. The channel count C comes from
 the layer's parameters (``in_channels`` or an earlier forward), from a ``sample=`` batch (a shape
-inference; nothing runs), or is left to the new layer's deferred initialization.
+inference; nothing runs), or is left to the new layer's deferred initialization. Inside a
+``gluon.SymbolBlock`` (which has a graph, not child layers) the BatchNorm nodes of the graph are
+rewritten instead (``_symblock.py``).
 """
 import mxnet as mx
 from mxnet import gluon
 
-from . import _blocktree, _compat
+from . import _blocktree, _compat, _symblock
 from ._blocktree import param_state as _param_state
 from .nn import DecorrelatedBatchNorm, GroupNorm
 
@@ -220,7 +222,10 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
     by a ``gn_mx.GroupNorm`` or ``gn_mx.DecorrelatedBatchNorm``, in place.
 
     A change of the model, for training from scratch or fine-tuning (``gn_mx.convert`` is the exact
-    conversion of layers that already are GroupNorms). Every layer of an included kind is replaced
+    conversion of layers that already are GroupNorms). Inside a ``gluon.SymbolBlock`` (e.g.
+    ``SymbolBlock.imports``, GluonCV's FeatureExpander) the BatchNorm nodes of its graph become
+    ``gn_group_norm`` nodes on the same gamma/beta (GroupNorm only; reported as
+    ``'path:node name'``). Every layer of an included kind is replaced
     or listed in the report with the reason it stays (a normalized axis other than 1, a
     ``BatchNormReLU`` for DBN); a channel count that the grouping cannot divide is a ValueError
     naming every such layer, raised before anything is changed.
@@ -305,6 +310,13 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
             report.left.append((path, reason))
         else:
             todo.append((parent, key, child, path, kind, c, grouping))
+    sym_plans = []
+    for path, sb in _symblock.symbol_blocks(root):
+        plans, left, sym_errors = _symblock.plan(sb, path, (rule, value, norm.__name__), include,
+                                                 norm_kwargs)
+        sym_plans.append((sb, path, plans))
+        report.left += left
+        errors += sym_errors
     if errors:
         raise ValueError(f"replace_norm({norm.__name__}, {rule}={value}): "
                          f"{len(errors)} layer(s) cannot be replaced:\n  " + "\n  ".join(errors))
@@ -312,6 +324,9 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
         _blocktree.replace_child(parent, key, child, new)
         report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}"))
+    for sb, path, plans in sym_plans:
+        if plans:
+            _symblock.apply(sb, path, plans, copy_affine, report)
     _blocktree.clear_hybrid_caches(root)
     result = _blocktree.unwrap(root, block)
     result.gn_mx_report = report
