@@ -1,0 +1,103 @@
+"""GluonCV 0.10.5 models with gn_mx (issue 40: docs/guide/gluoncv.md and its table): each model of
+tests/gluoncv_worker.py's list is built with GroupNorm (norm_layer= or one replace_norm call: SSD
+and FPN Faster R-CNN have SymbolBlock backbones), trained one step on synthetic data with GluonCV's
+losses and target generators, exported with no BatchNorm left, and reloaded in a fresh process
+without GluonCV, with the same output.
+
+GluonCV is installed the way the guide says (``pip install gluoncv==0.10.5.post0 --no-deps`` and
+``portalocker``; a plain install would upgrade numpy to 2.x), into a folder beside the test venv
+(``<venv>/gnmx-gluoncv-0.10.5.post0``, made once and reused), put on the worker's PYTHONPATH only:
+the test venv itself stays without GluonCV. No pip or no network: the tests skip, saying so.
+"""
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from conftest import ROOT as _ROOT, run_python
+
+GLUONCV = "gluoncv==0.10.5.post0"
+SITE = Path(sys.prefix) / "gnmx-gluoncv-0.10.5.post0"
+ROOT = Path(_ROOT)
+WORKER = Path(__file__).with_name("gluoncv_worker.py")
+#: model -> gn_group_norm nodes of its export (every BatchNorm of the model replaced)
+EXPECTED = {
+    "resnet18_v1b": 20,
+    "ssd_512_resnet50_v1_coco": 61,
+    "faster_rcnn_fpn_resnet50_v1b_coco": 53,
+}
+
+
+@pytest.fixture(scope="module")
+def gluoncv_site():
+    if not (SITE / "gluoncv").is_dir():
+        tmp = SITE.with_name(SITE.name + f".tmp{os.getpid()}")
+        p = subprocess.run([sys.executable, "-m", "pip", "install", "-q",
+                            "--disable-pip-version-check", "--no-deps", "--target", str(tmp),
+                            GLUONCV, "portalocker"], capture_output=True, text=True, timeout=600)
+        if p.returncode != 0:
+            pytest.skip(f"pip could not install {GLUONCV}: {p.stderr.strip()[-300:]}")
+        if not SITE.exists():  # (another run may have made it meanwhile)
+            os.replace(tmp, SITE)
+    return SITE
+
+
+def _run_worker(site, model, out):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT / "tests")]))
+    env.setdefault("OMP_NUM_THREADS", "1")  # as run_python's reload
+    p = subprocess.run([sys.executable, str(WORKER), model, str(out)], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("model", sorted(EXPECTED))
+def test_model_trains_exports_reloads(gluoncv_site, model, tmp_path):
+    row = _run_worker(gluoncv_site, model, tmp_path)
+    print(json.dumps(row))
+    assert row["batch_norm"] == 0 and row["gn_group_norm"] == EXPECTED[model], row
+    if row["how"] == "replace_norm":
+        assert row["report"] == f"gn_mx.replace_norm: {EXPECTED[model]} replaced, 0 left in place"
+    assert all(np.isfinite(row["losses"])) and row["losses"][0] != row["losses"][1], row
+    detector = (tmp_path / "features.json").exists()
+    _reload_and_compare(tmp_path, None, "y", not detector)
+    if detector:
+        _reload_and_compare(tmp_path, json.loads((tmp_path / "features.json").read_text()),
+                            "features", True)
+
+
+def _reload_and_compare(d, internals, outputs, compare):
+    """Reload the exported d/model in a fresh process without GluonCV on its path (its
+    ``internals`` outputs instead of its heads, when given); its outputs for d/x.npy have
+    d/outputs.npz's shapes and (with compare) values."""
+    p = run_python(f"""
+        import numpy as np, mxnet as mx
+        import gn_mx
+        sym = mx.sym.load({str(d / 'model-symbol.json')!r})
+        if {internals!r} is not None:
+            sym = mx.sym.Group([sym.get_internals()[n] for n in {internals!r}])
+        blk = mx.gluon.SymbolBlock(sym, mx.sym.var('data'))
+        blk.collect_params().load({str(d / 'model-0000.params')!r}, ignore_extra=True)
+        y = blk(mx.nd.array(np.load({str(d / 'x.npy')!r})))
+        y = [y] if isinstance(y, mx.nd.NDArray) else y
+        want = np.load({str(d / (outputs + '.npz'))!r})
+        assert len(y) == len(want.files), (len(y), want.files)
+        for i, a in enumerate(y):
+            a, w = a.asnumpy(), want['arr_%d' % i]
+            assert a.shape == w.shape, (i, a.shape, w.shape)
+            err = np.abs(a - w).max()
+            assert not {compare} or err <= 1e-5 * max(1.0, np.abs(w).max()), (i, err)
+        print('OK', len(y))
+    """)
+    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr[-3000:]
+
+
+def test_guide_table_lists_the_tested_models():
+    text = (ROOT / "docs" / "guide" / "gluoncv.md").read_text()
+    rows = re.findall(r"^\| `([\w.]+)` \|", text, flags=re.M)
+    assert sorted(rows) == sorted(EXPECTED), rows
