@@ -26,6 +26,7 @@ from gluoncv import model_zoo  # noqa: E402
 from gluoncv.loss import MixSoftmaxCrossEntropyLoss, SSDMultiBoxLoss  # noqa: E402
 from gluoncv.model_zoo.rcnn.rpn.rpn_target import RPNTargetGenerator  # noqa: E402
 from gluoncv.model_zoo.ssd.target import SSDTargetGenerator  # noqa: E402
+from gluoncv.model_zoo.yolo.yolo_target import YOLOV3PrefetchTargetGenerator  # noqa: E402
 
 SIZE = 128  # input height = width: tiny, the CI cost is the point
 BOXES = mx.nd.array([[[8.0, 12.0, 80.0, 100.0], [40.0, 20.0, 120.0, 60.0]]])  # (1, M, 4), pixels
@@ -49,6 +50,16 @@ def _ssd(net, x):
     return losses[0][0]
 
 
+def _yolo(net, x):
+    net.hybridize()  # (re-trace at each change of arguments: GluonCV's YOLOv3 takes 1 or 7)
+    with autograd.pause(train_mode=True):  # anchors, offsets, feature maps for the targets
+        _, anchors, offsets, feat_maps = net(x)[:4]
+        targets = YOLOV3PrefetchTargetGenerator(num_class=len(net.classes))(
+            x, feat_maps, anchors, offsets, BOXES, LABELS, None)
+    net.hybridize()
+    return sum(net(x, BOXES, *targets))
+
+
 def _rcnn(net, x):
     (cls_pred, box_pred, _, _, _, rpn_score, rpn_box, anchors, cls_t, box_t, box_m,
      _) = net(x, BOXES, LABELS)[:12]
@@ -70,12 +81,26 @@ def _rcnn(net, x):
 #: model name -> (how GroupNorm gets in, loss function of the training step)
 MODELS = {
     "resnet18_v1b": ("norm_layer", _classification),
-    "yolo3_mobilenet1.0_coco": ("replace_norm", None),
+    "yolo3_mobilenet1.0_coco": ("replace_norm", _yolo),
     "fcn_resnet50_ade": ("replace_norm", _segmentation),
     "ssd_512_resnet50_v1_coco": ("replace_norm", _ssd),
     "faster_rcnn_resnet50_v1b_coco": ("replace_norm", _rcnn),
     "faster_rcnn_fpn_resnet50_v1b_coco": ("replace_norm", _rcnn),
 }
+
+
+def _small_rcnn(net):
+    """Proposal and RoI counts for a tiny image: the defaults exceed its anchors; 128 RoIs
+    through a C4 model's last ResNet stage are most of its cost (FPN: its own counts are kept,
+    fewer gave RoI features of 1e25)."""
+    net.rpn._train_pre_nms = net.rpn._test_pre_nms = 900
+    net.rpn._test_post_nms = net._rpn_test_post_nms = 32
+    net.rpn._train_post_nms = 512
+    if net.top_features is not None:
+        net.rpn._train_post_nms = net.sampler._num_proposal = 128
+        net._num_sample = net.sampler._num_sample = 16
+        net.sampler._max_pos = net.target_generator._max_pos = 4
+        net.target_generator._box_encoder._max_pos = 4
 
 
 def build(name):
@@ -86,15 +111,15 @@ def build(name):
         kw.update(norm_layer=gn_mx.GroupNorm, norm_kwargs={"num_groups": 32})
     else:
         kw["pretrained_base"] = False
+    if name.startswith("fcn"):
+        kw.update(crop_size=SIZE, base_size=SIZE)
     net = model_zoo.get_model(name, **kw)
     report = "(norm_layer=gn_mx.GroupNorm)"
     if how == "replace_norm":
         net = gn_mx.replace_norm(net)
         report = str(net.gn_mx_report).splitlines()[0]
-    if hasattr(net, "rpn"):  # proposal counts for a tiny image (the defaults exceed its anchors)
-        net.rpn._train_pre_nms = net.rpn._test_pre_nms = 900
-        net.rpn._train_post_nms = 512
-        net.rpn._test_post_nms = net._rpn_test_post_nms = 100
+    if hasattr(net, "rpn"):
+        _small_rcnn(net)
     for pname, p in net.collect_params().items():  # a SymbolBlock's parameters have no init
         if p.init is None and pname.endswith(("gamma", "beta", "bias")):
             p.init = mx.init.One() if pname.endswith("gamma") else mx.init.Zero()
@@ -139,7 +164,7 @@ def main(name, out_dir):
     net.hybridize()  # re-trace: inference takes other arguments than R-CNN training
     y = net(x)
     y = [y] if isinstance(y, mx.nd.NDArray) else list(y)
-    if len(y) == 3:  # a detector: (ids, scores, boxes); see _save_backbone
+    if len(y) == 3 and hasattr(net, "features"):  # a two-part detector; see _save_backbone
         _save_backbone(net, x, out_dir)
     prefix = f"{out_dir}/model"
     net.export(prefix)

@@ -28,6 +28,9 @@ WORKER = Path(__file__).with_name("gluoncv_worker.py")
 #: model -> gn_group_norm nodes of its export (every BatchNorm of the model replaced)
 EXPECTED = {
     "resnet18_v1b": 20,
+    "yolo3_mobilenet1.0_coco": 47,
+    "fcn_resnet50_ade": 57,
+    "faster_rcnn_resnet50_v1b_coco": 53,
     "ssd_512_resnet50_v1_coco": 61,
     "faster_rcnn_fpn_resnet50_v1b_coco": 53,
 }
