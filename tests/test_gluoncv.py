@@ -104,3 +104,18 @@ def test_guide_table_lists_the_tested_models():
     text = (ROOT / "docs" / "guide" / "gluoncv.md").read_text()
     rows = re.findall(r"^\| `([\w.]+)` \|", text, flags=re.M)
     assert sorted(rows) == sorted(EXPECTED), rows
+
+
+def test_example_trains_a_groupnorm_detector(gluoncv_site, tmp_path):
+    """examples/train_gn_detector.py, two steps: converts, trains, exports with no BatchNorm and
+    reloads to the same top box."""
+    env = dict(os.environ, PYTHONPATH=str(gluoncv_site), OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, str(ROOT / "examples" / "train_gn_detector.py"),
+                        "--steps", "2", "--out", str(tmp_path / "ssd")], capture_output=True,
+                       text=True, timeout=600, env=env, cwd=ROOT)
+    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
+    out = p.stdout
+    assert "gn_mx.replace_norm: 61 replaced, 0 left in place" in out, out
+    assert ": 0 BatchNorm nodes;" in out, out
+    top = re.search(r"top detection (\[[^\]]*\]).*reloaded: (\[[^\]]*\])", out)
+    assert top and top.group(1) == top.group(2), out
