@@ -151,7 +151,7 @@ def test_mobilenet_group_size_needs_divisible_channels():
     assert "replace_norm(GroupNorm, num_groups=32): 4 layer(s) cannot be replaced" in msg, msg
     assert "'features.1' (BatchNorm 'mobilenet" in msg and "C=8 is not divisible by num_groups=32" \
         in msg, msg
-    assert "C=16 is not divisible" in msg, msg
+    assert "C=16 is not divisible" in msg and "divide it: 1, 2, 4, 8, 16;" in msg, msg
     assert len(_norms(net, nn.BatchNorm)) == 27 and not _norms(net, gn_mx.GroupNorm)
     # a group size divides every layer; C from the sample, so GroupNorm gets C / 8 groups
     gn_mx.replace_norm(net, group_size=8, sample=(1, 3, 32, 32))
@@ -163,12 +163,49 @@ def test_mobilenet_group_size_needs_divisible_channels():
     assert net(mx.nd.ones((2, 3, 32, 32))).shape == (2, 10)
 
 
-def test_group_size_with_unknown_channels_is_an_error():
+def test_group_size_channels_from_the_graph_or_an_error():
+    """Without sample=, a HybridBlock's channel counts are read from its traced graph (the
+    convolution feeding each layer), so group_size works before initialize(); a plain Block has
+    no graph: the error says what to pass."""
     net = vision.resnet18_v1(classes=10)
+    gn_mx.replace_norm(net, group_size=16)
+    groups = [b._num_groups for b in _norms(net, gn_mx.GroupNorm)]
+    assert len(groups) == 20 and groups[0] == 4 and groups[-1] == 32, groups
+    net.initialize()
+    assert net(mx.nd.ones((1, 3, 32, 32))).shape == (1, 10)
+    assert {b.gamma.shape[0] // b._num_groups for b in _norms(net, gn_mx.GroupNorm)} == {16}
+    plain = nn.Sequential()
+    plain.add(nn.Dense(8), nn.BatchNorm())
     with pytest.raises(ValueError, match="the channel count is unknown, so group_size=16 gives "
                                          "no num_groups: pass sample="):
-        gn_mx.replace_norm(net, group_size=16)
-    assert len(_norms(net, nn.BatchNorm)) == 20
+        gn_mx.replace_norm(plain, group_size=16)
+    assert len(_norms(plain, nn.BatchNorm)) == 1
+
+
+def test_mobilenet_default_names_every_narrow_layer_up_front_and_fit_groups_converts():
+    """mobilenet0_25 with the default num_groups=32, before initialize() and without sample=:
+    one ValueError naming all four narrow layers with the valid num_groups (C from the traced
+    graph); fit_groups=True converts it in one call, each fitted layer reported."""
+    net = vision.mobilenet0_25(classes=10)
+    with pytest.raises(ValueError) as e:
+        gn_mx.replace_norm(net)
+    msg = str(e.value)
+    assert "replace_norm(GroupNorm, num_groups=32): 4 layer(s) cannot be replaced" in msg, msg
+    assert "'features.1' (BatchNorm 'mobilenet" in msg and "C=8 is not divisible by " \
+        "num_groups=32 (num_groups that divide it: 1, 2, 4, 8; or fit_groups=True" in msg, msg
+    assert len(_norms(net, nn.BatchNorm)) == 27
+    gn_mx.replace_norm(net, fit_groups=True)
+    rep = net.gn_mx_report
+    fitted = [(p, w) for p, w in rep.replaced if "fitted" in w]
+    assert len(rep.replaced) == 27 and len(fitted) == 4, rep
+    assert fitted[0][0] == "features.1" and fitted[0][1].endswith(
+        "(fitted: num_groups=32 does not divide C=8)"), fitted
+    assert [b._num_groups for b in _norms(net, gn_mx.GroupNorm)][:4] == [8, 8, 16, 16]
+    net.initialize()
+    net.hybridize()
+    losses = _train(net, mx.nd.array(np.random.RandomState(0).randn(2, 3, 32, 32)),
+                    mx.nd.array([1, 2]), steps=2, lr=0.01)
+    assert all(np.isfinite(losses)), losses
 
 
 def gluoncv_style_net(norm_layer=nn.BatchNorm, norm_kwargs=None, classes=5):

@@ -17,10 +17,12 @@ inference; nothing runs), or is left to the new layer's deferred initialization.
 ``gluon.SymbolBlock`` (which has a graph, not child layers) the BatchNorm nodes of the graph are
 rewritten instead (``_symblock.py``).
 """
+import json
+
 import mxnet as mx
 from mxnet import gluon
 
-from . import _blocktree, _compat, _symblock
+from . import _blocktree, _compat, _convert, _symblock
 from ._blocktree import param_state as _param_state
 from .nn import DecorrelatedBatchNorm, GroupNorm
 
@@ -110,6 +112,36 @@ def _input_shapes(block, sample_shape, layers):
             h.detach()
 
 
+def _graph_channels(block, layers):
+    """{id(layer): C} read from the traced graph of a HybridBlock without any input shape: the
+    Convolution / FullyConnected that feeds each layer through channel-preserving ops
+    (``_convert._channels_from_producer``). Layers it cannot tell are left out; {} for a plain
+    Block or a block that cannot be traced on one input."""
+    if not isinstance(block, gluon.HybridBlock):
+        return {}
+    seen = {}
+    handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
+               for b in layers]
+    try:
+        block(mx.sym.var("data"))
+    except Exception:  # noqa: BLE001 (several inputs, a Block inside, ...: nothing known)
+        return {}
+    finally:
+        for h in handles:
+            h.detach()
+    found = {}
+    for i, s in seen.items():
+        g = json.loads(s.tojson())
+        c = _convert._channels_from_producer(g["nodes"], g["heads"][0])
+        if c:
+            found[i] = c
+    return found
+
+
+def _divisors(c):
+    return [d for d in range(1, c + 1) if c % d == 0]
+
+
 def _old_axis(b, kind):
     return b._kwargs["axis"] if kind == "batch_norm" else b._axis
 
@@ -124,9 +156,32 @@ def _channels(b, shape):
     return 0
 
 
-def _plan(b, kind, shape, norm, rule, value):
+def _grouping(c, rule, value, norm, fit_groups):
+    """The new layer's grouping keywords for C=c (0: unknown); a ValueError when the rule cannot
+    divide c (with the valid values), or fitted with ``fit_groups``."""
+    if c and c % value:
+        if rule == "num_groups" and fit_groups:
+            return {"num_groups": max(d for d in _divisors(c) if d <= value)}
+        hint = (f" (num_groups that divide it: {', '.join(map(str, _divisors(c)))}; or "
+                f"fit_groups=True: the largest of them <= {value} for each such layer)"
+                if rule == "num_groups" else "")
+        raise ValueError(f"C={c} is not divisible by {rule}={value}{hint}")
+    if rule == "num_groups":
+        return {"num_groups": value}
+    if norm is DecorrelatedBatchNorm:
+        return {"group_size": value}  # DBN finds C/group_size itself when C is deferred
+    if not c:
+        raise ValueError(f"the channel count is unknown, so group_size={value} gives no "
+                         "num_groups: pass sample= (an input batch), in_channels to the layer, or "
+                         "run one batch before replacing")
+    return {"num_groups": c // value}
+
+
+def _plan(b, kind, shape, norm, rule, value, graph_c=0, fit_groups=False):
     """(C, new layer's grouping keywords, None) for layer b, or (C, None, reason to leave it),
-    or raises ValueError for a C the grouping rule cannot divide."""
+    or raises ValueError for a C the grouping rule cannot divide. C is the layer's own or its
+    sample input's (0: deferred); ``graph_c``, read from the traced graph, decides the grouping
+    when C is not known otherwise."""
     axis = _old_axis(b, kind)
     ndim = len(shape) if shape is not None else None
     if kind == "layer_norm" and axis == -1 and ndim == 2:
@@ -140,18 +195,7 @@ def _plan(b, kind, shape, norm, rule, value):
         return 0, None, (f"{type(b).__name__} has a fused ReLU, {norm.__name__} has none "
                          "(replace it with GroupNorm, or use BatchNorm + Activation)")
     c = _channels(b, shape)
-    if c and c % value:
-        what = "num_groups" if rule == "num_groups" else "group_size"
-        raise ValueError(f"C={c} is not divisible by {what}={value}")
-    if rule == "num_groups":
-        return c, {"num_groups": value}, None
-    if norm is DecorrelatedBatchNorm:
-        return c, {"group_size": value}, None  # DBN finds C/group_size itself when C is deferred
-    if not c:
-        raise ValueError(f"the channel count is unknown, so group_size={value} gives no "
-                         "num_groups: pass sample= (an input batch), in_channels to the layer, or "
-                         "run one batch before replacing")
-    return c, {"num_groups": c // value}, None
+    return c, _grouping(c or graph_c, rule, value, norm, fit_groups), None
 
 
 def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
@@ -189,6 +233,25 @@ def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
     return new
 
 
+def _plan_layers(found, shapes, graph_c, norm, rule, value, fit_groups):
+    """replace_norm's decision for each layer found: (todo, left, errors) with todo
+    [(parent, key, child, path, kind, C, grouping)], left [(path, reason)] and errors [one line
+    per layer the grouping cannot divide, naming it]."""
+    todo, left, errors = [], [], []
+    for parent, key, child, path, kind in found:
+        try:
+            c, grouping, reason = _plan(child, kind, shapes.get(id(child)), norm, rule, value,
+                                        graph_c.get(id(child), 0), fit_groups)
+        except ValueError as e:
+            errors.append(f"'{path}' ({type(child).__name__} '{child.name}'): {e}")
+            continue
+        if reason:
+            left.append((path, reason))
+        else:
+            todo.append((parent, key, child, path, kind, c, grouping))
+    return todo, left, errors
+
+
 def _checked_arguments(norm, num_groups, group_size, include, norm_kwargs):
     """replace_norm's arguments checked before any change: (grouping rule, its value, include as a
     tuple of kinds); a clear TypeError / ValueError otherwise."""
@@ -217,7 +280,7 @@ def _checked_arguments(norm, num_groups, group_size, include, norm_kwargs):
 
 def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
                  include=("batch_norm",), sample=None, copy_affine=True, verbose=False,
-                 **norm_kwargs):
+                 fit_groups=False, **norm_kwargs):
     """Replace every BatchNorm (and, with ``include``, InstanceNorm / LayerNorm) in ``block``'s tree
     by a ``gn_mx.GroupNorm`` or ``gn_mx.DecorrelatedBatchNorm``, in place.
 
@@ -259,6 +322,11 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         False starts from the initializers (ones, zeros), as training from scratch does.
     verbose : bool, default False
         Print the report.
+    fit_groups : bool, default False
+        For a layer whose C the ``num_groups`` rule cannot divide (C < 32 with the default, e.g.
+        MobileNet 0.25's C = 8), use the largest divisor of C that is at most ``num_groups``
+        (reported per layer as fitted) instead of raising. Needs C at replacement time (the
+        layer's, ``sample=``'s, or the traced graph's).
     **norm_kwargs
         More keywords for every new layer (e.g. ``epsilon``, ``activation='relu'`` for GroupNorm,
         ``whitening='iternorm'`` for DBN); they win over the values taken from the old layer.
@@ -299,21 +367,16 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         shape = sample if isinstance(sample, tuple) else sample.shape
         shapes = _input_shapes(block, shape, [f[2] for f in found])
 
-    report, todo, errors = ReplacementReport(), [], []
-    for parent, key, child, path, kind in found:
-        try:
-            c, grouping, reason = _plan(child, kind, shapes.get(id(child)), norm, rule, value)
-        except ValueError as e:
-            errors.append(f"'{path}' ({type(child).__name__} '{child.name}'): {e}")
-            continue
-        if reason:
-            report.left.append((path, reason))
-        else:
-            todo.append((parent, key, child, path, kind, c, grouping))
+    graph_c = {}
+    if sample is None and any(not _channels(f[2], None) for f in found):
+        graph_c = _graph_channels(block, [f[2] for f in found])
+    report = ReplacementReport()
+    todo, report.left, errors = _plan_layers(found, shapes, graph_c, norm, rule, value, fit_groups)
     sym_plans = []
     for path, sb in _symblock.symbol_blocks(root):
-        plans, left, sym_errors = _symblock.plan(sb, path, (rule, value, norm.__name__), include,
-                                                 norm_kwargs)
+        plans, left, sym_errors = _symblock.plan(
+            sb, path, lambda c: _grouping(c, rule, value, norm, fit_groups)["num_groups"],
+            norm.__name__, include, norm_kwargs)
         sym_plans.append((sb, path, plans))
         report.left += left
         errors += sym_errors
@@ -323,7 +386,10 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
     for parent, key, child, path, kind, c, grouping in todo:
         new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
         _blocktree.replace_child(parent, key, child, new)
-        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}"))
+        fitted = (f" (fitted: num_groups={value} does not divide C="
+                  f"{c or graph_c.get(id(child))})" if grouping.get("num_groups", value) != value
+                  and rule == "num_groups" else "")
+        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}{fitted}"))
     for sb, path, plans in sym_plans:
         if plans:
             _symblock.apply(sb, path, plans, copy_affine, report)

@@ -47,10 +47,10 @@ def _channels(sb, nodes, node):
     return _convert._channels_from_producer(nodes, node["inputs"][0]) or 0
 
 
-def _node_plan(sb, nodes, node, grouping, norm_kwargs):
+def _node_plan(sb, nodes, node, group_of, norm_name, norm_kwargs):
     """(plan tuple for _convert._rewrite_graph, None, None), (None, reason to leave, None) or
-    (None, None, error for the up-front ValueError) for one BatchNorm node."""
-    rule, value, norm_name = grouping
+    (None, None, error for the up-front ValueError) for one BatchNorm node; ``group_of(C)``:
+    replace_norm's group rule (a ValueError when it cannot divide C)."""
     axis = int(_convert._attr(node, "axis", "1"))
     if norm_name != "GroupNorm":
         return None, (f"{node['op']} node: inside a SymbolBlock only GroupNorm replaces "
@@ -71,16 +71,17 @@ def _node_plan(sb, nodes, node, grouping, norm_kwargs):
     if not c:
         return None, (f"{node['op']} node: the channel count is unknown (initialize the block "
                       "or run one batch first)"), None
-    groups = value if rule == "num_groups" else c // value if c % value == 0 else 0
-    if not groups or c % groups:
-        return None, None, f"C={c} is not divisible by {rule}={value}"
+    try:
+        groups = group_of(c)
+    except ValueError as e:
+        return None, None, str(e)
     eps = float(norm_kwargs.get("epsilon", _convert._attr(node, "eps", "0.001")))
     act = norm_kwargs.get("activation") or (
         "relu" if node["op"] == "_contrib_BatchNormWithReLU" else None)
     return (groups, eps, None, act, c), None, None
 
 
-def plan(sb, path, grouping, include, norm_kwargs):
+def plan(sb, path, group_of, norm_name, include, norm_kwargs):
     """One SymbolBlock's rewrite, decided before anything changes: (plans, left, errors) with
     plans {node id: plan} (the graph is read again by :func:`apply`), left [(where, reason)] and
     errors [the message of a node whose C the grouping cannot divide]."""
@@ -92,7 +93,7 @@ def plan(sb, path, grouping, include, norm_kwargs):
                          "replace_norm rewrites BatchNorm nodes only"))
         if node["op"] not in BATCH_NORM_OPS or "batch_norm" not in include:
             continue
-        p, reason, error = _node_plan(sb, nodes, node, grouping, norm_kwargs)
+        p, reason, error = _node_plan(sb, nodes, node, group_of, norm_name, norm_kwargs)
         if p is not None:
             plans[i] = p
         elif reason:
