@@ -19,10 +19,15 @@ from mxnet import autograd, gluon
 
 import gn_mx
 
-sys.modules.setdefault("torch", None)  # GluonCV 0.10.5 refuses to import beside torch >= 2
-from gluoncv import model_zoo  # noqa: E402
-from gluoncv.loss import SSDMultiBoxLoss  # noqa: E402
-from gluoncv.model_zoo.ssd.target import SSDTargetGenerator  # noqa: E402
+
+def _gluoncv():
+    """GluonCV's model zoo, SSD loss and SSD target generator (imported when needed: --help works
+    without GluonCV)."""
+    sys.modules.setdefault("torch", None)  # GluonCV 0.10.5 refuses to import beside torch >= 2
+    from gluoncv import model_zoo
+    from gluoncv.loss import SSDMultiBoxLoss
+    from gluoncv.model_zoo.ssd.target import SSDTargetGenerator
+    return model_zoo, SSDMultiBoxLoss, SSDTargetGenerator
 
 
 def synthetic_batch(rs, batch, size):
@@ -40,6 +45,7 @@ def synthetic_batch(rs, batch, size):
 
 def build(size):
     """SSD-512 ResNet-50 with one class, every BatchNorm (61, in a SymbolBlock) a GroupNorm."""
+    model_zoo = _gluoncv()[0]
     net = model_zoo.get_model("ssd_512_resnet50_v1_custom", classes=["box"], pretrained=False,
                               pretrained_base=False, transfer=None)
     net = gn_mx.replace_norm(net, num_groups=32)
@@ -59,7 +65,8 @@ def train(net, anchors, steps, size, batch=2, seed=0):
     rs = np.random.RandomState(seed)
     trainer = gluon.Trainer(net.collect_params(), "sgd",
                             {"learning_rate": 0.01, "momentum": 0.9, "wd": 1e-4})
-    target, loss_fn = SSDTargetGenerator(), SSDMultiBoxLoss()
+    _, loss_cls, target_cls = _gluoncv()
+    target, loss_fn = target_cls(), loss_cls()
     losses = []
     for step in range(steps):
         x, boxes, ids = synthetic_batch(rs, batch, size)

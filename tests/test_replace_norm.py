@@ -478,3 +478,23 @@ def test_symbolblock_as_a_child():
     assert [p for p, _ in net.gn_mx_report.replaced] == ["1", "0:bn"]
     net.hybridize()
     assert net(mx.nd.ones((1, 3, 5, 5))).shape == (1, 4, 5, 5)
+
+
+def test_layer_errors_name_the_layer_and_the_fix():
+    """The dtype and num_groups errors of a GroupNorm (issue 40.4): the layer's name and what to
+    do, not the op's message."""
+    layer = gn_mx.GroupNorm(num_groups=2, prefix="gn_")
+    layer.initialize()
+    with pytest.raises(ValueError, match=r"GroupNorm 'gn': the input is float64 but gamma is "
+                                         r"float32: cast the layer \(or the whole net\) to the "
+                                         r"data's dtype, net.cast\('float64'\), or the data to "
+                                         r"the layer's, x.astype\('float32'\)"):
+        layer(mx.nd.ones((2, 4, 3), dtype="float64"))
+    assert layer(mx.nd.ones((2, 4, 3), dtype="float16")).dtype == np.float16  # fp32 gamma: fine
+    layer.cast("float64")
+    assert layer(mx.nd.ones((2, 4, 3), dtype="float64")).dtype == np.float64
+    bad = gn_mx.GroupNorm(num_groups=3, prefix="gn3_")
+    bad.initialize()
+    with pytest.raises(ValueError, match=r"GroupNorm 'gn3': channels \(C=4\) must be divisible by "
+                                         r"num_groups \(3\) .*divisors of C: 1, 2, 4$"):
+        bad(mx.nd.ones((2, 4, 3)))
