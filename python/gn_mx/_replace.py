@@ -77,39 +77,55 @@ def _kind(b):
     return None
 
 
+def _traced_inputs(block, layers):
+    """{id(layer): its input Symbol} from tracing HybridBlock ``block`` on one input variable
+    'data' (nothing runs). The trace caches each Parameter's variable; they are put back as they
+    were, so a later swap (WSConv2D shares Parameters) makes its own."""
+    seen = {}
+    handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
+               for b in layers]
+    params = list(block.collect_params().values())
+    cached_vars = [p._var for p in params]
+    try:
+        block(mx.sym.var("data"))
+    finally:
+        for h in handles:
+            h.detach()
+        for p, v in zip(params, cached_vars):
+            p._var = v
+    return seen
+
+
 def _input_shapes(block, sample_shape, layers):
     """{id(layer): the shape of its input} for an input of ``sample_shape``: a shape inference of
     the traced graph for a HybridBlock (nothing is computed; works before initialize()), else one
     forward in predict mode (the block must be initialized)."""
+    if isinstance(block, gluon.HybridBlock):
+        seen = _traced_inputs(block, layers)
+        if not seen:
+            return {}
+        ids = list(seen)
+        _, shapes, _ = mx.sym.Group([seen[i] for i in ids]).infer_shape_partial(
+            data=tuple(sample_shape))
+        return {i: tuple(s) for i, s in zip(ids, shapes or []) if s}
+    if any(_param_state(p) == "none" for p in block.collect_params().values()):
+        raise ValueError("replace_norm: sample= on a non-hybrid Block runs one forward, which "
+                         "needs an initialized block: call initialize() first")
     seen = {}
     handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
                for b in layers]
+    active = [(b, b._active) for b in _blocktree.blocks(block) if isinstance(b, gluon.HybridBlock)]
     try:
-        if isinstance(block, gluon.HybridBlock):
-            block(mx.sym.var("data"))
-            if not seen:
-                return {}
-            ids = list(seen)
-            _, shapes, _ = mx.sym.Group([seen[i] for i in ids]).infer_shape_partial(
-                data=tuple(sample_shape))
-            return {i: tuple(s) for i, s in zip(ids, shapes or []) if s}
-        if any(_param_state(p) == "none" for p in block.collect_params().values()):
-            raise ValueError("replace_norm: sample= on a non-hybrid Block runs one forward, which "
-                             "needs an initialized block: call initialize() first")
-        active = [(b, b._active) for b in _blocktree.blocks(block)
-                  if isinstance(b, gluon.HybridBlock)]
-        try:
-            for b, _ in active:
-                b._active = False
-            with mx.autograd.predict_mode():
-                block(mx.nd.zeros(tuple(sample_shape)))
-        finally:
-            for b, a in active:
-                b._active = a
-        return {i: tuple(x.shape) for i, x in seen.items()}
+        for b, _ in active:
+            b._active = False
+        with mx.autograd.predict_mode():
+            block(mx.nd.zeros(tuple(sample_shape)))
     finally:
+        for b, a in active:
+            b._active = a
         for h in handles:
             h.detach()
+    return {i: tuple(x.shape) for i, x in seen.items()}
 
 
 def _graph_channels(block, layers):
@@ -119,19 +135,13 @@ def _graph_channels(block, layers):
     Block or a block that cannot be traced on one input."""
     if not isinstance(block, gluon.HybridBlock):
         return {}
-    seen = {}
-    handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
-               for b in layers]
     try:
-        block(mx.sym.var("data"))
+        seen = _traced_inputs(block, layers)
     except Exception:  # noqa: BLE001 (several inputs, a Block inside, ...: nothing known)
         return {}
-    finally:
-        for h in handles:
-            h.detach()
     found = {}
-    for i, s in seen.items():
-        g = json.loads(s.tojson())
+    for i, sym in seen.items():
+        g = json.loads(sym.tojson())
         c = _convert._channels_from_producer(g["nodes"], g["heads"][0])
         if c:
             found[i] = c
