@@ -4,13 +4,16 @@ downloaded), put GroupNorm in (``norm_layer=`` or ``gn_mx.replace_norm``), train
 synthetic data with GluonCV's own losses and target generators, export, and save the input and
 the inference output for a fresh-process reload.
 
-``python tests/gluoncv_worker.py MODEL OUT_DIR`` prints one JSON line: the model, how GroupNorm got
-in, the replace_norm report's first line, the BatchNorm / gn_group_norm node counts of the exported
-symbol, the loss before and after the step and the seconds taken.
+``python tests/gluoncv_worker.py OUT_DIR MODEL...`` prints one JSON line per model (its files in
+OUT_DIR/MODEL): the model, how GroupNorm got in, the replace_norm report's first line, the
+BatchNorm / gn_group_norm node counts of the exported symbol, the loss before and after the step
+and the seconds taken.
 """
 import json
+import os
 import sys
 import time
+import traceback
 
 import numpy as np
 
@@ -154,7 +157,8 @@ def _save_backbone(net, x, out_dir):
     json.dump(names, open(f"{out_dir}/features.json", "w"))
 
 
-def main(name, out_dir):
+def run(name, out_dir):
+    """One model: its table row (a dict); the export, input and outputs go into out_dir."""
     t0 = time.time()
     mx.random.seed(0)
     net, report = build(name)
@@ -171,11 +175,24 @@ def main(name, out_dir):
     ops = [n["op"] for n in json.load(open(prefix + "-symbol.json"))["nodes"]]
     np.save(f"{out_dir}/x.npy", x.asnumpy())
     np.savez(f"{out_dir}/y.npz", *[a.asnumpy() for a in y])
-    print(json.dumps({"model": name, "how": MODELS[name][0], "report": report,
-                      "batch_norm": sum(op.endswith("BatchNorm") for op in ops),
-                      "gn_group_norm": ops.count("gn_group_norm"), "losses": losses,
-                      "seconds": round(time.time() - t0, 1), "gluoncv": gluoncv.__version__}))
+    return {"model": name, "how": MODELS[name][0], "report": report,
+            "batch_norm": sum(op.endswith("BatchNorm") for op in ops),
+            "gn_group_norm": ops.count("gn_group_norm"), "losses": losses,
+            "seconds": round(time.time() - t0, 1), "gluoncv": gluoncv.__version__}
+
+
+def main(out_dir, names):
+    """Every model in one process (the imports are most of a model's cost): one JSON line each,
+    with "error" (the traceback's last lines) for a model that failed."""
+    for name in names:
+        d = os.path.join(out_dir, name)
+        os.makedirs(d, exist_ok=True)
+        try:
+            row = run(name, d)
+        except Exception:  # noqa: BLE001 (reported in the row; the other models still run)
+            row = {"model": name, "error": traceback.format_exc()[-3000:]}
+        print(json.dumps(row), flush=True)
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], sys.argv[2])
+    main(sys.argv[1], sys.argv[2:])

@@ -50,54 +50,74 @@ def gluoncv_site():
     return SITE
 
 
-def _run_worker(site, model, out):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(site), str(ROOT / "tests")]))
+@pytest.fixture(scope="module")
+def results(gluoncv_site, tmp_path_factory):
+    """{model: (its row from the worker, the fresh-process reload's verdict)}: every model in one
+    worker process, every reload in one fresh process (imports are most of the cost)."""
+    out = tmp_path_factory.mktemp("gluoncv")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(gluoncv_site), str(ROOT / "tests")]))
     env.setdefault("OMP_NUM_THREADS", "1")  # as run_python's reload
-    p = subprocess.run([sys.executable, str(WORKER), model, str(out)], capture_output=True,
-                       text=True, timeout=600, env=env, cwd=ROOT)
-    assert p.returncode == 0, p.stdout[-2000:] + p.stderr[-4000:]
-    return json.loads(p.stdout.strip().splitlines()[-1])
+    p = subprocess.run([sys.executable, str(WORKER), str(out)] + sorted(EXPECTED),
+                       capture_output=True, text=True, timeout=1200, env=env, cwd=ROOT)
+    rows = {r["model"]: r for r in map(json.loads, p.stdout.strip().splitlines()) if "model" in r}
+    assert p.returncode == 0 and rows, p.stdout[-2000:] + p.stderr[-4000:]
+    r = run_python(_RELOAD.format(out=str(out), models=sorted(rows)), timeout=600)
+    verdicts = dict(line.split(" ", 1) for line in r.stdout.splitlines() if " " in line)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-3000:]
+    return {m: (rows.get(m), verdicts.get(m)) for m in EXPECTED}
+
+
+# Reload each exported model without GluonCV on the path and compare with the worker's outputs:
+# all of them for single-output models; for a detector (features.json: its backbone outputs'
+# names), the backbone outputs by value and the detections by shape (see the worker's
+# _save_backbone). Prints "MODEL OK" or "MODEL FAIL: why" per model.
+_RELOAD = """
+import json, os, traceback
+import numpy as np, mxnet as mx
+import gn_mx
+
+def outputs(d, internals):
+    sym = mx.sym.load(os.path.join(d, 'model-symbol.json'))
+    if internals is not None:
+        sym = mx.sym.Group([sym.get_internals()[n] for n in internals])
+    blk = mx.gluon.SymbolBlock(sym, mx.sym.var('data'))
+    blk.collect_params().load(os.path.join(d, 'model-0000.params'), ignore_extra=True)
+    y = blk(mx.nd.array(np.load(os.path.join(d, 'x.npy'))))
+    return [a.asnumpy() for a in ([y] if isinstance(y, mx.nd.NDArray) else y)]
+
+def check(d, internals, saved, by_value):
+    got, want = outputs(d, internals), np.load(os.path.join(d, saved))
+    assert len(got) == len(want.files), (len(got), want.files)
+    for i, a in enumerate(got):
+        w = want['arr_%d' % i]
+        assert a.shape == w.shape, (i, a.shape, w.shape)
+        err = np.abs(a - w).max()
+        assert not by_value or err <= 1e-5 * max(1.0, np.abs(w).max()), (saved, i, err)
+
+for m in {models!r}:
+    d = os.path.join({out!r}, m)
+    try:
+        feats = os.path.join(d, 'features.json')
+        detector = os.path.exists(feats)
+        check(d, None, 'y.npz', not detector)
+        if detector:
+            check(d, json.load(open(feats)), 'features.npz', True)
+        print(m, 'OK', flush=True)
+    except Exception:
+        print(m, 'FAIL: ' + traceback.format_exc().strip().splitlines()[-1], flush=True)
+"""
 
 
 @pytest.mark.parametrize("model", sorted(EXPECTED))
-def test_model_trains_exports_reloads(gluoncv_site, model, tmp_path):
-    row = _run_worker(gluoncv_site, model, tmp_path)
+def test_model_trains_exports_reloads(results, model):
+    row, reload = results[model]
     print(json.dumps(row))
+    assert row is not None and "error" not in row, row
     assert row["batch_norm"] == 0 and row["gn_group_norm"] == EXPECTED[model], row
     if row["how"] == "replace_norm":
         assert row["report"] == f"gn_mx.replace_norm: {EXPECTED[model]} replaced, 0 left in place"
     assert all(np.isfinite(row["losses"])) and row["losses"][0] != row["losses"][1], row
-    detector = (tmp_path / "features.json").exists()
-    _reload_and_compare(tmp_path, None, "y", not detector)
-    if detector:
-        _reload_and_compare(tmp_path, json.loads((tmp_path / "features.json").read_text()),
-                            "features", True)
-
-
-def _reload_and_compare(d, internals, outputs, compare):
-    """Reload the exported d/model in a fresh process without GluonCV on its path (its
-    ``internals`` outputs instead of its heads, when given); its outputs for d/x.npy have
-    d/outputs.npz's shapes and (with compare) values."""
-    p = run_python(f"""
-        import numpy as np, mxnet as mx
-        import gn_mx
-        sym = mx.sym.load({str(d / 'model-symbol.json')!r})
-        if {internals!r} is not None:
-            sym = mx.sym.Group([sym.get_internals()[n] for n in {internals!r}])
-        blk = mx.gluon.SymbolBlock(sym, mx.sym.var('data'))
-        blk.collect_params().load({str(d / 'model-0000.params')!r}, ignore_extra=True)
-        y = blk(mx.nd.array(np.load({str(d / 'x.npy')!r})))
-        y = [y] if isinstance(y, mx.nd.NDArray) else y
-        want = np.load({str(d / (outputs + '.npz'))!r})
-        assert len(y) == len(want.files), (len(y), want.files)
-        for i, a in enumerate(y):
-            a, w = a.asnumpy(), want['arr_%d' % i]
-            assert a.shape == w.shape, (i, a.shape, w.shape)
-            err = np.abs(a - w).max()
-            assert not {compare} or err <= 1e-5 * max(1.0, np.abs(w).max()), (i, err)
-        print('OK', len(y))
-    """)
-    assert p.returncode == 0 and "OK" in p.stdout, p.stdout + p.stderr[-3000:]
+    assert reload == "OK", reload
 
 
 def test_guide_table_lists_the_tested_models():
