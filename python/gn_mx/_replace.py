@@ -325,8 +325,10 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         An input batch (or its shape) of a single-input block: the channel count and rank of
         every layer's input are inferred from it (a shape inference of the traced graph for a
         HybridBlock; one predict-mode forward, which needs an initialized block, for a plain
-        Block). Needed for ``group_size`` with GroupNorm when the channel counts are not known
-        yet.
+        Block). Without it, a HybridBlock's channel counts are read from its traced graph (the
+        convolution or dense layer feeding each norm layer) for the group rule; ``sample`` is
+        needed where that cannot tell (``group_size`` with GroupNorm on a plain Block, a layer
+        fed through a concatenation, ...).
     copy_affine : bool, default True
         When the old layer's gamma/beta have values, start the new ones from them (fine-tuning);
         False starts from the initializers (ones, zeros), as training from scratch does.
