@@ -15,7 +15,7 @@ import json
 import mxnet as mx
 from mxnet import gluon
 
-from . import _blocktree, _convert
+from . import _blocktree, _compat, _convert
 
 #: The BatchNorm ops of a graph (the ``batch_norm`` kind of ``replace_norm``).
 BATCH_NORM_OPS = ("BatchNorm", "_contrib_SyncBatchNorm", "_contrib_BatchNormWithReLU")
@@ -29,6 +29,11 @@ def symbol_blocks(root):
     """``[(path, SymbolBlock)]`` of ``root`` and its descendants (path '' for root itself)."""
     found = [("", root)] + [(p, c) for _, _, c, p in _blocktree.walk(root)]
     return [(p, b) for p, b in found if isinstance(b, gluon.SymbolBlock)]
+
+
+def _graph(sb):
+    """A SymbolBlock's output Symbol (its graph is kept as the traced one: inputs, outputs)."""
+    return _compat.hybrid_cache(sb).graph[1]
 
 
 def _where(path, name):
@@ -85,7 +90,7 @@ def plan(sb, path, group_of, norm_name, include, norm_kwargs):
     """One SymbolBlock's rewrite, decided before anything changes: (plans, left, errors) with
     plans {node id: plan} (the graph is read again by :func:`apply`), left [(where, reason)] and
     errors [the message of a node whose C the grouping cannot divide]."""
-    nodes = json.loads(sb._cached_graph[1].tojson())["nodes"]
+    nodes = json.loads(_graph(sb).tojson())["nodes"]
     plans, left, errors = {}, [], []
     for i, node in enumerate(nodes):
         if node["op"] in _OTHER_OPS and _OTHER_OPS[node["op"]] in include:
@@ -115,7 +120,7 @@ def apply(sb, path, plans, copy_affine, report):
     """Rewrites SymbolBlock ``sb`` by ``plans`` (from :func:`plan`): its graph, its parameters
     (running statistics removed; gamma/beta reset unless ``copy_affine``; a fixed gamma set to
     ones) and its traced caches; appends ``(where, what)`` to ``report.replaced``."""
-    g = json.loads(sb._cached_graph[1].tojson())
+    g = json.loads(_graph(sb).tojson())
     nodes = g["nodes"]
     dropped = _statistics_nodes(nodes, plans)
     new_out = mx.sym.load_json(json.dumps(
@@ -134,7 +139,8 @@ def apply(sb, path, plans, copy_affine, report):
     for v in dropped:
         params.pop(nodes[v]["name"], None)
     sb._reg_params = {k: v for k, v in sb._reg_params.items() if v.name in params}
-    sb._cached_graph = (sb._cached_graph[0], new_out)
+    cache = _compat.hybrid_cache(sb)  # a SymbolBlock's graph is its "traced" graph
+    _compat.set_hybrid_cache(sb, cache._replace(graph=(cache.graph[0], new_out)))
     _blocktree.clear_hybrid_caches(sb)
     for i, (groups, eps, _, act, c) in plans.items():
         what = f"{nodes[i]['op']}(C={c}) node -> gn_group_norm(num_groups={groups}, eps={eps}" + \
