@@ -23,12 +23,18 @@ VPY="$VENV/bin/python"
 PYTHON="$(cd "$(dirname "$VPY")" && pwd)/python"
 export PYTHON
 
-# Install requirements once per change of requirements-dev.txt.
+# Install requirements once per change of them: the demo needs only requirements-demo.txt (MXNet,
+# numpy, build tools); the tests requirements-dev.txt (which includes it).
+req=requirements-dev.txt
 stamp="$VENV/.gnmx-requirements"
-if ! cmp -s requirements-dev.txt "$stamp" 2>/dev/null; then
-  echo "[gn_mx] installing requirements-dev.txt"
-  "$VPY" -m pip install -q --disable-pip-version-check -r requirements-dev.txt
-  cp requirements-dev.txt "$stamp"
+if [ "$cmd" = demo ]; then
+  req=requirements-demo.txt
+  stamp="$VENV/.gnmx-requirements-demo"
+fi
+if ! cat "$req" requirements-demo.txt | cmp -s - "$stamp" 2>/dev/null; then
+  echo "[gn_mx] installing $req"
+  "$VPY" -m pip install -q --disable-pip-version-check -r "$req"
+  cat "$req" requirements-demo.txt > "$stamp"
 fi
 
 # --- Horovod (optional; tests/test_horovod.py, examples/horovod_train.py) -------------------------
@@ -55,7 +61,9 @@ echo "[gn_mx] building libgn_mx.so"
 PATH="$VENV/bin:$PATH" "$VPY" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps -e .
 
 case "$cmd" in
-  demo) exec "$VPY" examples/quickstart.py "$@" ;;
+  demo)
+    echo "[gn_mx] the venv: $VENV (activate it with: source $VENV/bin/activate)"
+    exec "$VPY" examples/quickstart.py "$@" ;;
   test)
     # Test paths given (bash dev.sh test tests/test_x.py -k y): just those; otherwise all of tests/.
     given=0

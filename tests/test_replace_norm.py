@@ -137,7 +137,7 @@ def test_mobilenet_group_size_needs_divisible_channels():
     assert "replace_norm(GroupNorm, num_groups=32): 4 layer(s) cannot be replaced" in msg, msg
     assert "'features.1' (BatchNorm 'mobilenet" in msg and "C=8 is not divisible by num_groups=32" \
         in msg, msg
-    assert "C=16 is not divisible" in msg, msg
+    assert "C=16 is not divisible" in msg and "divide it: 1, 2, 4, 8, 16;" in msg, msg
     assert len(_norms(net, nn.BatchNorm)) == 27 and not _norms(net, gn_mx.GroupNorm)
     # a group size divides every layer; C from the sample, so GroupNorm gets C / 8 groups
     gn_mx.replace_norm(net, group_size=8, sample=(1, 3, 32, 32))
@@ -149,12 +149,49 @@ def test_mobilenet_group_size_needs_divisible_channels():
     assert net(mx.nd.ones((2, 3, 32, 32))).shape == (2, 10)
 
 
-def test_group_size_with_unknown_channels_is_an_error():
+def test_group_size_channels_from_the_graph_or_an_error():
+    """Without sample=, a HybridBlock's channel counts are read from its traced graph (the
+    convolution feeding each layer), so group_size works before initialize(); a plain Block has
+    no graph: the error says what to pass."""
     net = vision.resnet18_v1(classes=10)
+    gn_mx.replace_norm(net, group_size=16)
+    groups = [b._num_groups for b in _norms(net, gn_mx.GroupNorm)]
+    assert len(groups) == 20 and groups[0] == 4 and groups[-1] == 32, groups
+    net.initialize()
+    assert net(mx.nd.ones((1, 3, 32, 32))).shape == (1, 10)
+    assert {b.gamma.shape[0] // b._num_groups for b in _norms(net, gn_mx.GroupNorm)} == {16}
+    plain = nn.Sequential()
+    plain.add(nn.Dense(8), nn.BatchNorm())
     with pytest.raises(ValueError, match="the channel count is unknown, so group_size=16 gives "
                                          "no num_groups: pass sample="):
-        gn_mx.replace_norm(net, group_size=16)
-    assert len(_norms(net, nn.BatchNorm)) == 20
+        gn_mx.replace_norm(plain, group_size=16)
+    assert len(_norms(plain, nn.BatchNorm)) == 1
+
+
+def test_mobilenet_default_names_every_narrow_layer_up_front_and_fit_groups_converts():
+    """mobilenet0_25 with the default num_groups=32, before initialize() and without sample=:
+    one ValueError naming all four narrow layers with the valid num_groups (C from the traced
+    graph); fit_groups=True converts it in one call, each fitted layer reported."""
+    net = vision.mobilenet0_25(classes=10)
+    with pytest.raises(ValueError) as e:
+        gn_mx.replace_norm(net)
+    msg = str(e.value)
+    assert "replace_norm(GroupNorm, num_groups=32): 4 layer(s) cannot be replaced" in msg, msg
+    assert "'features.1' (BatchNorm 'mobilenet" in msg and "C=8 is not divisible by " \
+        "num_groups=32 (num_groups that divide it: 1, 2, 4, 8; or fit_groups=True" in msg, msg
+    assert len(_norms(net, nn.BatchNorm)) == 27
+    gn_mx.replace_norm(net, fit_groups=True)
+    rep = net.gn_mx_report
+    fitted = [(p, w) for p, w in rep.replaced if "fitted" in w]
+    assert len(rep.replaced) == 27 and len(fitted) == 4, rep
+    assert fitted[0][0] == "features.1" and fitted[0][1].endswith(
+        "(fitted: num_groups=32 does not divide C=8)"), fitted
+    assert [b._num_groups for b in _norms(net, gn_mx.GroupNorm)][:4] == [8, 8, 16, 16]
+    net.initialize()
+    net.hybridize()
+    losses = _train(net, mx.nd.array(np.random.RandomState(0).randn(2, 3, 32, 32)),
+                    mx.nd.array([1, 2]), steps=2, lr=0.01)
+    assert all(np.isfinite(losses)), losses
 
 
 def gluoncv_style_net(norm_layer=nn.BatchNorm, norm_kwargs=None, classes=5):
@@ -318,3 +355,132 @@ def test_non_hybrid_block_with_sample():
     gn_mx.replace_norm(net, group_size=4, sample=(2, 3, 4, 4))
     assert isinstance(net.bn, gn_mx.GroupNorm) and net.bn._num_groups == 3
     assert net(mx.nd.ones((2, 3, 4, 4))).shape == (2, 12, 4, 4)
+
+
+# ------------------------------------------------------------------------------------------------
+# Inside SymbolBlocks (issue 40.1): the graph's BatchNorm nodes become gn_group_norm nodes
+
+def _graph_ops(block):
+    return [n["op"] for n in json.loads(block._cached_graph[1].tojson())["nodes"]]
+
+
+def test_symbolblock_imports_of_model_zoo_net_matches_the_block_path(tmp_path):
+    """SymbolBlock.imports of an exported ResNet-18: one replace_norm call replaces all 20
+    BatchNorm nodes (the block walk alone saw none), the output equals the same net converted
+    block by block (same values through another path), it trains, and export + fresh-process
+    reload gives the same output with no BatchNorm and no running statistics left."""
+    mx.random.seed(0)
+    net = vision.resnet18_v1(classes=10)
+    net.initialize(mx.init.Xavier())
+    net.hybridize()
+    rs = np.random.RandomState(0)
+    x = mx.nd.array(rs.randn(2, 3, 32, 32))
+    net(x)
+    prefix = str(tmp_path / "bn")
+    net.export(prefix)
+    sb = gluon.SymbolBlock.imports(prefix + "-symbol.json", ["data"], prefix + "-0000.params")
+    assert _graph_ops(sb).count("BatchNorm") == 20
+    out = gn_mx.replace_norm(sb)
+    rep = sb.gn_mx_report
+    assert out is sb and len(rep.replaced) == 20 and rep.left == [], rep
+    assert rep.replaced[0] == (f"{net.prefix}batchnorm0_fwd",
+                               "BatchNorm(C=64) node -> gn_group_norm(num_groups=32, eps=1e-05)")
+    assert "BatchNorm" not in _graph_ops(sb) and _graph_ops(sb).count("gn_group_norm") == 20
+    names = list(sb.collect_params().keys())
+    assert not [k for k in names if "running" in k], names
+    want = gn_mx.replace_norm(net)(x)  # the block path, same gamma/beta values (copy_affine)
+    np.testing.assert_allclose(sb(x).asnumpy(), want.asnumpy(), rtol=1e-5, atol=1e-6)
+    sb.hybridize()
+    losses = _train(sb, x, mx.nd.array([1, 3]), steps=3, lr=0.0005)
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0], losses
+    assert _batch_independent(sb, x) < 1e-4
+    _export_and_reload(sb, x, tmp_path, {"gn_group_norm": 20})
+
+
+def _conv_bn_symbolblock(channels=4, **bn_attrs):
+    data = mx.sym.var("data")
+    y = mx.sym.Convolution(data, num_filter=channels, kernel=(3, 3), pad=(1, 1), name="conv")
+    y = mx.sym.BatchNorm(y, name="bn", **bn_attrs)
+    sb = gluon.SymbolBlock(mx.sym.relu(y, name="out"), data)
+    sb.initialize(mx.init.Normal(1.0))
+    sb(mx.nd.zeros((1, 3, 5, 5)))
+    return sb
+
+
+def _group_norm_f64(x, groups, gamma, beta, eps):
+    n, c = x.shape[:2]
+    g = x.astype(np.float64).reshape(n, groups, -1)
+    y = (g - g.mean(-1, keepdims=True)) / np.sqrt(g.var(-1, keepdims=True) + eps)
+    return y.reshape(x.shape) * gamma.reshape(1, c, 1, 1) + beta.reshape(1, c, 1, 1)
+
+
+@pytest.mark.parametrize("fix_gamma", [False, True])
+@pytest.mark.parametrize("copy_affine", [True, False])
+def test_symbolblock_node_against_float64_group_norm(fix_gamma, copy_affine):
+    """The rewritten node is GroupNorm on the old gamma/beta (ones when the BatchNorm fixed its
+    gamma; ones / zeros without copy_affine), against a float64 reference."""
+    sb = _conv_bn_symbolblock(fix_gamma=fix_gamma, eps=1e-3)
+    gamma, beta = sb.params.get("bn_gamma"), sb.params.get("bn_beta")
+    g0, b0 = gamma.data().asnumpy(), beta.data().asnumpy()
+    gn_mx.replace_norm(sb, num_groups=2, copy_affine=copy_affine)
+    assert sb.gn_mx_report.replaced == [
+        ("bn", "BatchNorm(C=4) node -> gn_group_norm(num_groups=2, eps=0.001)")]
+    assert sorted(sb.collect_params().keys()) == ["bn_beta", "bn_gamma", "conv_bias",
+                                                  "conv_weight"]
+    g_want = np.ones(4) if fix_gamma or not copy_affine else g0
+    b_want = b0 if copy_affine else np.zeros(4)
+    assert (gamma.grad_req == "null") == fix_gamma
+    x = mx.nd.array(np.random.RandomState(1).randn(2, 3, 5, 5))
+    conv = mx.nd.Convolution(x, sb.params.get("conv_weight").data(),
+                             sb.params.get("conv_bias").data(), num_filter=4, kernel=(3, 3),
+                             pad=(1, 1)).asnumpy()
+    want = np.maximum(_group_norm_f64(conv, 2, g_want, b_want, 1e-3), 0)
+    np.testing.assert_allclose(sb(x).asnumpy(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_symbolblock_nodes_that_stay_or_cannot_be_divided():
+    sb = _conv_bn_symbolblock(channels=6)
+    with pytest.raises(ValueError, match=r"'bn' \(BatchNorm node\): C=6 is not divisible by "
+                                         r"num_groups=4"):
+        gn_mx.replace_norm(sb, num_groups=4)
+    assert "BatchNorm" in _graph_ops(sb)  # nothing changed
+    gn_mx.replace_norm(sb, norm=gn_mx.DecorrelatedBatchNorm)
+    assert sb.gn_mx_report.left == [("bn", "BatchNorm node: inside a SymbolBlock only GroupNorm "
+                                           "replaces BatchNorm (DecorrelatedBatchNorm is not "
+                                           "supported there)")]
+    assert str(sb.gn_mx_report).splitlines()[0] == "gn_mx.replace_norm: 0 replaced, 1 left in place"
+    sb = _conv_bn_symbolblock(axis=3)
+    gn_mx.replace_norm(sb, num_groups=1)
+    assert "BatchNorm(axis=3) node" in sb.gn_mx_report.left[0][1]
+
+
+def test_symbolblock_as_a_child():
+    """A SymbolBlock inside a Gluon tree (GluonCV's FeatureExpander backbones) is found and its
+    nodes are reported under the child's path; the tree's own BatchNorm is replaced too."""
+    net = nn.HybridSequential()
+    net.add(_conv_bn_symbolblock(), nn.BatchNorm(in_channels=4))
+    net[1].initialize()
+    gn_mx.replace_norm(net, num_groups=2)
+    assert [p for p, _ in net.gn_mx_report.replaced] == ["1", "0:bn"]
+    net.hybridize()
+    assert net(mx.nd.ones((1, 3, 5, 5))).shape == (1, 4, 5, 5)
+
+
+def test_layer_errors_name_the_layer_and_the_fix():
+    """The dtype and num_groups errors of a GroupNorm (issue 40.4): the layer's name and what to
+    do, not the op's message."""
+    layer = gn_mx.GroupNorm(num_groups=2, prefix="gn_")
+    layer.initialize()
+    with pytest.raises(ValueError, match=r"GroupNorm 'gn': the input is float64 but gamma is "
+                                         r"float32: cast the layer \(or the whole net\) to the "
+                                         r"data's dtype, net.cast\('float64'\), or the data to "
+                                         r"the layer's, x.astype\('float32'\)"):
+        layer(mx.nd.ones((2, 4, 3), dtype="float64"))
+    assert layer(mx.nd.ones((2, 4, 3), dtype="float16")).dtype == np.float16  # fp32 gamma: fine
+    layer.cast("float64")
+    assert layer(mx.nd.ones((2, 4, 3), dtype="float64")).dtype == np.float64
+    bad = gn_mx.GroupNorm(num_groups=3, prefix="gn3_")
+    bad.initialize()
+    with pytest.raises(ValueError, match=r"GroupNorm 'gn3': channels \(C=4\) must be divisible by "
+                                         r"num_groups \(3\) .*divisors of C: 1, 2, 4$"):
+        bad(mx.nd.ones((2, 4, 3)))

@@ -21,16 +21,14 @@ whose BatchNorm then normalizes along another axis of its (1, N*G, -1) view, a s
 channel count cannot be inferred, ...) is left in place, listed in the report with the reason, and
 named in a ``UserWarning`` (one per conversion). Nothing is approximated.
 """
-import argparse
 import copy
 import json
-import sys
 import warnings
 
 import mxnet as mx
 from mxnet import gluon
 
-from . import _compat
+from . import _blocktree, _compat
 
 __all__ = ["convert", "convert_symbol", "ConversionReport"]
 
@@ -99,13 +97,6 @@ def _is_gluoncv_group_norm(b):
             and "fix_gamma" in kw and "eps" in kw and hasattr(b, "gamma") and hasattr(b, "beta"))
 
 
-def _param_state(p):
-    """'init' (values exist), 'deferred' (initialize() called, shape unknown) or 'none'."""
-    if p._data is not None:
-        return "init"
-    return "deferred" if p._deferred_init else "none"
-
-
 def _act_of(b):
     """'relu' / 'silu' when block b is an activation gn_group_norm can fuse, else None."""
     if isinstance(b, gluon.nn.Activation) and b._act_type == "relu":
@@ -170,7 +161,7 @@ def _new_block(old, kind, num_groups, eps, act):
     """A gn_mx.GroupNorm carrying old's values (same parameter names: old's prefix)."""
     from .nn import GroupNorm
     g_old, b_old = old.gamma, old.beta
-    state = _param_state(g_old)
+    state = _blocktree.param_state(g_old)
     known = getattr(old, "_gn_mx_channels", None)  # from a sample forward (convert(sample=...))
     shape_c = int(g_old.shape[0]) if g_old.shape and int(g_old.shape[0]) > 0 else 0
     c = known or (0 if kind == "mx_group_norm" else shape_c)
@@ -214,25 +205,11 @@ def _new_block(old, kind, num_groups, eps, act):
     return new, None
 
 
-def _replace_child(parent, key, old, new):
-    parent._children[key] = new
-    for k, v in list(vars(parent).items()):
-        if v is old:
-            object.__setattr__(parent, k, new)
-
-
-def _walk(block, path=""):
-    for key, child in list(block._children.items()):
-        cpath = f"{path}.{key}" if path else key
-        yield block, key, child, cpath
-        yield from _walk(child, cpath)
-
-
 def _record_input_ranks(block, sample):
     """Runs sample through block (un-hybridized for the call) and records every norm layer's input
     rank (LayerNorm's mapping) and channel count (MXNet GroupNorm's per-group parameters)."""
-    blocks = [block] + [c for _, _, c, _ in _walk(block)]
-    active = [(b, getattr(b, "_active", None)) for b in blocks]
+    tree = _blocktree.blocks(block)
+    active = [(b, getattr(b, "_active", None)) for b in tree]
     handles = []
 
     def hook(b, args):
@@ -244,7 +221,7 @@ def _record_input_ranks(block, sample):
             except IndexError:  # an axis the input does not have: _plan reports it
                 pass
 
-    for b in blocks:
+    for b in tree:
         if _plan(b, 0)[0] is not None:
             handles.append(b.register_forward_pre_hook(hook))
     try:
@@ -304,14 +281,10 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
     report = ConversionReport()
     if sample is not None:
         _record_input_ranks(block, sample)
-    root = block
-    if _plan(block, getattr(block, "_gn_mx_ndim", None))[0] is not None:
-        # the block itself is a norm layer: wrap it so that the walk can replace it
-        holder = gluon.nn.HybridSequential(prefix="")
-        holder._children["0"] = block
-        root = holder
+    root = _blocktree.root_holder(
+        block, lambda b: _plan(b, getattr(b, "_gn_mx_ndim", None))[0] is not None)
     targets = []
-    for parent, key, child, path in _walk(root):
+    for parent, key, child, path in _blocktree.walk(root):
         kind, groups, eps, reason = _plan(child, getattr(child, "_gn_mx_ndim", None))
         if kind is None:
             continue
@@ -331,19 +304,18 @@ def convert(block, fuse_activation=False, sample=None, verbose=False):
         if new is None:
             report.left.append((path, reason))
             continue
-        _replace_child(parent, key, child, new)
+        _blocktree.replace_child(parent, key, child, new)
         what = f"{type(child).__name__} ({kind}) -> {new!r}"
         report.replaced.append((path, what))
         if act_key is not None:
             nxt = parent._children[act_key]
-            _replace_child(parent, act_key, nxt, _Fused(act, key, prefix=nxt.prefix))
+            _blocktree.replace_child(parent, act_key, nxt, _Fused(act, key, prefix=nxt.prefix))
             report.fused.append((path, act))
-    for b in [root] + [c for _, _, c, _ in _walk(root)]:
-        if isinstance(b, gluon.HybridBlock):
-            _compat.clear_cached_op(b)
+    _blocktree.clear_hybrid_caches(root)
+    for b in _blocktree.blocks(root):
         for attr in ("_gn_mx_ndim", "_gn_mx_channels"):  # this call's sample only
             b.__dict__.pop(attr, None)
-    result = root._children["0"] if root is not block else block
+    result = _blocktree.unwrap(root, block)
     result.gn_mx_report = report
     _warn_left("gn_mx.convert", report)
     if verbose:
@@ -612,8 +584,9 @@ def _per_channel_params(nodes, plans, arg_params):
 
 
 def _rewrite_graph(g, plans, dropped, report):
-    """The symbol JSON with each planned norm as a gn_group_norm node (a fused one at its
-    activation's position, named as it) and the fused swish's nodes dropped; fills
+    """The symbol JSON with each planned norm as a gn_group_norm node on the norm's first three
+    inputs (data, gamma, beta; a BatchNorm's running statistics are not passed on), a fused one at
+    its activation's position, named as it, and the ``dropped`` nodes left out; fills
     ``report.replaced`` / ``report.fused``."""
     nodes = g["nodes"]
     row_ptr = g.get("node_row_ptr")
@@ -634,7 +607,7 @@ def _rewrite_graph(g, plans, dropped, report):
             if act:
                 attrs["act_type"] = act
             out = {"op": "gn_group_norm", "name": node["name"], "attrs": attrs,
-                   "inputs": [list(remap[tuple(e[:2])]) + [0] for e in norm["inputs"]]}
+                   "inputs": [list(remap[tuple(e[:2])]) + [0] for e in norm["inputs"][:3]]}
             remap[(i, 0)] = (len(new_nodes), 0)
             new_nodes.append(out)
             new_nout.append(3)  # out, mean, rstd
@@ -659,52 +632,3 @@ def _rewrite_graph(g, plans, dropped, report):
     for k in new_nout:
         result["node_row_ptr"].append(result["node_row_ptr"][-1] + k)
     return result
-
-
-def _parse_shape(text):
-    name, _, dims = text.partition(":")
-    if not dims:
-        raise argparse.ArgumentTypeError(f"--data-shape wants name:d0,d1,...; got {text!r}")
-    return name, tuple(int(d) for d in dims.split(","))
-
-
-def main(argv=None):
-    """``python -m gn_mx.convert in-prefix epoch out-prefix [--fuse-activation] [--data-shape ...]``.
-
-    Parameters
-    ----------
-    argv : list of str, optional
-        The command line arguments (default ``sys.argv[1:]``).
-
-    Returns
-    -------
-    int
-        0 (the exit status); argparse exits with 2 on bad arguments.
-    """
-    ap = argparse.ArgumentParser(
-        prog="python -m gn_mx.convert",
-        description="Rewrite the GroupNorm/InstanceNorm nodes of an exported MXNet model "
-                    "(prefix-symbol.json + prefix-EPOCH.params) into gn_mx's gn_group_norm.")
-    ap.add_argument("in_prefix")
-    ap.add_argument("epoch", type=int)
-    ap.add_argument("out_prefix")
-    ap.add_argument("--fuse-activation", action="store_true",
-                    help="fuse a norm followed by a relu or a swish (x * sigmoid(x)) into one op")
-    ap.add_argument("--data-shape", action="append", type=_parse_shape, default=[],
-                    metavar="NAME:D0,D1,...",
-                    help="an input shape, when the channel count of a GroupNorm cannot be inferred "
-                         "from the parameters alone")
-    args = ap.parse_args(argv)
-    import gn_mx  # noqa: F401  (registers gn_group_norm)
-    sym, arg, aux = mx.model.load_checkpoint(args.in_prefix, args.epoch)
-    report = ConversionReport()
-    sym, arg, aux = convert_symbol(sym, arg, aux, fuse_activation=args.fuse_activation,
-                                   data_shapes=dict(args.data_shape), report=report)
-    mx.model.save_checkpoint(args.out_prefix, args.epoch, sym, arg, aux)
-    print(report)
-    print(f"wrote {args.out_prefix}-symbol.json and {args.out_prefix}-{args.epoch:04d}.params")
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

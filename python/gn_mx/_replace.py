@@ -13,13 +13,17 @@ epsilon, ``center`` / ``scale``, initializers, dtype, ``lr_mult`` / ``wd_mult`` 
 momentum and ``use_global_stats``; with values present, gamma/beta are copied (``copy_affine``).
 BatchNorm's running statistics have no counterpart and are dropped. The channel count C comes from
 the layer's parameters (``in_channels`` or an earlier forward), from a ``sample=`` batch (a shape
-inference; nothing runs), or is left to the new layer's deferred initialization.
+inference; nothing runs), or is left to the new layer's deferred initialization. Inside a
+``gluon.SymbolBlock`` (which has a graph, not child layers) the BatchNorm nodes of the graph are
+rewritten instead (``_symblock.py``).
 """
+import json
+
 import mxnet as mx
 from mxnet import gluon
 
-from . import _compat
-from ._convert import _param_state, _replace_child, _walk
+from . import _blocktree, _compat, _convert, _symblock
+from ._blocktree import param_state as _param_state
 from .nn import DecorrelatedBatchNorm, GroupNorm
 
 __all__ = ["replace_norm", "ReplacementReport"]
@@ -73,39 +77,79 @@ def _kind(b):
     return None
 
 
+def _traced_inputs(block, layers):
+    """{id(layer): its input Symbol} from tracing HybridBlock ``block`` on one input variable
+    'data' (nothing runs). The trace caches each Parameter's variable; they are put back as they
+    were, so a later swap (WSConv2D shares Parameters) makes its own."""
+    seen = {}
+    handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
+               for b in layers]
+    params = list(block.collect_params().values())
+    cached_vars = [p._var for p in params]
+    try:
+        block(mx.sym.var("data"))
+    finally:
+        for h in handles:
+            h.detach()
+        for p, v in zip(params, cached_vars):
+            p._var = v
+    return seen
+
+
 def _input_shapes(block, sample_shape, layers):
     """{id(layer): the shape of its input} for an input of ``sample_shape``: a shape inference of
     the traced graph for a HybridBlock (nothing is computed; works before initialize()), else one
     forward in predict mode (the block must be initialized)."""
+    if isinstance(block, gluon.HybridBlock):
+        seen = _traced_inputs(block, layers)
+        if not seen:
+            return {}
+        ids = list(seen)
+        _, shapes, _ = mx.sym.Group([seen[i] for i in ids]).infer_shape_partial(
+            data=tuple(sample_shape))
+        return {i: tuple(s) for i, s in zip(ids, shapes or []) if s}
+    if any(_param_state(p) == "none" for p in block.collect_params().values()):
+        raise ValueError("replace_norm: sample= on a non-hybrid Block runs one forward, which "
+                         "needs an initialized block: call initialize() first")
     seen = {}
     handles = [b.register_forward_pre_hook(lambda b, args: seen.setdefault(id(b), args[0]))
                for b in layers]
+    active = [(b, b._active) for b in _blocktree.blocks(block) if isinstance(b, gluon.HybridBlock)]
     try:
-        if isinstance(block, gluon.HybridBlock):
-            block(mx.sym.var("data"))
-            if not seen:
-                return {}
-            ids = list(seen)
-            _, shapes, _ = mx.sym.Group([seen[i] for i in ids]).infer_shape_partial(
-                data=tuple(sample_shape))
-            return {i: tuple(s) for i, s in zip(ids, shapes or []) if s}
-        if any(_param_state(p) == "none" for p in block.collect_params().values()):
-            raise ValueError("replace_norm: sample= on a non-hybrid Block runs one forward, which "
-                             "needs an initialized block: call initialize() first")
-        blocks = [block] + [c for _, _, c, _ in _walk(block)]
-        active = [(b, b._active) for b in blocks if isinstance(b, gluon.HybridBlock)]
-        try:
-            for b, _ in active:
-                b._active = False
-            with mx.autograd.predict_mode():
-                block(mx.nd.zeros(tuple(sample_shape)))
-        finally:
-            for b, a in active:
-                b._active = a
-        return {i: tuple(x.shape) for i, x in seen.items()}
+        for b, _ in active:
+            b._active = False
+        with mx.autograd.predict_mode():
+            block(mx.nd.zeros(tuple(sample_shape)))
     finally:
+        for b, a in active:
+            b._active = a
         for h in handles:
             h.detach()
+    return {i: tuple(x.shape) for i, x in seen.items()}
+
+
+def _graph_channels(block, layers):
+    """{id(layer): C} read from the traced graph of a HybridBlock without any input shape: the
+    Convolution / FullyConnected that feeds each layer through channel-preserving ops
+    (``_convert._channels_from_producer``). Layers it cannot tell are left out; {} for a plain
+    Block or a block that cannot be traced on one input."""
+    if not isinstance(block, gluon.HybridBlock):
+        return {}
+    try:
+        seen = _traced_inputs(block, layers)
+    except Exception:  # noqa: BLE001 (several inputs, a Block inside, ...: nothing known)
+        return {}
+    found = {}
+    for i, sym in seen.items():
+        g = json.loads(sym.tojson())
+        c = _convert._channels_from_producer(g["nodes"], g["heads"][0])
+        if c:
+            found[i] = c
+    return found
+
+
+def _divisors(c):
+    return [d for d in range(1, c + 1) if c % d == 0]
 
 
 def _old_axis(b, kind):
@@ -122,9 +166,32 @@ def _channels(b, shape):
     return 0
 
 
-def _plan(b, kind, shape, norm, rule, value):
+def _grouping(c, rule, value, norm, fit_groups):
+    """The new layer's grouping keywords for C=c (0: unknown); a ValueError when the rule cannot
+    divide c (with the valid values), or fitted with ``fit_groups``."""
+    if c and c % value:
+        if rule == "num_groups" and fit_groups:
+            return {"num_groups": max(d for d in _divisors(c) if d <= value)}
+        hint = (f" (num_groups that divide it: {', '.join(map(str, _divisors(c)))}; or "
+                f"fit_groups=True: the largest of them <= {value} for each such layer)"
+                if rule == "num_groups" else "")
+        raise ValueError(f"C={c} is not divisible by {rule}={value}{hint}")
+    if rule == "num_groups":
+        return {"num_groups": value}
+    if norm is DecorrelatedBatchNorm:
+        return {"group_size": value}  # DBN finds C/group_size itself when C is deferred
+    if not c:
+        raise ValueError(f"the channel count is unknown, so group_size={value} gives no "
+                         "num_groups: pass sample= (an input batch), in_channels to the layer, or "
+                         "run one batch before replacing")
+    return {"num_groups": c // value}
+
+
+def _plan(b, kind, shape, norm, rule, value, graph_c=0, fit_groups=False):
     """(C, new layer's grouping keywords, None) for layer b, or (C, None, reason to leave it),
-    or raises ValueError for a C the grouping rule cannot divide."""
+    or raises ValueError for a C the grouping rule cannot divide. C is the layer's own or its
+    sample input's (0: deferred); ``graph_c``, read from the traced graph, decides the grouping
+    when C is not known otherwise."""
     axis = _old_axis(b, kind)
     ndim = len(shape) if shape is not None else None
     if kind == "layer_norm" and axis == -1 and ndim == 2:
@@ -138,18 +205,7 @@ def _plan(b, kind, shape, norm, rule, value):
         return 0, None, (f"{type(b).__name__} has a fused ReLU, {norm.__name__} has none "
                          "(replace it with GroupNorm, or use BatchNorm + Activation)")
     c = _channels(b, shape)
-    if c and c % value:
-        what = "num_groups" if rule == "num_groups" else "group_size"
-        raise ValueError(f"C={c} is not divisible by {what}={value}")
-    if rule == "num_groups":
-        return c, {"num_groups": value}, None
-    if norm is DecorrelatedBatchNorm:
-        return c, {"group_size": value}, None  # DBN finds C/group_size itself when C is deferred
-    if not c:
-        raise ValueError(f"the channel count is unknown, so group_size={value} gives no "
-                         "num_groups: pass sample= (an input batch), in_channels to the layer, or "
-                         "run one batch before replacing")
-    return c, {"num_groups": c // value}, None
+    return c, _grouping(c or graph_c, rule, value, norm, fit_groups), None
 
 
 def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
@@ -187,6 +243,25 @@ def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
     return new
 
 
+def _plan_layers(found, shapes, graph_c, norm, rule, value, fit_groups):
+    """replace_norm's decision for each layer found: (todo, left, errors) with todo
+    [(parent, key, child, path, kind, C, grouping)], left [(path, reason)] and errors [one line
+    per layer the grouping cannot divide, naming it]."""
+    todo, left, errors = [], [], []
+    for parent, key, child, path, kind in found:
+        try:
+            c, grouping, reason = _plan(child, kind, shapes.get(id(child)), norm, rule, value,
+                                        graph_c.get(id(child), 0), fit_groups)
+        except ValueError as e:
+            errors.append(f"'{path}' ({type(child).__name__} '{child.name}'): {e}")
+            continue
+        if reason:
+            left.append((path, reason))
+        else:
+            todo.append((parent, key, child, path, kind, c, grouping))
+    return todo, left, errors
+
+
 def _checked_arguments(norm, num_groups, group_size, include, norm_kwargs):
     """replace_norm's arguments checked before any change: (grouping rule, its value, include as a
     tuple of kinds); a clear TypeError / ValueError otherwise."""
@@ -215,12 +290,15 @@ def _checked_arguments(norm, num_groups, group_size, include, norm_kwargs):
 
 def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
                  include=("batch_norm",), sample=None, copy_affine=True, verbose=False,
-                 **norm_kwargs):
+                 fit_groups=False, **norm_kwargs):
     """Replace every BatchNorm (and, with ``include``, InstanceNorm / LayerNorm) in ``block``'s tree
     by a ``gn_mx.GroupNorm`` or ``gn_mx.DecorrelatedBatchNorm``, in place.
 
     A change of the model, for training from scratch or fine-tuning (``gn_mx.convert`` is the exact
-    conversion of layers that already are GroupNorms). Every layer of an included kind is replaced
+    conversion of layers that already are GroupNorms). Inside a ``gluon.SymbolBlock`` (e.g.
+    ``SymbolBlock.imports``, GluonCV's FeatureExpander) the BatchNorm nodes of its graph become
+    ``gn_group_norm`` nodes on the same gamma/beta (GroupNorm only; reported as
+    ``'path:node name'``). Every layer of an included kind is replaced
     or listed in the report with the reason it stays (a normalized axis other than 1, a
     ``BatchNormReLU`` for DBN); a channel count that the grouping cannot divide is a ValueError
     naming every such layer, raised before anything is changed.
@@ -247,13 +325,20 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         An input batch (or its shape) of a single-input block: the channel count and rank of
         every layer's input are inferred from it (a shape inference of the traced graph for a
         HybridBlock; one predict-mode forward, which needs an initialized block, for a plain
-        Block). Needed for ``group_size`` with GroupNorm when the channel counts are not known
-        yet.
+        Block). Without it, a HybridBlock's channel counts are read from its traced graph (the
+        convolution or dense layer feeding each norm layer) for the group rule; ``sample`` is
+        needed where that cannot tell (``group_size`` with GroupNorm on a plain Block, a layer
+        fed through a concatenation, ...).
     copy_affine : bool, default True
         When the old layer's gamma/beta have values, start the new ones from them (fine-tuning);
         False starts from the initializers (ones, zeros), as training from scratch does.
     verbose : bool, default False
         Print the report.
+    fit_groups : bool, default False
+        For a layer whose C the ``num_groups`` rule cannot divide (C < 32 with the default, e.g.
+        MobileNet 0.25's C = 8), use the largest divisor of C that is at most ``num_groups``
+        (reported per layer as fitted) instead of raising. Needs C at replacement time (the
+        layer's, ``sample=``'s, or the traced graph's).
     **norm_kwargs
         More keywords for every new layer (e.g. ``epsilon``, ``activation='relu'`` for GroupNorm,
         ``whitening='iternorm'`` for DBN); they win over the values taken from the old layer.
@@ -285,39 +370,43 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
     """
     rule, value, include = _checked_arguments(norm, num_groups, group_size, include, norm_kwargs)
 
-    root = block
-    if _kind(block) is not None:  # the block itself is a norm layer: wrap it for the walk
-        root = gluon.nn.HybridSequential(prefix="")
-        root._children["0"] = block
-    found = [(parent, key, child, path, _kind(child)) for parent, key, child, path in _walk(root)]
+    root = _blocktree.root_holder(block, lambda b: _kind(b) is not None)
+    found = [(parent, key, child, path, _kind(child))
+             for parent, key, child, path in _blocktree.walk(root)]
     found = [f for f in found if f[4] in include]
     shapes = {}
     if sample is not None and found:
         shape = sample if isinstance(sample, tuple) else sample.shape
         shapes = _input_shapes(block, shape, [f[2] for f in found])
 
-    report, todo, errors = ReplacementReport(), [], []
-    for parent, key, child, path, kind in found:
-        try:
-            c, grouping, reason = _plan(child, kind, shapes.get(id(child)), norm, rule, value)
-        except ValueError as e:
-            errors.append(f"'{path}' ({type(child).__name__} '{child.name}'): {e}")
-            continue
-        if reason:
-            report.left.append((path, reason))
-        else:
-            todo.append((parent, key, child, path, kind, c, grouping))
+    graph_c = {}
+    if sample is None and any(not _channels(f[2], None) for f in found):
+        graph_c = _graph_channels(block, [f[2] for f in found])
+    report = ReplacementReport()
+    todo, report.left, errors = _plan_layers(found, shapes, graph_c, norm, rule, value, fit_groups)
+    sym_plans = []
+    for path, sb in _symblock.symbol_blocks(root):
+        plans, left, sym_errors = _symblock.plan(
+            sb, path, lambda c: _grouping(c, rule, value, norm, fit_groups)["num_groups"],
+            norm.__name__, include, norm_kwargs)
+        sym_plans.append((sb, path, plans))
+        report.left += left
+        errors += sym_errors
     if errors:
         raise ValueError(f"replace_norm({norm.__name__}, {rule}={value}): "
                          f"{len(errors)} layer(s) cannot be replaced:\n  " + "\n  ".join(errors))
     for parent, key, child, path, kind, c, grouping in todo:
         new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
-        _replace_child(parent, key, child, new)
-        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}"))
-    for b in [root] + [c for _, _, c, _ in _walk(root)]:
-        if isinstance(b, gluon.HybridBlock):
-            _compat.clear_cached_op(b)
-    result = root._children["0"] if root is not block else block
+        _blocktree.replace_child(parent, key, child, new)
+        fitted = (f" (fitted: num_groups={value} does not divide C="
+                  f"{c or graph_c.get(id(child))})" if grouping.get("num_groups", value) != value
+                  and rule == "num_groups" else "")
+        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}{fitted}"))
+    for sb, path, plans in sym_plans:
+        if plans:
+            _symblock.apply(sb, path, plans, copy_affine, report)
+    _blocktree.clear_hybrid_caches(root)
+    result = _blocktree.unwrap(root, block)
     result.gn_mx_report = report
     if verbose:
         print(report)

@@ -139,8 +139,10 @@ def check_channels(who, C, shape, num_groups=None, group_size=None, channels=0,
         D = group_size
     else:
         if C % num_groups:
+            divisors = ", ".join(str(d) for d in range(1, C + 1) if C % d == 0)
             raise ValueError(f"{who}: channels (C={C}) must be divisible by num_groups "
-                             f"({num_groups}){of}; choose num_groups among the divisors of C")
+                             f"({num_groups}){of}; choose num_groups among the divisors of C: "
+                             f"{divisors}")
         D = C // num_groups
     if max_group_size is not None and D > max_group_size:
         raise ValueError(f"{who}: group size C/num_groups = {D} exceeds the limit "

@@ -69,6 +69,24 @@ def checked_forward(block, x, args, axis=1, **rules):
     return HybridBlock.forward(block, x, *args)
 
 
+def _check_gamma_dtype(block, dtype):
+    """The op's dtype rule for gamma (the data's dtype, or float32 with float16 data), checked
+    with the layer's name and the fix in the message."""
+    import numpy as np
+    p = block.gamma
+    key = (p.dtype, dtype)
+    if p.dtype is None or key == block.__dict__.get("_gnmx_ok_dtypes"):  # one tuple compare
+        return
+    have, want = np.dtype(p.dtype).name, np.dtype(dtype).name
+    if want not in ("float16", "float32", "float64"):
+        return  # checked_forward's dtype rule names that
+    if have != want and not (want == "float16" and have == "float32"):
+        raise ValueError(f"{type(block).__name__} '{block.name}': the input is {want} but gamma "
+                         f"is {have}: cast the layer (or the whole net) to the data's dtype, "
+                         f"net.cast('{want}'), or the data to the layer's, x.astype('{have}')")
+    block.__dict__["_gnmx_ok_dtypes"] = key
+
+
 def numpy_interface(hybrid_forward):
     """Decorator: a ``hybrid_forward`` written against the legacy ops also takes and returns the
     NumPy interface's arrays (``npx.set_np()``).
@@ -221,7 +239,10 @@ class GroupNorm(HybridBlock):
     _gnmx_layer = True  # _hybrid: a hybridized parent refuses empty NumPy-interface batches
 
     def forward(self, x, *args):
-        """Checks ``x``'s shape (layer name in the message), then ``HybridBlock.forward``."""
+        """Checks ``x``'s shape and dtype against gamma's (layer name in the message), then
+        ``HybridBlock.forward``."""
+        if isinstance(x, NDArray):
+            _check_gamma_dtype(self, x.dtype)
         return checked_forward(self, x, args, self._axis, num_groups=self._num_groups)
 
     @numpy_interface

@@ -6,10 +6,13 @@ Runs, on each device:
   * forward and gradient checks of every op (gn_group_norm with each fused activation, gn_moments,
     gn_dbn ZCA and IterNorm, gn_dbn_inference, gn_channel_affine) in float16, float32 and float64,
     0 to 3 spatial dimensions, against float64 references computed on the CPU with numpy
-    (gn_mx/_reference.py; IterNorm's gradient by central differences of its float64 forward);
+    (gn_mx/_reference.py; IterNorm's gradient by central differences of its float64 forward),
+    gn_weight_standardize forward and gradient, gn_group_norm on channels-last data (axis=-1) and
+    its double backward;
   * a short timing table: gn_mx's GroupNorm next to MXNet's own GroupNorm and BatchNorm.
-It prints a report (gn_mx build, MXNet, GPUs with driver and CUDA versions, PASS/FAIL per check,
-timings) and exits 0 when every check passed, 1 when one failed, 2 when it could not run.
+It prints a report (gn_mx build, MXNet, GPUs with driver and CUDA versions, PASS/FAIL per check
+with the error's message, timings) and exits 0 when every check passed, 1 when one failed, 2 when
+it could not start (one line with the reason, e.g. a GPU asked for that cannot be used).
 
     python -m gn_mx.selftest                  # every device
     python -m gn_mx.selftest --cpu            # the CPU only
@@ -20,9 +23,9 @@ import argparse
 import ctypes
 import os
 import platform
+import re
 import sys
 import time
-import traceback
 import warnings
 
 import numpy as np
@@ -218,6 +221,78 @@ def check_channel_affine(ctx, dtype, shape):
                _close("dbeta", bs.grad.asnumpy(), db, dtype, GRAD_TOL))
 
 
+def _ws_ref(w, gain, eps):
+    rows = w.reshape(w.shape[0], -1).astype(np.float64)
+    mean, var = rows.mean(1, keepdims=True), rows.var(1, keepdims=True)
+    return ((rows - mean) / np.sqrt(var + eps) * np.asarray(gain, np.float64)[:, None]).reshape(
+        w.shape)
+
+
+def check_weight_standardize(ctx, dtype, shape):
+    """gn_weight_standardize forward and weight gradient (central differences of the float64
+    reference) on an (O, *fan_in) weight."""
+    import mxnet as mx
+    from mxnet import autograd
+    w, dy = _data(shape, dtype, 20), _data(shape, dtype, 21)
+    gain = (1.0 + 0.5 * _data(shape[:1], np.float64, 22)).astype(dtype)
+    ws = _nd(ctx, w)
+    ws.attach_grad()
+    with autograd.record():
+        y = mx.nd.gn_weight_standardize(ws, _nd(ctx, gain), eps=1e-5)[0]
+    y.backward(_nd(ctx, dy))
+    dy64 = dy.astype(np.float64)
+    fd = ref.numeric_grad(lambda z: float((_ws_ref(z, gain, 1e-5) * dy64).sum()), w)
+    return max(_close("y", y.asnumpy(), _ws_ref(w, gain, 1e-5), dtype, TOL),
+               _close("dw", ws.grad.asnumpy(), fd, dtype, FD_GRAD_TOL))
+
+
+def check_group_norm_channels_last(ctx, dtype, shape):
+    """gn_group_norm(axis=-1) on (N, *spatial, C) data against the channels-first reference."""
+    G = 3
+    x_cf, dy_cf = _data(shape, dtype, 23, 0.5), _data(shape, dtype, 24)
+    gamma, beta = _data(shape[1:2], dtype, 25), _data(shape[1:2], dtype, 26)
+    last = lambda a: np.ascontiguousarray(np.moveaxis(a, 1, -1))  # noqa: E731
+    r = MxRunner(ctx).group_norm(last(x_cf), gamma, beta, G, 1e-5, dy=last(dy_cf), axis=-1)
+    y = ref.group_norm_ref(x_cf, gamma, beta, G, 1e-5)[0]
+    dx, dg, db = ref.group_norm_bwd_ref(x_cf, gamma, dy_cf, G, 1e-5)
+    return max(_close("y", r["y"], last(y), dtype, TOL),
+               _close("dx", r["dx"], last(dx), dtype, GRAD_TOL),
+               _close("dgamma", r["dgamma"], dg, dtype, GRAD_TOL),
+               _close("dbeta", r["dbeta"], db, dtype, GRAD_TOL))
+
+
+def check_group_norm_double_backward(ctx, dtype, shape):
+    """d/dx of <w, d<v, gn_group_norm(x)>/dx> (autograd.grad with create_graph) against central
+    differences of the float64 reference's first-order gradient."""
+    import mxnet as mx
+    from mxnet import autograd
+    G = 3
+    x, v, w = _data(shape, dtype, 27, 0.5), _data(shape, dtype, 28), _data(shape, dtype, 29)
+    gamma, beta = _data(shape[1:2], dtype, 30), _data(shape[1:2], dtype, 31)
+    xs = _nd(ctx, x)
+    xs.attach_grad()
+    with autograd.record():
+        y = mx.nd.gn_group_norm(xs, _nd(ctx, gamma), _nd(ctx, beta), num_groups=G, eps=1e-5)[0]
+        dx = autograd.grad(y, [xs], head_grads=_nd(ctx, v), create_graph=True,
+                           retain_graph=True)[0]
+        z = (dx * _nd(ctx, w)).sum()
+    z.backward()
+    v64, w64 = v.astype(np.float64), w.astype(np.float64)
+    fd = ref.numeric_grad(lambda t: float(
+        (ref.group_norm_bwd_ref(t, gamma, v64, G, 1e-5)[0] * w64).sum()), x)
+    return _close("d2x", xs.grad.asnumpy(), fd, dtype, _D2_TOL)
+
+
+# Second derivatives: central differences of a first derivative lose more digits than FD_TOL.
+_D2_TOL = {d: tuple(max(a, b) for a, b in zip(GRAD_TOL[d], (1e-4, 1e-5))) for d in GRAD_TOL}
+
+
+#: Every op of the library (``_library.OPS``) -> the prefix of its checks' names.
+CHECKED_OPS = {"gn_group_norm": "group_norm", "gn_moments": "moments", "gn_dbn": "dbn zca",
+               "gn_dbn_inference": "dbn_inference", "gn_channel_affine": "channel_affine",
+               "gn_weight_standardize": "weight_standardize"}
+
+
 def op_checks():
     """[(name, function(ctx) -> error ratio)] of every op, dtype and 0-3 spatial dims."""
     out = []
@@ -233,6 +308,15 @@ def op_checks():
                         lambda c, d=dtype, s=shape: check_channel_affine(c, d, s)))
             out.append((f"dbn_inference {dn} {sn}",
                         lambda c, d=dtype, s=shape: check_dbn_inference(c, d, s)))
+        for shape in SHAPES[1:]:
+            sn = "x".join(map(str, shape))
+            out.append((f"group_norm axis=-1 {dn} {sn}",
+                        lambda c, d=dtype, s=shape: check_group_norm_channels_last(c, d, s)))
+        for shape in ((4, 6), (4, 2, 3, 3)):
+            out.append((f"weight_standardize {dn} {'x'.join(map(str, shape))}",
+                        lambda c, d=dtype, s=shape: check_weight_standardize(c, d, s)))
+        out.append((f"group_norm double backward {dn} 2x6x4",
+                    lambda c, d=dtype: check_group_norm_double_backward(c, d, (2, 6, 4))))
         for shape in (SHAPES[0], SHAPES[2]):
             sn = "x".join(map(str, _dbn_shape(shape)))
             out.append((f"dbn zca {dn} {sn}", lambda c, d=dtype, s=shape: check_dbn_zca(c, d, s)))
@@ -421,10 +505,52 @@ def _run_device(ctx, label, out, edge=True, ops=True):
     return failed
 
 
+_FRAME = ("Traceback", "File ", "[bt]", "Stack trace", "^")
+
+
 def _first_line(e):
-    text = str(e).strip().splitlines()
-    msg = next((t.strip() for t in text if t.strip()), type(e).__name__)
+    """The error's meaningful line: the last line of its text that is not a traceback frame
+    (MXNetError's text starts with a C++ 'Traceback (most recent call last):' and ends with the
+    message), prefixed with the exception's type."""
+    lines = [t.strip() for t in str(e).strip().splitlines() if t.strip()]
+    msgs = [t for t in lines if not t.startswith(_FRAME) and not t.split(":", 1)[0].isdigit()]
+    msg = msgs[-1] if msgs else type(e).__name__
+    msg = re.sub(r"^(MXNetError: )?(\[\d+\] )?", "", msg)  # lib_api's "[0] op: message"
     return f"{type(e).__name__}: {msg}"[:300]
+
+
+def gpu_problem(mx, gpu_ids):
+    """Why the GPUs asked for cannot be used (one line), or None: MXNet or gn_mx without CUDA, no
+    GPU visible, an id out of range."""
+    from . import build_info
+    if not gpu_ids:
+        return None
+    if not mx.runtime.Features().is_enabled("CUDA"):
+        return (f"MXNet {mx.__version__} is built without CUDA (GPU support is disabled): install "
+                "mxnet-cu112==1.9.1, or run with --cpu")
+    if build_info().get("cuda") is None:
+        return ("this gn_mx build has no CUDA kernels (built without nvcc): reinstall a CUDA "
+                "build of gn_mx (docs/install.md), or run with --cpu")
+    n = mx.context.num_gpus()
+    bad = [i for i in gpu_ids if not 0 <= i < n]
+    if bad:
+        seen = ("no GPU (no NVIDIA driver, or CUDA_VISIBLE_DEVICES hides them)" if n == 0
+                else f"{n} GPU(s), ids 0-{n - 1}")
+        return f"GPU id(s) {bad} asked for, but MXNet sees {seen}"
+    return None
+
+
+def _gpu_ids(mx, a):
+    """The GPU ids to check: --gpus (a ValueError for a bad list), none with --cpu, else every GPU
+    MXNet sees (none when MXNet has no CUDA)."""
+    if a.cpu:
+        return []
+    if a.gpus:
+        try:
+            return [int(i) for i in a.gpus.split(",")]
+        except ValueError:
+            raise ValueError(f"--gpus wants comma-separated GPU ids such as 0,1; got {a.gpus!r}")
+    return list(range(mx.context.num_gpus()))
 
 
 def main(argv=None):
@@ -439,14 +565,15 @@ def main(argv=None):
     try:
         import mxnet as mx
         import gn_mx  # noqa: F401  (loads the op library)
-        n_gpu = 0 if a.cpu else mx.context.num_gpus()
-        gpu_ids = ([int(i) for i in a.gpus.split(",")] if a.gpus and not a.cpu
-                   else list(range(n_gpu)))
+        gpu_ids = _gpu_ids(mx, a)
+        problem = gpu_problem(mx, gpu_ids)
+        if problem:
+            out(f"gn_mx selftest could not start: {problem}")
+            return 2
         for lines in machine_report(gpu_ids):
             out(lines)
-    except Exception:  # noqa: BLE001
-        out("gn_mx selftest could not start:")
-        out(traceback.format_exc())
+    except Exception as e:  # noqa: BLE001
+        out(f"gn_mx selftest could not start: {_first_line(e)}")
         return 2
     warnings.filterwarnings("ignore", category=RuntimeWarning)  # numpy on the non-finite cases
     devices = [(mx.cpu(), "CPU")] + [(mx.gpu(i), f"GPU {i}") for i in gpu_ids]
@@ -458,10 +585,9 @@ def main(argv=None):
             failed += _run_device(ctx, label, out)
             if not a.no_timing:
                 timings += [(label,) + r for r in timing_rows(ctx, ctx.device_type == "gpu")]
-        except Exception:  # noqa: BLE001  (a crash of the device counts as a failure)
+        except Exception as e:  # noqa: BLE001  (a crash of the device counts as a failure)
             failed += 1
-            out(f"  FAIL: the checks on {label} stopped:")
-            out("  " + traceback.format_exc().replace("\n", "\n  "))
+            out(f"  FAIL: the checks on {label} stopped: {_first_line(e)}")
     if timings:
         out()
         out("== timing: forward + backward, median ms (MXNet's own ops for comparison) ==")

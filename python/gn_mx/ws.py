@@ -23,7 +23,7 @@ import mxnet as mx
 from mxnet.gluon import nn as _gnn
 from mxnet.ndarray import NDArray
 
-from . import _compat, _hybrid, _np
+from . import _blocktree, _compat, _hybrid, _np
 from .ops import _both_kinds
 
 __all__ = ["WSConv1D", "WSConv2D", "WSConv3D", "weight_standardize", "standardize_convs",
@@ -340,38 +340,16 @@ def standardize_convs(block, ws_eps=DEFAULT_WS_EPS, use_gain=False, gain_initial
 'net_conv1_weight', 'net_groupnorm0_beta', 'net_groupnorm0_gamma'])
     """
     ws_eps = _check_eps("gn_mx.ws.standardize_convs", ws_eps)
-    if type(block) in _WS_OF:
-        raise ValueError("gn_mx.ws.standardize_convs: the root block is itself a plain "
-                         f"{type(block).__name__}, which cannot be replaced in place; wrap it in "
-                         f"a container or build gn_mx.WS{type(block).__name__} directly")
-    swapped = []
-
-    def visit(parent, path):
-        for name, child in list(parent._children.items()):
-            where = f"{path}.{name}" if path else name
-            if type(child) in _WS_OF and (include is None or include(where, child)):
-                new = _ws_replacement(child, ws_eps, use_gain, gain_initializer)
-                parent._children[name] = new
-                for attr, value in list(vars(parent).items()):  # attribute-held children too
-                    if value is child:
-                        object.__setattr__(parent, attr, new)
-                swapped.append(where)
-            else:
-                visit(child, where)
-
-    visit(block, "")
-    if swapped and isinstance(block, mx.gluon.HybridBlock):
-        _clear_hybrid_caches(block)
-    return swapped
-
-
-def _clear_hybrid_caches(block):
-    """Drop the traced graphs of ``block`` and its HybridBlock descendants (they hold the old
-    layers' graphs)."""
-    if isinstance(block, mx.gluon.HybridBlock):
-        _compat.clear_cached_op(block)
-    for child in _compat.children(block):
-        _clear_hybrid_caches(child)
+    _blocktree.refuse_root("gn_mx.ws.standardize_convs", block, lambda b: type(b) in _WS_OF,
+                           f"gn_mx.WS{type(block).__name__}")
+    targets = [(parent, key, child, where) for parent, key, child, where in _blocktree.walk(block)
+               if type(child) in _WS_OF and (include is None or include(where, child))]
+    for parent, key, child, _ in targets:
+        _blocktree.replace_child(parent, key, child,
+                                 _ws_replacement(child, ws_eps, use_gain, gain_initializer))
+    if targets:
+        _blocktree.clear_hybrid_caches(block)
+    return [where for _, _, _, where in targets]
 
 
 # ---------------------------------------------------------------------------------------------
