@@ -21,6 +21,7 @@ from mxnet import gluon
 from . import _compat
 from ._convert import _param_state, _replace_child, _walk
 from .nn import DecorrelatedBatchNorm, GroupNorm
+from .sync import SyncDecorrelatedBatchNorm
 
 __all__ = ["replace_norm", "ReplacementReport"]
 
@@ -166,6 +167,8 @@ def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
         kw["use_global_stats"] = bool(old._kwargs["use_global_stats"])
     if kind == "batch_norm" and old.fuse_relu:
         kw["activation"] = "relu"
+    if norm is DecorrelatedBatchNorm and old._kwargs.get("ndev") is not None:
+        norm, kw["num_devices"] = SyncDecorrelatedBatchNorm, old._kwargs["ndev"]  # SyncBatchNorm
     kw.update(norm_kwargs)
     new = norm(in_channels=c, prefix=old.prefix, **kw)
     for p_new, p_old in ((new.gamma, g_old), (new.beta, b_old)):
