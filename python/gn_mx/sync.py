@@ -28,17 +28,27 @@ from .nn import DecorrelatedBatchNorm, accumulating_params, numpy_interface
 
 __all__ = ["SyncDecorrelatedBatchNorm", "cpu_pool_environment", "sync_dbn_training"]
 
-#: MXNet's CPU resource pools, shared by every cpu(i): with fewer slots than the devices' calls need,
-#: two devices' synchronized calls can be given one slot and wait for each other (issue 42's probe).
+#: MXNet's CPU resource pools. MXNet gives every library op one slot of each (kTempSpace and
+#: kParallelRandom), the slots are shared by all cpu(i) and handed out round-robin per op call, and
+#: a device waiting for the others keeps its slots: another device whose op, before it arrives, is
+#: handed one of them waits for it (a deadlock the timeout ends). So each pool needs more slots than
+#: the op calls that request it between two synchronizations, over all devices: temp space is
+#: requested by many of MXNet's own ops (slots are cheap, allocated on use), parallel random only by
+#: library ops (~5 MB each, allocated at start). Measured sufficient: the tests (4 devices) and the
+#: digits net of examples/train_small_batch.py (4 synchronized layers, 4 devices).
 POOL_VARIABLES = ("MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY")
+_SLOTS_PER_DEVICE = {"MXNET_CPU_TEMP_COPY": 256, "MXNET_CPU_PARALLEL_RAND_COPY": 32}
 
 _instances = itertools.count()
 
 
 def cpu_pool_environment(num_devices):
-    """The environment synchronized DBN needs on ``num_devices`` CPU contexts of one process.
+    """The CPU resource-pool sizes synchronized DBN needs on ``num_devices`` cpu contexts of one
+    process (GPU contexts have a pool per device and need nothing).
 
-    MXNet reads these when it starts: set them before ``import mxnet`` (or in the shell).
+    MXNet reads them when it runs its first op: set them in the shell, or in ``os.environ`` before
+    the first MXNet call. Deeper nets than the digits example may need more (a timeout's message
+    then names the variables).
 
     Parameters
     ----------
@@ -52,9 +62,9 @@ def cpu_pool_environment(num_devices):
     Examples
     --------
     >>> gn_mx.sync.cpu_pool_environment(4)
-    {'MXNET_CPU_TEMP_COPY': '16', 'MXNET_CPU_PARALLEL_RAND_COPY': '16'}
+    {'MXNET_CPU_TEMP_COPY': '1024', 'MXNET_CPU_PARALLEL_RAND_COPY': '128'}
     """
-    return {v: str(max(16, 4 * int(num_devices))) for v in POOL_VARIABLES}
+    return {v: str(n * int(num_devices)) for v, n in _SLOTS_PER_DEVICE.items()}
 
 
 def _pool_problem(num_devices):
@@ -65,9 +75,9 @@ def _pool_problem(num_devices):
     if not low:
         return None
     need = " ".join(f"{k}={v}" for k, v in want.items())
-    return (f"{', '.join(low)}: too small for {num_devices} synchronized cpu contexts "
-            f"(two devices' calls could share one resource slot and wait for each other); set "
-            f"{need} before importing mxnet (gn_mx.sync.cpu_pool_environment)")
+    return (f"{', '.join(low)}: too small for {num_devices} synchronized cpu contexts (a device "
+            f"waiting for the others holds MXNet resource slots that another device may need); "
+            f"set {need} before MXNet's first op (gn_mx.sync.cpu_pool_environment)")
 
 
 def _group_columns(F, x, num_groups):

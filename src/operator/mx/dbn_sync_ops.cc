@@ -91,20 +91,20 @@ MXReturnValue sum_type(const AttrMap& attrs, std::vector<int>* in, std::vector<i
   });
 }
 
-// The CPU resource pools' sizes, when the environment sets them below what num_devices calls of
-// one barrier need (the probe in issue 42: with MXNet's defaults two devices' calls can be given
-// the same temp / parallel-random slot and wait on each other); empty when fine.
-std::string pool_hint(int num_devices) {
-  std::string h;
+// The CPU resource pools, named in a cpu timeout's message: every lib_api op holds one slot of each
+// (MXNet gives library ops kTempSpace and kParallelRandom), the slots are shared by all cpu(i) and
+// handed out round-robin, so a device waiting here can hold the slot another device's op needs
+// before it arrives (issue 42's probe; docs/guide/dbn_sync.md). The sizes that avoid it: python's
+// gn_mx.sync.cpu_pool_environment (their one home).
+std::string pool_hint() {
+  std::string h = "; on cpu contexts a device can be stuck behind a resource slot held by a "
+                  "waiting device when the pools are too small:";
   for (const char* var : {"MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY"}) {
     const char* v = std::getenv(var);
-    if (!v || std::atoi(v) < 4 * num_devices)
-      h += std::string(h.empty() ? "" : ", ") + var + "=" + (v ? v : "unset");
+    h += std::string(" ") + var + "=" + (v ? v : "unset");
   }
-  if (h.empty()) return h;
-  return "; on cpu contexts a device that never arrives may be waiting on a resource slot "
-         "another device holds: " + h + ", set both to >= " + std::to_string(4 * num_devices) +
-         " before importing mxnet (gn_mx.sync_environment())";
+  return h + " (gn_mx.sync.cpu_pool_environment(num_devices) gives the sizes to set before mxnet "
+             "starts)";
 }
 
 // One barrier call over `t_in` into `t_out` (same size); dir: "fwd" or "bwd".
@@ -124,8 +124,7 @@ void sum_call(const SumParams& p, const char* dir, const MXTensor& t_in, MXTenso
   a.n = t_in.size();
   if (const char* e = sync_sum_cpu(a)) {
     const std::string m(e);
-    fail(kSum, ": ", m, m.find("timed out after") != std::string::npos ? pool_hint(a.num_devices)
-                                                                       : std::string());
+    fail(kSum, ": ", m, m.find("timed out after") != std::string::npos ? pool_hint() : "");
   }
 }
 
