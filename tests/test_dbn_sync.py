@@ -3,6 +3,7 @@ gn_cast_like. The multi-device cases (exactness against one DBN on the whole bat
 mismatches) are tests/sync_inproc_cases.py, run here in a fresh interpreter whose MXNet starts
 with the CPU resource pools synchronized DBN needs; the rest runs in this process.
 """
+import importlib.util
 import itertools
 import os
 import subprocess
@@ -19,6 +20,10 @@ from gn_mx import sync
 from conftest import ROOT, dbn_data, run_python
 
 _keys = itertools.count()
+_spec = importlib.util.spec_from_file_location(
+    "horovod_train", os.path.join(ROOT, "examples", "horovod_train.py"))
+horovod_train = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(horovod_train)
 
 
 def _key():
@@ -163,3 +168,37 @@ def test_sync_sum_bad_attributes(attrs, text):
         mx.nd.gn_sync_sum(mx.nd.ones((2,), dtype="float64"), **attrs).wait_to_read()
     with pytest.raises(mx.base.MXNetError, match="float64"):
         mx.nd.gn_sync_sum(mx.nd.ones((2,)), key="k").wait_to_read()
+
+
+def _horovod_reason():
+    """None when horovodrun and horovod.mxnet (with Gloo) are there, else why not."""
+    if horovod_train.horovodrun_path() is None:
+        return "horovodrun not found (GNMX_HOROVOD=1 bash dev.sh builds Horovod)"
+    proc = run_python("import mxnet, horovod.mxnet as hvd; print(hvd.gloo_built())", timeout=120)
+    if proc.returncode != 0 or not proc.stdout.strip().endswith("True"):
+        return "horovod.mxnet with Gloo does not import: " + proc.stderr.strip()[-300:]
+    return None
+
+
+def test_horovod_two_ranks_equal_one_dbn():
+    """tests/sync_horovod_worker.py under horovodrun -np 2 --gloo (loopback), bounded; every process
+    of the launch is stopped at the end (examples/horovod_train.py's helpers)."""
+    reason = _horovod_reason()
+    if reason is not None:
+        if os.environ.get("GNMX_HOROVOD") == "1":
+            pytest.fail(f"GNMX_HOROVOD=1 but {reason}")
+        pytest.skip(reason)
+    marker = f"syncdbn-{os.getpid()}-{next(_keys)}"
+    cmd = [horovod_train.horovodrun_path(), "-np", "2", "-H", "localhost:2", "--gloo",
+           "--network-interface", "lo", "--start-timeout", "60", sys.executable,
+           os.path.join(ROOT, "tests", "sync_horovod_worker.py")]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **{horovod_train._MARK: marker})
+    proc = subprocess.Popen(cmd, env=env, cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        text, _ = proc.communicate(timeout=150)
+    finally:
+        horovod_train._stop(proc, marker)
+        proc.stdout.close()
+    assert proc.returncode == 0, text[-6000:]
+    assert "rank 0 ok" in text and "rank 1 ok" in text, text[-3000:]
