@@ -109,10 +109,9 @@ def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_g
     W = F.gn_dbn_whiten(cov, F.reshape(mu, shape=(-1,)), running_mean, running_projection,
                         eps=eps, momentum=momentum, **kw)[0]
     y = F.transpose(F.reshape_like(F.batch_dot(W, xc), xt), axes=(2, 0, 1, 3))
-    y = F.reshape_like(y, x3)
-    g64 = F.reshape(F.cast(gamma, dtype="float64"), shape=(1, -1, 1))
-    b64 = F.reshape(F.cast(beta, dtype="float64"), shape=(1, -1, 1))
-    y = F.broadcast_add(F.broadcast_mul(y, g64), b64)
+    # gn_channel_affine infers gamma / beta's shapes from y's (Gluon's deferred initialization)
+    y = F.gn_channel_affine(F.reshape_like(y, x3), F.cast(gamma, dtype="float64"),
+                            F.cast(beta, dtype="float64"))
     return F.gn_cast_like(F.reshape_like(y, x), x)
 
 
