@@ -202,3 +202,17 @@ def test_horovod_two_ranks_equal_one_dbn():
         proc.stdout.close()
     assert proc.returncode == 0, text[-6000:]
     assert "rank 0 ok" in text and "rank 1 ok" in text, text[-3000:]
+
+
+def test_replace_norm_maps_sync_batch_norm():
+    """MXNet's contrib SyncBatchNorm becomes SyncDecorrelatedBatchNorm with its num_devices."""
+    net = mx.gluon.nn.HybridSequential()
+    net.add(mx.gluon.nn.Conv2D(8, 3, in_channels=3),
+            mx.gluon.contrib.nn.SyncBatchNorm(in_channels=8, num_devices=4))
+    gn_mx.replace_norm(net, norm=gn_mx.DecorrelatedBatchNorm, group_size=4)
+    new = net[1]
+    assert type(new) is gn_mx.SyncDecorrelatedBatchNorm and new._num_devices == 4
+    plain = mx.gluon.nn.HybridSequential()
+    plain.add(mx.gluon.nn.BatchNorm(in_channels=8))
+    gn_mx.replace_norm(plain, norm=gn_mx.DecorrelatedBatchNorm, group_size=4)
+    assert type(plain[0]) is gn_mx.DecorrelatedBatchNorm

@@ -110,7 +110,7 @@ def _input_shapes(block, sample_shape, layers):
 
 
 def _old_axis(b, kind):
-    return b._kwargs["axis"] if kind == "batch_norm" else b._axis
+    return b._kwargs.get("axis", 1) if kind == "batch_norm" else b._axis  # SyncBatchNorm: no axis
 
 
 def _channels(b, shape):
