@@ -216,3 +216,21 @@ def test_replace_norm_maps_sync_batch_norm():
     plain.add(mx.gluon.nn.BatchNorm(in_channels=8))
     gn_mx.replace_norm(plain, norm=gn_mx.DecorrelatedBatchNorm, group_size=4)
     assert type(plain[0]) is gn_mx.DecorrelatedBatchNorm
+
+
+def test_train_small_batch_devices(tmp_path):
+    """examples/train_small_batch.py --devices 2 with SyncDBN (the split_and_load loop): one result
+    per configuration, batch sizes per device, and it learns (chance is 10%)."""
+    pytest.importorskip("sklearn", reason="train_small_batch.py needs scikit-learn (digits data)")
+    proc = subprocess.run(
+        [sys.executable, os.path.join(ROOT, "examples", "train_small_batch.py"), "--quick",
+         "--epochs", "1", "--devices", "2", "--norms", "syncdbn_gn_mx", "--batch-sizes", "4",
+         "--precisions", "fp32", "--name", "sync", "--out", str(tmp_path), "--no-progress"],
+        capture_output=True, text=True, timeout=300, cwd=ROOT,
+        env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-5000:]
+    import json
+    (r,) = json.loads((tmp_path / "sync.json").read_text())["results"]
+    assert (r["norm"], r["batch_size"], r["devices"], r["steps"]) == ("syncdbn_gn_mx", 4, 2, 48)
+    assert r["val_acc"] > 0.3, r
+    assert "| SyncDBN ZCA (gn_mx) | fp32 |" in (tmp_path / "sync.md").read_text()
