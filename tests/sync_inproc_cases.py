@@ -91,7 +91,7 @@ def _compare(got, want, dtype):
 @pytest.mark.parametrize("whitening", ["zca", "iternorm"])
 @pytest.mark.parametrize("dtype", [np.float64, np.float32, np.float16])
 @pytest.mark.parametrize("shape,G,ndev", [((8, 4), 2, 2), ((4, 6, 3, 3), 2, 4),
-                                          ((4, 4, 2, 2, 2), 1, 2)])
+                                          ((4, 4, 2, 2, 2), 1, 2), ((6, 3, 2), 3, 3)])
 def test_devices_equal_one_dbn_on_the_whole_batch(shape, G, ndev, dtype, whitening):
     x = dbn_data(shape, dtype)
     dy = np.random.randn(*shape).astype(dtype)
@@ -101,15 +101,16 @@ def test_devices_equal_one_dbn_on_the_whole_batch(shape, G, ndev, dtype, whiteni
     _compare(_synced(x, dy, gamma, beta, G, dtype, ndev, **kw), want, dtype)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float16])
 @pytest.mark.parametrize("whitening", ["zca", "iternorm"])
-def test_hybridized_equals_imperative_and_reference(whitening):
-    x = dbn_data((6, 4, 3), np.float64)
-    dy = np.random.randn(*x.shape)
-    gamma, beta = _params(4, np.float64)
+def test_hybridized_equals_reference(whitening, dtype):
+    x = dbn_data((6, 4, 3), dtype)
+    dy = np.random.randn(*x.shape).astype(dtype)
+    gamma, beta = _params(4, dtype)
     kw = {"whitening": whitening}
-    want = _reference(x, dy, gamma, beta, 2, np.float64, **kw)
-    hyb = _synced(x, dy, gamma, beta, 2, np.float64, 3, hybridize=True, **kw)
-    _compare(hyb, want, np.float64)
+    want = _reference(x, dy, gamma, beta, 2, dtype, **kw)
+    hyb = _synced(x, dy, gamma, beta, 2, dtype, 3, hybridize=True, **kw)
+    _compare(hyb, want, dtype)
 
 
 # ---- failure modes: each ends with its error within its timeout -----------------------------------
