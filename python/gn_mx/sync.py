@@ -116,7 +116,7 @@ def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_g
 
 
 def _in_process_reduce(key, num_devices, timeout):
-    """reduce() over the contexts of this process: gn_sync_sum, one barrier per step."""
+    """reduce() over the contexts of this process: gn_sync_sum, a barrier per name."""
     def reduce(F, t, name):
         return F.gn_sync_sum(t, key=f"{key}/{name}", num_devices=num_devices, timeout=timeout)
     return reduce
