@@ -214,7 +214,7 @@ def train_one(kind, precision, batch_size, data, args, ctx, seed=None):
     rng = np.random.RandomState(seed)
     net = make_net(kind, args.devices)
     net.initialize(mx.init.Xavier(magnitude=2.0), ctx=ctx)
-    # Several devices: no static_alloc (it hangs synchronized calls across contexts)
+    # Several devices: plain hybridize() (small_batch_sync.* ran so; static_alloc works as well)
     net.hybridize(**({} if args.devices > 1 else {"static_alloc": True, "static_shape": True}))
     batch_size = batch_size * args.devices  # per-device batch sizes: the step's total from here
     lr = args.base_lr * batch_size / 32.0  # linear scaling rule (Goyal et al.), as in the GN paper

@@ -48,7 +48,7 @@ def _reference(x, dy, gamma, beta, G, dtype, **kw):
                                   blk.running_mean.data(), blk.running_projection.data())]
 
 
-def _synced(x, dy, gamma, beta, G, dtype, ndev, hybridize=False, **kw):
+def _synced(x, dy, gamma, beta, G, dtype, ndev, hybridize=None, **kw):
     """SyncDecorrelatedBatchNorm over ndev cpu contexts, x split along the batch."""
     ctx = [mx.cpu(i) for i in range(ndev)]
     blk = gn_mx.SyncDecorrelatedBatchNorm(num_devices=ndev, key=_key(), timeout=30,
@@ -57,8 +57,8 @@ def _synced(x, dy, gamma, beta, G, dtype, ndev, hybridize=False, **kw):
     blk.cast(dtype)
     blk.gamma.set_data(mx.nd.array(gamma, dtype=dtype))
     blk.beta.set_data(mx.nd.array(beta, dtype=dtype))
-    if hybridize:
-        blk.hybridize()
+    if hybridize is not None:  # the hybridize() flags
+        blk.hybridize(**hybridize)
     xs = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(np.split(x, ndev), ctx)]
     dys = [mx.nd.array(p, ctx=c, dtype=dtype) for p, c in zip(np.split(dy, ndev), ctx)]
     for a in xs:
@@ -109,8 +109,19 @@ def test_hybridized_equals_reference(whitening, dtype):
     gamma, beta = _params(4, dtype)
     kw = {"whitening": whitening}
     want = _reference(x, dy, gamma, beta, 2, dtype, **kw)
-    hyb = _synced(x, dy, gamma, beta, 2, dtype, 3, hybridize=True, **kw)
+    hyb = _synced(x, dy, gamma, beta, 2, dtype, 3, hybridize={}, **kw)
     _compare(hyb, want, dtype)
+
+
+@pytest.mark.parametrize("flags", [{"static_alloc": True},
+                                   {"static_alloc": True, "static_shape": True}])
+def test_static_alloc_equals_reference(flags):
+    """Issue 42's probe saw static_alloc hang; with the pools sized it runs, with the same values."""
+    x = dbn_data((8, 4, 3), np.float64)
+    dy = np.random.randn(*x.shape)
+    gamma, beta = _params(4, np.float64)
+    want = _reference(x, dy, gamma, beta, 2, np.float64)
+    _compare(_synced(x, dy, gamma, beta, 2, np.float64, 4, hybridize=flags), want, np.float64)
 
 
 # ---- failure modes: each ends with its error within its timeout -----------------------------------

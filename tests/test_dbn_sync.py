@@ -133,15 +133,6 @@ def test_naive_engine_refused():
     assert "REFUSED" in proc.stdout and "NaiveEngine" in proc.stdout, proc.stderr[-2000:]
 
 
-def test_static_alloc_refused():
-    blk = gn_mx.SyncDecorrelatedBatchNorm(num_devices=2, num_groups=2, in_channels=4)
-    net = mx.gluon.nn.HybridSequential()
-    net.add(blk)
-    with pytest.raises(ValueError, match="static_alloc=True is not supported"):
-        net.hybridize(static_alloc=True)
-    net.hybridize()  # without it: fine
-
-
 def test_small_cpu_pools_named(monkeypatch):
     monkeypatch.delenv("MXNET_CPU_TEMP_COPY", raising=False)
     monkeypatch.setenv("MXNET_CPU_PARALLEL_RAND_COPY", "2")

@@ -176,9 +176,8 @@ class SyncDecorrelatedBatchNorm(DecorrelatedBatchNorm):
     Raises
     ------
     ValueError
-        A bad ``num_devices`` or ``timeout``; at ``hybridize(static_alloc=True)`` with several
-        devices (it hangs MXNet's synchronized calls); at a training call with several in-process
-        devices under ``MXNET_ENGINE_TYPE=NaiveEngine`` (one thread cannot wait for another
+        A bad ``num_devices`` or ``timeout``; at a training call with several in-process devices
+        under ``MXNET_ENGINE_TYPE=NaiveEngine`` (one thread cannot wait for another
         device), or on cpu contexts whose resource pools are too small
         (:func:`cpu_pool_environment` names the variables).
 
@@ -204,14 +203,6 @@ class SyncDecorrelatedBatchNorm(DecorrelatedBatchNorm):
         self._key = str(key) if key else f"{self.name}#{next(_instances)}"
         self._timeout = float(timeout)
         self._horovod = bool(horovod)
-
-    def hybridize(self, active=True, **kwargs):
-        """HybridBlock.hybridize, refusing ``static_alloc=True`` with several in-process devices."""
-        if active and kwargs.get("static_alloc") and self._num_devices > 1 and not self._horovod:
-            raise ValueError(f"{self.name}: static_alloc=True is not supported with num_devices="
-                             f"{self._num_devices} (MXNet's static allocation hangs synchronized "
-                             "calls across contexts); hybridize without it")
-        super().hybridize(active, **kwargs)
 
     def _reduce(self, x):
         """The reduce() of this mode; checks what would make in-process devices hang."""
