@@ -1,5 +1,5 @@
 """SyncDecorrelatedBatchNorm (python/gn_mx/sync.py) and its ops gn_sync_sum / gn_dbn_whiten /
-gn_cast_like. The multi-device cases (exactness against one DBN on the whole batch, timeouts,
+gn_dbn_apply. The multi-device cases (exactness against one DBN on the whole batch, timeouts,
 mismatches) are tests/sync_inproc_cases.py, run here in a fresh interpreter whose MXNet starts
 with the CPU resource pools synchronized DBN needs; the rest runs in this process.
 """

@@ -152,7 +152,7 @@ def _import_mxnet():
 
 #: The ops libgn_mx.so registers (docs/reference/ops.md); all of them present = the library is loaded.
 OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine",
-       "gn_sync_sum", "gn_dbn_whiten", "gn_cast_like")
+       "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
 
 
 def ops_registered(mx=None):

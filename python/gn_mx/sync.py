@@ -6,12 +6,12 @@ of one DBN on the N*b batch. Devices are the contexts of one process (the Gluon 
 loop, ``num_devices`` of them, as MXNet's ``SyncBatchNorm``) or Horovod ranks (``horovod=True``).
 
 The training step, per group (python here, MXNet's own ops; the native pieces in ``gn_sync_sum``,
-``gn_dbn_whiten``, ``gn_cast_like``; src/operator/kernels/dbn_sync.h), all in float64:
+``gn_dbn_whiten``, ``gn_dbn_apply``; src/operator/kernels/dbn_sync.h), all in float64:
 
 1. ``[sum_cols(X_p) | m_p]`` summed over the devices gives the global mean ``mu``;
 2. ``(X_p - mu)(X_p - mu)^T`` summed over the devices, divided by ``m``, the covariance ``C``;
 3. ``W = whitening(C + eps I)`` (ZCA or IterNorm, the fused op's D x D math), running statistics;
-4. ``Y_p = W (X_p - mu)``, then ``gamma * Y_p + beta`` in the data's dtype.
+4. ``gamma * W (X_p - mu) + beta``, rounded once to the data's dtype (``gn_dbn_apply``).
 
 Each sum's backward is the same sum of the gradients, so the input and parameter gradients are
 those of the concatenated batch. Inference is :class:`~gn_mx.DecorrelatedBatchNorm`'s
@@ -81,11 +81,10 @@ def _pool_problem(num_devices):
 
 
 def _group_columns(F, x, num_groups):
-    """x (N, C, *spatial) as float64 (G, D, m) columns, and its (G, D, N, S) view (for the way
-    back) and (N, C, S) view."""
+    """x (N, C, *spatial) as float64 (G, D, m) columns."""
     x3 = F.reshape(F.cast(x, dtype="float64"), shape=(0, 0, -1))
     xt = F.transpose(F.reshape(x3, shape=(0, -4, num_groups, -1, 0)), axes=(1, 2, 0, 3))
-    return F.reshape(xt, shape=(0, 0, -1)), xt, x3
+    return F.reshape(xt, shape=(0, 0, -1))
 
 
 def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_groups, reduce,
@@ -96,7 +95,7 @@ def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_g
     'mean' or 'cov', one barrier each); the identity gives single-device DBN. Running statistics
     are updated in place (``gn_dbn_whiten``).
     """
-    xg, xt, x3 = _group_columns(F, x, num_groups)
+    xg = _group_columns(F, x, num_groups)
     s1 = F.sum(xg, axis=2, keepdims=True)                                      # (G, D, 1)
     cnt = F.sum(F.ones_like(F.slice_axis(xg, axis=1, begin=0, end=1)), axis=2,
                 keepdims=True)                                                 # (G, 1, 1)
@@ -106,13 +105,10 @@ def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_g
     xc = F.broadcast_sub(xg, mu)
     cov = F.broadcast_div(reduce(F, F.batch_dot(xc, xc, transpose_b=True), "cov"), m)
     kw = {} if whitening == "zca" else {"whitening": whitening, "iterations": iterations}
-    W = F.gn_dbn_whiten(cov, F.reshape(mu, shape=(-1,)), running_mean, running_projection,
-                        eps=eps, momentum=momentum, **kw)[0]
-    y = F.transpose(F.reshape_like(F.batch_dot(W, xc), xt), axes=(2, 0, 1, 3))
-    # gn_channel_affine infers gamma / beta's shapes from y's (Gluon's deferred initialization)
-    y = F.gn_channel_affine(F.reshape_like(y, x3), F.cast(gamma, dtype="float64"),
-                            F.cast(beta, dtype="float64"))
-    return F.gn_cast_like(F.reshape_like(y, x), x)
+    mu = F.reshape(mu, shape=(-1,))
+    W = F.gn_dbn_whiten(cov, mu, running_mean, running_projection, eps=eps, momentum=momentum,
+                        **kw)[0]
+    return F.gn_dbn_apply(x, gamma, beta, mu, W, num_groups=num_groups)
 
 
 def _in_process_reduce(key, num_devices, timeout):

@@ -1,12 +1,13 @@
 /*
- * dbn_sync.h: the native pieces of synchronized DBN (python/gn_mx/sync.py builds the rest of the
- * training step from MXNet's own ops): the D x D whitening step from a given covariance, with its
- * backward, and the in-process sum of one float64 tensor across the devices of a key. No MXNet types.
+ * dbn_sync.h: the native pieces of synchronized DBN (python/gn_mx/sync.py computes the statistics'
+ * sums with MXNet's own ops): the D x D whitening step from a given covariance, with its backward,
+ * the apply step out = gamma W (x - mu) + beta with its backward, and the in-process sum of one
+ * float64 tensor across the devices of a key. No MXNet types.
  *
  * Synchronized DBN over P devices (each with m_p = N_p * S columns per group):
  *   round 1: mu = sum_p sum_cols(X_p) / sum_p m_p                  (gn_sync_sum of [sums | counts])
  *   round 2: C  = sum_p (X_p - mu 1^T)(X_p - mu 1^T)^T / m         (gn_sync_sum of the local grams)
- *   W = whitening(C + eps I) (this file), Y_p = W (X_p - mu 1^T)
+ *   W = whitening(C + eps I) (this file), Y_p = W (X_p - mu 1^T), out = gamma Y_p + beta (this file)
  * Two rounds instead of raw moments keep the exact two-pass covariance (no E[xx^T] - mu mu^T).
  * All of it runs in float64; the backward of each sum is the same sum of the gradients.
  *
@@ -75,9 +76,32 @@ struct SyncSumArgs {
   int64_t n = 0;
 };
 
-// out[i] = in[i] converted from `from` to `to` (float16 / float32 / float64; through float for
-// float16). Synchronized DBN's last step: its float64 output in the data's dtype.
-const char* cast_cpu(DType from, const void* in, DType to, void* out, int64_t n);
+// Apply (gn_dbn_apply), per sample n, group g, position s, with the column xc = x[n, g, :, s] - mu_g
+// (float64) and a = gamma dy (the whitening's output gradient):
+//   forward   out[n, gD+i, s] = gamma_i (W_g xc)_i + beta_i                       (data dtype)
+//   backward  dx = W_g^T a,  dW_g += a xc^T,  dmean_g -= W_g^T a,  dgamma_i += dy_i (W_g xc)_i,
+//             dbeta_i += dy_i                   (the sums run over every (n, s) of this device)
+// Layout (N, C, S); gamma / beta in param_dtype; mean (C,) and W (G, D, D) float64. Loops in
+// float64, one thread (the data passes of a few images per device; D^2 per column).
+struct DbnApplyArgs {
+  DType dtype = DType::kFloat32;        // x / y / dy / dx
+  DType param_dtype = DType::kFloat32;  // gamma / beta / dgamma / dbeta
+  const void* x = nullptr;
+  const double* mean = nullptr;  // (C,)
+  const double* W = nullptr;     // (G, D, D)
+  const void* gamma = nullptr;
+  const void* beta = nullptr;    // forward only
+  void* y = nullptr;             // forward output
+  const void* dy = nullptr;      // backward: the output gradient
+  void* dx = nullptr;            // backward outputs, written in full
+  double* dmean = nullptr;
+  double* dW = nullptr;
+  void* dgamma = nullptr;
+  void* dbeta = nullptr;
+  GroupDims dims;
+};
+const char* dbn_apply_cpu(const DbnApplyArgs& a);
+const char* dbn_apply_bwd_cpu(const DbnApplyArgs& a);
 
 // nullptr, or the error of this round (thread-local text, valid until the next call).
 const char* sync_sum_cpu(const SyncSumArgs& a);

@@ -112,8 +112,73 @@ const char* dbn_whiten_bwd_cpu(const DbnWhitenBwdArgs& a) {
   return nullptr;
 }
 
-const char* cast_cpu(DType from, const void* in, DType to, void* out, int64_t n) {
-  for (int64_t i = 0; i < n; ++i) dbn_store_stat(to, out, i, dbn_load_stat(from, in, i));
+namespace {
+
+// The centred column x[n, g, :, s] - mu_g into xc (float64).
+void centred_column(const DbnApplyArgs& a, int64_t base, int64_t g, int64_t s, double* xc) {
+  const int64_t D = a.dims.D, S = a.dims.S;
+  for (int64_t d = 0; d < D; ++d)
+    xc[d] = dbn_load_stat(a.dtype, a.x, base + d * S + s) - a.mean[g * D + d];
+}
+
+}  // namespace
+
+const char* dbn_apply_cpu(const DbnApplyArgs& a) {
+  const int64_t N = a.dims.N, C = a.dims.C, G = a.dims.G, D = a.dims.D, S = a.dims.S;
+  std::vector<double> xc(D);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t base = (n * C + g * D) * S;
+      const double* W = a.W + g * D * D;
+      for (int64_t s = 0; s < S; ++s) {
+        centred_column(a, base, g, s, xc.data());
+        for (int64_t i = 0; i < D; ++i) {
+          double v = 0.0;
+          for (int64_t j = 0; j < D; ++j) v += W[i * D + j] * xc[j];
+          const int64_t c = g * D + i;
+          v = dbn_load_stat(a.param_dtype, a.gamma, c) * v +
+              dbn_load_stat(a.param_dtype, a.beta, c);
+          dbn_store_stat(a.dtype, a.y, base + i * S + s, v);
+        }
+      }
+    }
+  return nullptr;
+}
+
+const char* dbn_apply_bwd_cpu(const DbnApplyArgs& a) {
+  const int64_t N = a.dims.N, C = a.dims.C, G = a.dims.G, D = a.dims.D, S = a.dims.S;
+  std::vector<double> xc(D), ag(D), sdy(C, 0.0), sdyx(C, 0.0);
+  std::fill(a.dW, a.dW + G * D * D, 0.0);
+  std::fill(a.dmean, a.dmean + C, 0.0);
+  for (int64_t n = 0; n < N; ++n)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t base = (n * C + g * D) * S;
+      const double* W = a.W + g * D * D;
+      double* dW = a.dW + g * D * D;
+      for (int64_t s = 0; s < S; ++s) {
+        centred_column(a, base, g, s, xc.data());
+        for (int64_t i = 0; i < D; ++i) {
+          const int64_t c = g * D + i;
+          const double dy = dbn_load_stat(a.dtype, a.dy, base + i * S + s);
+          double xhat = 0.0;
+          for (int64_t j = 0; j < D; ++j) xhat += W[i * D + j] * xc[j];
+          sdy[c] += dy;
+          sdyx[c] += dy * xhat;
+          ag[i] = dbn_load_stat(a.param_dtype, a.gamma, c) * dy;
+          for (int64_t j = 0; j < D; ++j) dW[i * D + j] += ag[i] * xc[j];
+        }
+        for (int64_t j = 0; j < D; ++j) {
+          double v = 0.0;
+          for (int64_t i = 0; i < D; ++i) v += W[i * D + j] * ag[i];
+          dbn_store_stat(a.dtype, a.dx, base + j * S + s, v);
+          a.dmean[g * D + j] -= v;
+        }
+      }
+    }
+  for (int64_t c = 0; c < C; ++c) {
+    dbn_store_stat(a.param_dtype, a.dgamma, c, sdyx[c]);
+    dbn_store_stat(a.param_dtype, a.dbeta, c, sdy[c]);
+  }
   return nullptr;
 }
 

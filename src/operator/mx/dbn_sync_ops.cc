@@ -1,5 +1,5 @@
 /*
- * dbn_sync_ops.cc: MXNet registration of synchronized DBN's two native ops (contract:
+ * dbn_sync_ops.cc: MXNet registration of synchronized DBN's three native ops (contract:
  * docs/reference/ops.md; math: ../kernels/dbn_sync.h). CPU only: no "gpu" registration yet.
  *
  * gn_sync_sum:   input data (any shape, float64); output the sum of data over the num_devices calls
@@ -13,9 +13,10 @@
  *                outputs W (G, D, D), eigvec (G, D, D), eigval (G, D), all float64 (the last two
  *                exist for the backward). Attributes eps, momentum, whitening, iterations as gn_dbn.
  *                Backward: d cov from dW; zeros for mean and the running statistics.
- * gn_cast_like:  inputs data, like (float16/32/64); output data converted to like's dtype (data's
- *                shape). Backward: the gradient converted back; zeros for like. (MXNet 1.9 has no
- *                cast whose dtype comes from another array, which a traced graph needs.)
+ * gn_dbn_apply:  inputs data (N, C, *spatial), gamma (C,), beta (C,) (data dtype, or float32 with
+ *                float16 data), mean (C,) float64, W (G, D, D) float64; attribute num_groups;
+ *                output out = gamma[c] (W_g (x - mean))[c] + beta[c] in the data dtype.
+ *                Backward: gradients of all five inputs (dbn_sync.h).
  */
 #include <cmath>
 #include <cstdlib>
@@ -34,7 +35,7 @@ namespace {
 
 constexpr char kSum[] = "gn_sync_sum";
 constexpr char kWhiten[] = "gn_dbn_whiten";
-constexpr char kCastLike[] = "gn_cast_like";
+constexpr char kApply[] = "gn_dbn_apply";
 
 // ---- gn_sync_sum --------------------------------------------------------------------------------
 struct SumParams {
@@ -301,56 +302,109 @@ MXReturnValue whiten_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
   });
 }
 
-// ---- gn_cast_like -------------------------------------------------------------------------------
-MXReturnValue cast_parse(const AttrMap& attrs, int* num_in, int* num_out) {
-  return guarded(kCastLike, [&] {
-    Attrs a(kCastLike, attrs, {});
-    *num_in = 2;
+// ---- gn_dbn_apply -------------------------------------------------------------------------------
+enum ApplyIn { kApMean = kAffNumIn, kApW, kApNumIn };
+
+int64_t apply_groups(const AttrMap& attrs) {
+  Attrs a(kApply, attrs, {"num_groups"});
+  const int64_t G = a.get_int("num_groups", 1);
+  if (G <= 0) fail(kApply, ": num_groups must be positive; got ", G);
+  return G;
+}
+
+MXReturnValue apply_parse(const AttrMap& attrs, int* num_in, int* num_out) {
+  return guarded(kApply, [&] {
+    apply_groups(attrs);
+    *num_in = kApNumIn;
     *num_out = 1;
     return MX_SUCCESS;
   });
 }
 
-MXReturnValue cast_shape(const AttrMap&, std::vector<std::vector<unsigned>>* in,
-                         std::vector<std::vector<unsigned>>* out) {
-  return guarded(kCastLike, [&] {
-    (*out)[0] = (*in)[0];
+MXReturnValue apply_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
+                          std::vector<std::vector<unsigned>>* out) {
+  return guarded(kApply, [&] {
+    const auto& ds = (*in)[kAffData];
+    if (data_shape_unknown(kApply, ds)) return MX_SUCCESS;
+    const GroupDims gs = data_groups(kApply, to_i64(ds), apply_groups(attrs));
+    infer_affine_param_shapes(kApply, in, gs);
+    const std::vector<unsigned> want[] = {
+        {static_cast<unsigned>(gs.C)},
+        {static_cast<unsigned>(gs.G), static_cast<unsigned>(gs.D), static_cast<unsigned>(gs.D)}};
+    for (int i : {kApMean, kApW}) {
+      auto& sh = (*in)[i];
+      if (shape_unknown(sh)) {
+        sh = want[i - kApMean];
+      } else if (sh != want[i - kApMean]) {
+        fail(kApply, ": ", i == kApMean ? "mean" : "W", " must have shape ",
+             shape_str(to_i64(want[i - kApMean])), " for data shape ", shape_str(to_i64(ds)),
+             "; got ", shape_str(to_i64(sh)));
+      }
+    }
+    (*out)[0] = ds;
     return MX_SUCCESS;
   });
 }
 
-MXReturnValue cast_type(const AttrMap&, std::vector<int>* in, std::vector<int>* out) {
-  return guarded(kCastLike, [&] {
-    for (int t : *in) check_float_data(kCastLike, t);
-    (*out)[0] = (*in)[1];
+MXReturnValue apply_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return guarded(kApply, [&] {
+    apply_groups(attrs);
+    const int t = infer_affine_param_types(kApply, in);
+    for (int i : {kApMean, kApW})
+      if ((*in)[i] != kDtypeUnknown && (*in)[i] != kFloat64)
+        fail(kApply, ": ", i == kApMean ? "mean" : "W", " must be float64; got ",
+             mx_dtype_name((*in)[i]));
+    (*out)[0] = t;
     return MX_SUCCESS;
   });
 }
 
-void cast_tensor(const MXTensor& from, MXTensor* to, const OpResource& res) {
-  if (device_of(kCastLike, from, res).gpu)
-    fail(kCastLike, ": gpu contexts are not supported yet (cpu only)");
-  if (from.size() != to->size()) fail(kCastLike, ": input and output sizes differ");
-  cast_cpu(to_dtype(from.dtype), from.data_ptr, to_dtype(to->dtype), to->data_ptr, from.size());
+// Args of both directions from the forward inputs `ins` (data, gamma, beta, mean, W).
+DbnApplyArgs apply_args(const AttrMap& attrs, const MXTensor* ins, const OpResource& res) {
+  if (device_of(kApply, ins[kAffData], res).gpu)
+    fail(kApply, ": gpu contexts are not supported yet (cpu only)");
+  DbnApplyArgs a;
+  a.dims = data_groups(kApply, ins[kAffData].shape, apply_groups(attrs));
+  check_param_tensor(kApply, ins[kAffGamma], a.dims, kAffGamma);
+  check_param_tensor(kApply, ins[kAffBeta], a.dims, kAffBeta);
+  if (ins[kApMean].size() != a.dims.C || ins[kApW].size() != a.dims.G * a.dims.D * a.dims.D)
+    fail(kApply, ": mean / W do not match data shape ", shape_str(ins[kAffData].shape));
+  a.dtype = to_dtype(ins[kAffData].dtype);
+  a.param_dtype = to_dtype(ins[kAffGamma].dtype);
+  a.x = ins[kAffData].data_ptr;
+  a.gamma = ins[kAffGamma].data_ptr;
+  a.beta = ins[kAffBeta].data_ptr;
+  a.mean = static_cast<const double*>(ins[kApMean].data_ptr);
+  a.W = static_cast<const double*>(ins[kApW].data_ptr);
+  return a;
 }
 
-MXReturnValue cast_fwd(const AttrMap&, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
-                       const OpResource& res) {
-  return guarded(kCastLike, [&] {
-    cast_tensor((*in)[0], &(*out)[0], res);
+MXReturnValue apply_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
+                        std::vector<MXTensor>* out, const OpResource& res) {
+  return guarded(kApply, [&] {
+    DbnApplyArgs a = apply_args(attrs, in->data(), res);
+    a.y = (*out)[0].data_ptr;
+    if (const char* e = dbn_apply_cpu(a)) fail(kApply, ": ", e);
     return MX_SUCCESS;
   });
 }
 
-// Backward inputs: [dout, data, like, out]; outputs: [ddata, dlike].
-MXReturnValue cast_bwd(const AttrMap&, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
-                       const OpResource& res) {
-  return guarded(kCastLike, [&] {
-    if (in->size() != 4 || out->size() != 2)
-      fail(kCastLike, ": backward expected 4 inputs and 2 outputs; got ", in->size(), " and ",
-           out->size());
-    cast_tensor((*in)[0], &(*out)[0], res);
-    zero_tensor(device_of(kCastLike, (*in)[0], res), (*out)[1], kCastLike);
+// Backward inputs: [dout, data, gamma, beta, mean, W, out]; outputs: one gradient per input.
+MXReturnValue apply_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
+                        std::vector<MXTensor>* out, const OpResource& res) {
+  return guarded(kApply, [&] {
+    if (in->size() != 2 + kApNumIn || out->size() != kApNumIn)
+      fail(kApply, ": backward expected ", 2 + kApNumIn, " inputs and ", int(kApNumIn),
+           " outputs; got ", in->size(), " and ", out->size());
+    DbnApplyArgs a = apply_args(attrs, in->data() + 1, res);
+    check_grad_dtype(kApply, (*in)[0], (*in)[1].dtype, "out");
+    a.dy = (*in)[0].data_ptr;
+    a.dx = (*out)[kAffData].data_ptr;
+    a.dgamma = (*out)[kAffGamma].data_ptr;
+    a.dbeta = (*out)[kAffBeta].data_ptr;
+    a.dmean = static_cast<double*>((*out)[kApMean].data_ptr);
+    a.dW = static_cast<double*>((*out)[kApW].data_ptr);
+    if (const char* e = dbn_apply_bwd_cpu(a)) fail(kApply, ": ", e);
     return MX_SUCCESS;
   });
 }
@@ -359,13 +413,13 @@ MXReturnValue cast_bwd(const AttrMap&, std::vector<MXTensor>* in, std::vector<MX
 }  // namespace mxa
 }  // namespace gn_mx
 
-REGISTER_OP(gn_cast_like)
-    .setParseAttrs(gn_mx::mxa::cast_parse)
-    .setInferType(gn_mx::mxa::cast_type)
-    .setInferShape(gn_mx::mxa::cast_shape)
-    .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kCastLike>)
-    .setForward(gn_mx::mxa::cast_fwd, "cpu")
-    .setBackward(gn_mx::mxa::cast_bwd, "cpu");
+REGISTER_OP(gn_dbn_apply)
+    .setParseAttrs(gn_mx::mxa::apply_parse)
+    .setInferType(gn_mx::mxa::apply_type)
+    .setInferShape(gn_mx::mxa::apply_shape)
+    .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kApply>)
+    .setForward(gn_mx::mxa::apply_fwd, "cpu")
+    .setBackward(gn_mx::mxa::apply_bwd, "cpu");
 
 REGISTER_OP(gn_sync_sum)
     .setParseAttrs(gn_mx::mxa::sum_parse)
