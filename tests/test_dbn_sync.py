@@ -96,6 +96,39 @@ def test_whiten_gradient_matches_central_differences():
         np.testing.assert_allclose(sym[:, iu[0], iu[1]], fd[:, iu[0], iu[1]], rtol=1e-5, atol=1e-7)
 
 
+@pytest.mark.parametrize("dtype", [np.float64, np.float32])
+def test_apply_gradients_match_central_differences(dtype):
+    """gn_dbn_apply's gradients of data, gamma, beta, mean and W against float64 central
+    differences of sum(out * R) (float32 data: the float64 math, one rounding of out)."""
+    rng = np.random.RandomState(5)
+    shape, G = (3, 4, 2), 2
+    args = [rng.randn(*shape), 1 + 0.3 * rng.randn(4), rng.randn(4), rng.randn(4),
+            rng.randn(G, 2, 2)]
+    dts = [dtype, dtype, dtype, np.float64, np.float64]
+    R = rng.randn(*shape)
+
+    def f(vals):
+        out = mx.nd.gn_dbn_apply(*[mx.nd.array(v, dtype=d) for v, d in zip(vals, dts)],
+                                 num_groups=G)
+        return float((out.asnumpy().astype(np.float64) * R).sum())
+    nds = [mx.nd.array(v, dtype=d) for v, d in zip(args, dts)]
+    for a in nds:
+        a.attach_grad()
+    with autograd.record():
+        out = mx.nd.gn_dbn_apply(*nds, num_groups=G)
+    out.backward(mx.nd.array(R, dtype=dtype))
+    h = 1e-6 if dtype == np.float64 else 1e-2
+    for k, (v, a) in enumerate(zip(args, nds)):
+        fd = np.zeros_like(v)
+        for idx in np.ndindex(*v.shape):
+            p, m = [x.copy() for x in args], [x.copy() for x in args]
+            p[k][idx] += h
+            m[k][idx] -= h
+            fd[idx] = (f(p) - f(m)) / (2 * h)
+        rtol = 1e-6 if dtype == np.float64 else 2e-2
+        np.testing.assert_allclose(a.grad.asnumpy(), fd, rtol=rtol, atol=rtol, err_msg=str(k))
+
+
 def test_inference_and_export_have_no_sync_op(tmp_path):
     blk = gn_mx.SyncDecorrelatedBatchNorm(num_devices=2, key=_key(), num_groups=2, in_channels=4)
     blk.initialize()
