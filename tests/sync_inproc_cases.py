@@ -143,7 +143,7 @@ def test_device_never_arrives_times_out_then_key_works_again():
     key = _key()
     x = mx.nd.ones((3,), dtype="float64", ctx=mx.cpu(0))
     elapsed = _wait_error(_sum(x, key, 2), f"key '{key}/fwd'", "timed out after 1 s",
-                          "1 of 2 devices arrived", "MXNET_CPU_TEMP_COPY=1024")
+                          "1 of 2 devices arrived", "MXNET_CPU_TEMP_COPY=2048")
     assert elapsed < 10
     outs = [_sum(mx.nd.ones((3,), dtype="float64", ctx=mx.cpu(i)) * (i + 1), key, 2)
             for i in range(2)]

@@ -29,15 +29,15 @@ from .nn import DecorrelatedBatchNorm, accumulating_params, numpy_interface
 __all__ = ["SyncDecorrelatedBatchNorm", "cpu_pool_environment", "sync_dbn_training"]
 
 #: MXNet's CPU resource pools. MXNet gives every library op one slot of each (kTempSpace and
-#: kParallelRandom), the slots are shared by all cpu(i) and handed out round-robin per op call, and
-#: a device waiting for the others keeps its slots: another device whose op, before it arrives, is
-#: handed one of them waits for it (a deadlock the timeout ends). So each pool needs more slots than
-#: the op calls that request it between two synchronizations, over all devices: temp space is
-#: requested by many of MXNet's own ops (slots are cheap, allocated on use), parallel random only by
-#: library ops (~5 MB each, allocated at start). Measured sufficient: the tests (4 devices) and the
-#: digits net of examples/train_small_batch.py (4 synchronized layers, 4 devices).
+#: kParallelRandom), the slots are shared by all cpu(i) and handed out round-robin, and a device
+#: waiting for the others keeps its slots: another device whose op, before it arrives, was handed
+#: one of them waits for it (a deadlock that the timeout ends). Slots are distinct when a pool has
+#: more of them than the ops requesting it in all devices' training graphs together: temp space is
+#: requested by many of MXNet's own ops (slots are cheap, allocated on use), parallel random by
+#: library ops only (~5 MB each, allocated at start; the digits net of
+#: examples/train_small_batch.py has 4 synchronized layers = 32 library ops per device and step).
 POOL_VARIABLES = ("MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY")
-_SLOTS_PER_DEVICE = {"MXNET_CPU_TEMP_COPY": 256, "MXNET_CPU_PARALLEL_RAND_COPY": 32}
+_SLOTS_PER_DEVICE = {"MXNET_CPU_TEMP_COPY": 512, "MXNET_CPU_PARALLEL_RAND_COPY": 64}
 
 _instances = itertools.count()
 
@@ -47,8 +47,8 @@ def cpu_pool_environment(num_devices):
     process (GPU contexts have a pool per device and need nothing).
 
     MXNet reads them when it runs its first op: set them in the shell, or in ``os.environ`` before
-    the first MXNet call. Deeper nets than the digits example may need more (a timeout's message
-    then names the variables).
+    the first MXNet call. Sized for nets of up to 7 synchronized layers (8 library ops per layer,
+    device and step); deeper nets need more (a timeout's message then names the variables).
 
     Parameters
     ----------
@@ -62,7 +62,7 @@ def cpu_pool_environment(num_devices):
     Examples
     --------
     >>> gn_mx.sync.cpu_pool_environment(4)
-    {'MXNET_CPU_TEMP_COPY': '1024', 'MXNET_CPU_PARALLEL_RAND_COPY': '128'}
+    {'MXNET_CPU_TEMP_COPY': '2048', 'MXNET_CPU_PARALLEL_RAND_COPY': '256'}
     """
     return {v: str(n * int(num_devices)) for v, n in _SLOTS_PER_DEVICE.items()}
 
