@@ -388,7 +388,9 @@ def main(argv=None):
         if "amp" in args.precisions:
             sys.exit("--devices > 1 runs fp32 only: add --precisions fp32")
         ctx = [mx.gpu(i) if ctx.device_type == "gpu" else mx.cpu(i) for i in range(args.devices)]
-        os.environ.update(gn_mx.sync.cpu_pool_environment(args.devices))  # before MXNet's first op
+        env = gn_mx.sync.cpu_pool_environment(args.devices)  # MXNet reads them at its start:
+        if any(os.environ.get(k) != v for k, v in env.items()):  # run again with them set
+            os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **env))
     data = load_data(args.quick, args.seed)
     print(f"digits: {len(data[0])} train / {len(data[2])} val images, {args.epochs} epoch(s), "
           f"context {ctx}, mxnet {mx.__version__}")

@@ -36,18 +36,22 @@ __all__ = ["SyncDecorrelatedBatchNorm", "cpu_pool_environment", "sync_dbn_traini
 #: requested by many of MXNet's own ops (slots are cheap, allocated on use), parallel random by
 #: library ops only (~5 MB each, allocated at start; the digits net of
 #: examples/train_small_batch.py has 4 synchronized layers = 32 library ops per device and step).
-POOL_VARIABLES = ("MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY")
+#: And MXNET_CPU_WORKER_NTHREADS: with one worker thread per cpu(i) (the default) the digits run
+#: still stopped at a barrier once in three seeds (another op queued behind the waiting one on its
+#: device's only thread, we think: the Trainer's cross-device copies); with 2 it ran through.
+POOL_VARIABLES = ("MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY", "MXNET_CPU_WORKER_NTHREADS")
 _SLOTS_PER_DEVICE = {"MXNET_CPU_TEMP_COPY": 512, "MXNET_CPU_PARALLEL_RAND_COPY": 64}
+_WORKERS = 2
 
 _instances = itertools.count()
 
 
 def cpu_pool_environment(num_devices):
-    """The CPU resource-pool sizes synchronized DBN needs on ``num_devices`` cpu contexts of one
-    process (GPU contexts have a pool per device and need nothing).
+    """The CPU resource-pool sizes and worker threads synchronized DBN needs on ``num_devices`` cpu
+    contexts of one process (GPU contexts have pools per device and need nothing).
 
-    MXNet reads them when it runs its first op: set them in the shell, or in ``os.environ`` before
-    the first MXNet call. Sized for nets of up to 7 synchronized layers (8 library ops per layer,
+    MXNet reads the worker count when it is imported: set them in the shell, or in ``os.environ``
+    before ``import mxnet``. Sized for nets of up to 7 synchronized layers (8 library ops per layer,
     device and step); deeper nets need more (a timeout's message then names the variables).
 
     Parameters
@@ -57,14 +61,17 @@ def cpu_pool_environment(num_devices):
     Returns
     -------
     dict
-        ``{variable: value}`` for ``MXNET_CPU_TEMP_COPY`` and ``MXNET_CPU_PARALLEL_RAND_COPY``.
+        ``{variable: value}`` for ``MXNET_CPU_TEMP_COPY``, ``MXNET_CPU_PARALLEL_RAND_COPY`` and
+        ``MXNET_CPU_WORKER_NTHREADS``.
 
     Examples
     --------
     >>> gn_mx.sync.cpu_pool_environment(4)
-    {'MXNET_CPU_TEMP_COPY': '2048', 'MXNET_CPU_PARALLEL_RAND_COPY': '256'}
+    {'MXNET_CPU_TEMP_COPY': '2048', 'MXNET_CPU_PARALLEL_RAND_COPY': '256', 'MXNET_CPU_WORKER_NTHREADS': '2'}
     """
-    return {v: str(n * int(num_devices)) for v, n in _SLOTS_PER_DEVICE.items()}
+    env = {v: str(n * int(num_devices)) for v, n in _SLOTS_PER_DEVICE.items()}
+    env["MXNET_CPU_WORKER_NTHREADS"] = str(_WORKERS)
+    return env
 
 
 def _pool_problem(num_devices):
@@ -77,7 +84,7 @@ def _pool_problem(num_devices):
     need = " ".join(f"{k}={v}" for k, v in want.items())
     return (f"{', '.join(low)}: too small for {num_devices} synchronized cpu contexts (a device "
             f"waiting for the others holds MXNet resource slots that another device may need); "
-            f"set {need} before MXNet's first op (gn_mx.sync.cpu_pool_environment)")
+            f"set {need} before importing mxnet (gn_mx.sync.cpu_pool_environment)")
 
 
 def _group_columns(F, x, num_groups):

@@ -98,14 +98,15 @@ MXReturnValue sum_type(const AttrMap& attrs, std::vector<int>* in, std::vector<i
 // before it arrives (issue 42's probe; docs/guide/dbn_sync.md). The sizes that avoid it: python's
 // gn_mx.sync.cpu_pool_environment (their one home).
 std::string pool_hint() {
-  std::string h = "; on cpu contexts a device can be stuck behind a resource slot held by a "
-                  "waiting device when the pools are too small:";
-  for (const char* var : {"MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY"}) {
+  std::string h = "; on cpu contexts a device can be stuck behind a resource slot or the worker "
+                  "thread of a waiting device when these are too small:";
+  for (const char* var :
+       {"MXNET_CPU_TEMP_COPY", "MXNET_CPU_PARALLEL_RAND_COPY", "MXNET_CPU_WORKER_NTHREADS"}) {
     const char* v = std::getenv(var);
     h += std::string(" ") + var + "=" + (v ? v : "unset");
   }
-  return h + " (gn_mx.sync.cpu_pool_environment(num_devices) gives the sizes to set before mxnet "
-             "starts)";
+  return h + " (gn_mx.sync.cpu_pool_environment(num_devices) gives the values to set before "
+             "importing mxnet)";
 }
 
 // One barrier call over `t_in` into `t_out` (same size); dir: "fwd" or "bwd".
