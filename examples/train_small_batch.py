@@ -11,6 +11,8 @@ the scikit-learn wheel: nothing is downloaded) with five normalization layers
                           (Newton-iteration whitening, Huang et al. CVPR 2019)
     GroupNorm + WS        gn_mx.GroupNorm after gn_mx.WSConv2D convolutions (Weight
                           Standardization, Qiao et al. 2019); not in the default --norms, see below
+    SyncDBN ZCA (gn_mx)   gn_mx.SyncDecorrelatedBatchNorm: DBN whitening with the statistics of
+                          every device's batch (--devices N); not in the default --norms, see below
 
 at per-device batch sizes 2, 4, 8 and 32, in float32 and with AMP float16, and reports validation
 accuracy and the mean time of one training step (forward, backward, update; wall clock, including
@@ -30,6 +32,13 @@ The Weight Standardization table (examples/results/small_batch_ws.*, docs/guide/
 
     python examples/train_small_batch.py --norms batchnorm groupnorm_gn_mx groupnorm_ws_gn_mx \
         dbn_gn_mx --batch-sizes 1 2 32 --precisions fp32 --name small_batch_ws --out examples/results
+
+Synchronized DBN (docs/guide/dbn_sync.md): N in-process cpu devices (--devices, the Gluon
+split_and_load loop; batch sizes are then per device, the learning rate follows the total N x bs):
+
+    python examples/train_small_batch.py --devices 4 --norms groupnorm_gn_mx dbn_gn_mx syncdbn_gn_mx \
+        --batch-sizes 1 2 --precisions fp32 --epochs 4 --seeds 0 1 2 --name small_batch_sync \
+        --out examples/results
 
 Writes ``small_batch[_quick].{json,md,png}`` under ``--out`` (default examples/export/results/, ignored
 by git; the tracked results are in examples/results/).
@@ -52,14 +61,15 @@ from mxnet.contrib import amp  # noqa: E402
 import gn_mx  # noqa: E402
 
 NORMS = ("batchnorm", "groupnorm_mxnet", "groupnorm_gn_mx", "groupnorm_ws_gn_mx", "dbn_gn_mx",
-         "dbn_iternorm_gn_mx")
-DEFAULT_NORMS = tuple(n for n in NORMS if n != "groupnorm_ws_gn_mx")
+         "dbn_iternorm_gn_mx", "syncdbn_gn_mx")
+DEFAULT_NORMS = tuple(n for n in NORMS if n not in ("groupnorm_ws_gn_mx", "syncdbn_gn_mx"))
 LABELS = {"batchnorm": "BatchNorm", "groupnorm_mxnet": "GroupNorm (MXNet built-in)",
           "groupnorm_gn_mx": "GroupNorm (gn_mx)", "groupnorm_ws_gn_mx": "GroupNorm + WS (gn_mx)",
-          "dbn_gn_mx": "DBN ZCA (gn_mx)", "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)"}
+          "dbn_gn_mx": "DBN ZCA (gn_mx)", "dbn_iternorm_gn_mx": "DBN IterNorm (gn_mx)",
+          "syncdbn_gn_mx": "SyncDBN ZCA (gn_mx)"}
 COLORS = {"batchnorm": "tab:blue", "groupnorm_mxnet": "tab:gray", "groupnorm_gn_mx": "tab:orange",
           "groupnorm_ws_gn_mx": "tab:purple", "dbn_gn_mx": "tab:green",
-          "dbn_iternorm_gn_mx": "tab:red"}
+          "dbn_iternorm_gn_mx": "tab:red", "syncdbn_gn_mx": "tab:olive"}
 PRECISIONS = ("fp32", "amp")
 BATCH_SIZES = (2, 4, 8, 32)
 CHANNELS = (16, 32, 64, 64)
@@ -127,7 +137,7 @@ def load_data(quick, seed=0):
     return (x_tr - mean) / std, y_tr, (x_va - mean) / std, y_va
 
 
-def make_norm(kind, channels):
+def make_norm(kind, channels, devices=1):
     if kind == "batchnorm":
         return gluon.nn.BatchNorm()
     if kind == "groupnorm_mxnet":
@@ -139,10 +149,13 @@ def make_norm(kind, channels):
     if kind == "dbn_iternorm_gn_mx":
         return gn_mx.DecorrelatedBatchNorm(num_groups=channels // DBN_GROUP_SIZE,
                                            whitening="iternorm", iterations=ITERNORM_ITERATIONS)
+    if kind == "syncdbn_gn_mx":
+        return gn_mx.SyncDecorrelatedBatchNorm(num_devices=devices,
+                                               num_groups=channels // DBN_GROUP_SIZE)
     raise ValueError(f"unknown normalization {kind!r}")
 
 
-def make_net(kind):
+def make_net(kind, devices=1):
     """conv-norm-relu x4 (8x8 -> 8x8 -> 4x4 -> 2x2 -> 1x1), global average pool, linear classifier.
 
     The last stage is 1x1, so there BatchNorm's statistics at batch size b come from b numbers per
@@ -155,7 +168,7 @@ def make_net(kind):
     with net.name_scope():
         for c, s in zip(CHANNELS, STRIDES):
             net.add(conv(c, 3, padding=1, strides=s, use_bias=False))
-            net.add(make_norm(kind, c))
+            net.add(make_norm(kind, c, devices))
             net.add(gluon.nn.Activation("relu"))
         net.add(gluon.nn.GlobalAvgPool2D())
         net.add(gluon.nn.Dense(10))
@@ -166,6 +179,7 @@ def make_net(kind):
 # Training
 
 def evaluate(net, x, y, ctx, batch=120):
+    ctx = ctx[0] if isinstance(ctx, list) else ctx
     correct = 0
     for i in range(0, len(x), batch):  # inference mode: BN/DBN use their running statistics
         out = net(mx.nd.array(x[i:i + batch], ctx=ctx))
@@ -173,14 +187,36 @@ def evaluate(net, x, y, ctx, batch=120):
     return correct / len(x)
 
 
+def train_step(net, loss_fn, trainer, x, y, ctx, precision):
+    """Forward and backward of one step (the Trainer's update is the caller's); returns the loss
+    (the first device's with several: the split_and_load loop, the Trainer sums the gradients)."""
+    if isinstance(ctx, list):
+        xs, ys = gluon.utils.split_and_load(x, ctx), gluon.utils.split_and_load(y, ctx)
+        with autograd.record():
+            losses = [loss_fn(net(xb), yb) for xb, yb in zip(xs, ys)]
+        autograd.backward(losses)
+        return losses[0]
+    xb, yb = mx.nd.array(x, ctx=ctx), mx.nd.array(y, ctx=ctx)
+    with autograd.record():
+        loss = loss_fn(net(xb), yb)
+        if precision == "amp":
+            with amp.scale_loss(loss, trainer) as scaled:
+                autograd.backward(scaled)
+        else:
+            loss.backward()
+    return loss
+
+
 def train_one(kind, precision, batch_size, data, args, ctx, seed=None):
     x_tr, y_tr, x_va, y_va = data
     seed = args.seed if seed is None else seed
     mx.random.seed(seed)
     rng = np.random.RandomState(seed)
-    net = make_net(kind)
+    net = make_net(kind, args.devices)
     net.initialize(mx.init.Xavier(magnitude=2.0), ctx=ctx)
-    net.hybridize(static_alloc=True, static_shape=True)
+    # Several devices: plain hybridize() (small_batch_sync.* ran so; static_alloc works as well)
+    net.hybridize(**({} if args.devices > 1 else {"static_alloc": True, "static_shape": True}))
+    batch_size = batch_size * args.devices  # per-device batch sizes: the step's total from here
     lr = args.base_lr * batch_size / 32.0  # linear scaling rule (Goyal et al.), as in the GN paper
     steps_per_epoch = len(x_tr) // batch_size
     total = steps_per_epoch * args.epochs
@@ -199,15 +235,7 @@ def train_one(kind, precision, batch_size, data, args, ctx, seed=None):
         perm = rng.permutation(len(x_tr))
         for s in range(steps_per_epoch):
             idx = perm[s * batch_size:(s + 1) * batch_size]
-            xb = mx.nd.array(x_tr[idx], ctx=ctx)
-            yb = mx.nd.array(y_tr[idx], ctx=ctx)
-            with autograd.record():
-                loss = loss_fn(net(xb), yb)
-                if precision == "amp":
-                    with amp.scale_loss(loss, trainer) as scaled:
-                        autograd.backward(scaled)
-                else:
-                    loss.backward()
+            loss = train_step(net, loss_fn, trainer, x_tr[idx], y_tr[idx], ctx, precision)
             trainer.step(batch_size)
             bar.update(1)
             if s % 20 == 0 or s == steps_per_epoch - 1:
@@ -219,7 +247,8 @@ def train_one(kind, precision, batch_size, data, args, ctx, seed=None):
     bar.close()
     train_time = time.time() - t0
     acc = evaluate(net, x_va, y_va, ctx)
-    return {"norm": kind, "precision": precision, "batch_size": batch_size, "seed": seed,
+    return {"norm": kind, "precision": precision, "batch_size": batch_size // args.devices,
+            "devices": args.devices, "seed": seed,
             "val_acc": acc,
             "final_loss": loss_ema, "diverged": diverged, "train_time_s": round(train_time, 4),
             "steps": total, "step_ms": round(1000.0 * train_time / max(total, 1), 2)}
@@ -341,6 +370,9 @@ def main(argv=None):
                    help="output directory (default: %(default)s, ignored by git; --out "
                         "examples/results refreshes the tracked results)")
     p.add_argument("--no-progress", action="store_true", help="no progress bars")
+    p.add_argument("--devices", type=int, default=1,
+                   help="in-process devices (cpu(i), or the GPUs): the split_and_load loop, batch "
+                        "sizes per device; AMP needs --devices 1")
     p.add_argument("--name", default=None, help="file name stem of the outputs (default "
                    "small_batch, small_batch_quick with --quick)")
     args = p.parse_args(argv)
@@ -352,6 +384,13 @@ def main(argv=None):
         args.norms = [n for n in args.norms if n not in dbn_norms]
 
     ctx = mx.gpu(0) if mx.context.num_gpus() > 0 else mx.cpu()
+    if args.devices > 1:
+        if "amp" in args.precisions:
+            sys.exit("--devices > 1 runs fp32 only: add --precisions fp32")
+        ctx = [mx.gpu(i) if ctx.device_type == "gpu" else mx.cpu(i) for i in range(args.devices)]
+        env = gn_mx.sync.cpu_pool_environment(args.devices)  # MXNet reads them at its start:
+        if any(os.environ.get(k) != v for k, v in env.items()):  # run again with them set
+            os.execve(sys.executable, [sys.executable] + sys.argv, dict(os.environ, **env))
     data = load_data(args.quick, args.seed)
     print(f"digits: {len(data[0])} train / {len(data[2])} val images, {args.epochs} epoch(s), "
           f"context {ctx}, mxnet {mx.__version__}")
@@ -386,7 +425,7 @@ def main(argv=None):
                   f"training seeds {', '.join(map(str, seeds))} (cells: mean, then min-max)")
     setup = (f"scikit-learn digits, {len(data[0])} train / {len(data[2])} val images, "
              f"{seeds_text}, {args.epochs} epoch(s), lr {args.base_lr} x bs/32 (cosine), SGD momentum 0.9, "
-             f"context {ctx}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
+             f"context {ctx}{' (batch sizes per device)' if args.devices > 1 else ''}, OMP_NUM_THREADS={os.environ.get('OMP_NUM_THREADS')}, "
              f"{elapsed:.0f} s total")
     load = load_average()
     report = (f"Validation accuracy ({setup})\n\n{table}\n\n"
@@ -398,8 +437,9 @@ def main(argv=None):
                    "results": results}, f, indent=1)
     with open(stem + ".md", "w") as f:
         f.write(report)
+    kind = (ctx[0] if isinstance(ctx, list) else ctx).device_type
     png = plot(results, args.batch_sizes, stem + ".png",
-               f"digits: val. accuracy vs batch size ({args.epochs} epoch(s), {ctx.device_type})")
+               f"digits: val. accuracy vs batch size ({args.epochs} epoch(s), {kind})")
     print("\nwrote " + ", ".join(x for x in (stem + ".json", stem + ".md", png) if x))
     return results
 

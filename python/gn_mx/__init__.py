@@ -8,12 +8,13 @@ before ``gluon.SymbolBlock.imports`` / ``mx.sym.load``. With onnx installed it a
 ONNX converters (``gn_mx.onnx``) with ``mx.onnx.export_model``.
 """
 from . import _compat  # first: without MXNet 1.9 it raises the install hint (others import mxnet)
-from . import _symbolic, amp, ops, parallel, sym, ws
+from . import _symbolic, amp, ops, parallel, sym, sync, ws
 from ._convert import convert, convert_symbol  # docs/convert.md
 from ._replace import replace_norm  # docs/guide/replace_norm.md
 from ._library import build_info, library_path, load as _load, register_onnx_converters as _onnx
 from .nn import DecorrelatedBatchNorm, GroupNorm
 from .parallel import sync_running_stats
+from .sync import SyncDecorrelatedBatchNorm  # docs/guide/dbn_sync.md
 from .zoo import norm_layer
 from .ws import WSConv1D, WSConv2D, WSConv3D, standardize_convs  # docs/guide/weight_standardization.md
 
@@ -24,7 +25,7 @@ _symbolic.install()  # shape placeholders for shapeless parameter variables (see
 _onnx()  # ONNX export of the gn_mx ops via mx.onnx.export_model, when onnx is installed
 
 __version__ = "0.1.0"
-__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "build_info", "convert", "convert_symbol",
+__all__ = ["DecorrelatedBatchNorm", "GroupNorm", "SyncDecorrelatedBatchNorm", "build_info", "convert", "convert_symbol",
            "library_path", "norm_layer", "ops", "parallel", "replace_norm", "sym",
-           "sync_running_stats", "__version__", "WSConv1D", "WSConv2D", "WSConv3D",
+           "sync", "sync_running_stats", "__version__", "WSConv1D", "WSConv2D", "WSConv3D",
            "standardize_convs", "ws"]

@@ -154,7 +154,7 @@ def _import_mxnet():
 #: The one list: the fuzz and robustness suites (tests/fuzz_worker.py, tests/test_robust.py) and the
 #: self-test read it, so an op added here is fuzzed and checked there too.
 OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine",
-       "gn_weight_standardize")
+       "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
 
 
 def ops_registered(mx=None):

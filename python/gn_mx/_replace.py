@@ -25,6 +25,7 @@ from mxnet import gluon
 from . import _blocktree, _compat, _convert, _symblock
 from ._blocktree import param_state as _param_state
 from .nn import DecorrelatedBatchNorm, GroupNorm
+from .sync import SyncDecorrelatedBatchNorm
 
 __all__ = ["replace_norm", "ReplacementReport"]
 
@@ -153,7 +154,7 @@ def _divisors(c):
 
 
 def _old_axis(b, kind):
-    return b._kwargs["axis"] if kind == "batch_norm" else b._axis
+    return b._kwargs.get("axis", 1) if kind == "batch_norm" else b._axis  # SyncBatchNorm: no axis
 
 
 def _channels(b, shape):
@@ -222,6 +223,8 @@ def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
         kw["use_global_stats"] = bool(old._kwargs["use_global_stats"])
     if kind == "batch_norm" and old.fuse_relu:
         kw["activation"] = "relu"
+    if norm is DecorrelatedBatchNorm and old._kwargs.get("ndev") is not None:
+        norm, kw["num_devices"] = SyncDecorrelatedBatchNorm, old._kwargs["ndev"]  # SyncBatchNorm
     kw.update(norm_kwargs)
     new = norm(in_channels=c, prefix=old.prefix, **kw)
     for p_new, p_old in ((new.gamma, g_old), (new.beta, b_old)):
