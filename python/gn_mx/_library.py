@@ -154,7 +154,10 @@ def _import_mxnet():
 #: The one list: the fuzz and robustness suites (tests/fuzz_worker.py, tests/test_robust.py) and the
 #: self-test read it, so an op added here is fuzzed and checked there too.
 OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine",
-       "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
+       "gn_weight_standardize")
+#: The synchronized-DBN ops (CPU only): tested by tests/test_dbn_sync.py, not yet in the fuzz,
+#: robustness and self-test suites that read OPS (the open part of issue 42).
+SYNC_OPS = ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
 
 
 def ops_registered(mx=None):
@@ -164,7 +167,7 @@ def ops_registered(mx=None):
     (MXNet regenerates ``mx.nd`` / ``mx.sym`` from its op registry after each load).
     """
     mx = mx or _import_mxnet()
-    return all(hasattr(mx.nd, n) and hasattr(mx.sym, n) for n in OPS)
+    return all(hasattr(mx.nd, n) and hasattr(mx.sym, n) for n in OPS + SYNC_OPS)
 
 
 def load():
