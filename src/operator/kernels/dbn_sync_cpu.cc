@@ -226,8 +226,10 @@ const char* sync_sum_cpu(const SyncSumArgs& a) {
   thread_local std::string err;
   SyncState& s = state_of(a.key);
   std::unique_lock<std::mutex> lk(s.mu);
-  const auto deadline = std::chrono::steady_clock::now() +
-                        std::chrono::duration_cast<std::chrono::steady_clock::duration>(
+  // system_clock, not steady_clock: libstdc++ turns a steady_clock wait into
+  // pthread_cond_clockwait (glibc 2.30), which the manylinux2014 wheel (glibc 2.17) cannot link.
+  const auto deadline = std::chrono::system_clock::now() +
+                        std::chrono::duration_cast<std::chrono::system_clock::duration>(
                             std::chrono::duration<double>(a.timeout_s));
   if (!s.cv.wait_until(lk, deadline, [&] { return !s.releasing; })) {
     err = describe(a.key, "timed out waiting for the previous round to hand out its sum");
