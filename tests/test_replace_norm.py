@@ -225,7 +225,8 @@ def test_gluoncv_style_net_every_kind(tmp_path):
     # (N, C) input: the LayerNorm's last axis is C
     assert "LayerNorm(C=16) -> GroupNorm(num_groups=4" in replaced["7"]
     assert dict(rep.left) == {"3.7": "InstanceNorm(axis=2): gn_mx normalizes the channel axis 1 "
-                                     "of (N, C, *spatial) data"}, rep
+                                     "or the last axis ((N, C, *spatial) or (N, *spatial, C) "
+                                     "data)"}, rep
     assert net[1]._epsilon == 1e-4 and net[1].gamma.shape == (16,)  # eps kept, C from the sample
     assert _param_names(net) == names
     net.initialize(mx.init.Xavier())
@@ -243,8 +244,9 @@ def test_other_axes_and_unknown_rank_stay_with_reason():
             nn.BatchNorm(in_channels=4))
     gn_mx.replace_norm(net, num_groups=2, include=("batch_norm", "layer_norm"))
     left = dict(net.gn_mx_report.left)
-    assert left["1"] == ("BatchNorm(axis=2): gn_mx normalizes the channel axis 1 of "
-                         "(N, C, *spatial) data")
+    assert left["1"] == ("BatchNorm(axis=2) (of unknown input rank: pass sample=): gn_mx "
+                         "normalizes the channel axis 1 or the last axis ((N, C, *spatial) or "
+                         "(N, *spatial, C) data)")
     assert left["2"].startswith("LayerNorm(axis=-1) (of unknown input rank: pass sample=)")
     assert [p for p, _ in net.gn_mx_report.replaced] == ["3"]
     assert isinstance(net[1], nn.BatchNorm) and isinstance(net[3], gn_mx.GroupNorm)
@@ -252,8 +254,60 @@ def test_other_axes_and_unknown_rank_stay_with_reason():
     net2 = nn.HybridSequential()
     net2.add(nn.Conv2D(4, 1, in_channels=3), nn.LayerNorm())
     gn_mx.replace_norm(net2, num_groups=2, include="layer_norm", sample=(1, 3, 5, 5))
-    assert dict(net2.gn_mx_report.left)["1"] == ("LayerNorm(axis=-1): gn_mx normalizes the "
-                                                 "channel axis 1 of (N, C, *spatial) data")
+    assert dict(net2.gn_mx_report.left)["1"] == (
+        "LayerNorm(axis=-1): a LayerNorm is a GroupNorm only over the channel axis 1 of (N, C) "
+        "input (elsewhere it normalizes each position alone)")
+
+
+def _nhwc_net(*norms):
+    """NCHW input -> Conv2D -> transpose to channels last -> the given norm layers (8 channels)."""
+    net = nn.HybridSequential()
+    net.add(nn.Conv2D(8, 3, padding=1, in_channels=3),
+            nn.HybridLambda(lambda F, x: F.transpose(x, axes=(0, 2, 3, 1))), *norms)
+    return net
+
+
+def _group_norm_nhwc_f64(x, groups, gamma, beta, eps=1e-5):
+    """GroupNorm over the last axis of (N, H, W, C) data in float64 (the channels-last rule)."""
+    n, c = x.shape[0], x.shape[-1]
+    g = x.astype(np.float64).reshape(n, -1, groups, c // groups)
+    mean = g.mean(axis=(1, 3), keepdims=True)
+    var = g.var(axis=(1, 3), keepdims=True)
+    return ((g - mean) / np.sqrt(var + eps)).reshape(x.shape) * gamma + beta
+
+
+def test_channels_last_batchnorm_becomes_group_norm_on_the_last_axis(tmp_path):
+    """BatchNorm(axis=-1) and BatchNorm(axis=3) of 4-D input (told by sample=) normalize per
+    channel on the last axis: each becomes GroupNorm(axis=-1) (the gamma / beta kept), checked
+    against float64; without a sample axis=3 stays with the reason; DBN takes axis 1 only."""
+    x = mx.nd.array(np.random.RandomState(3).randn(2, 3, 5, 5))
+    net = _nhwc_net(nn.BatchNorm(axis=-1, in_channels=8), nn.BatchNorm(axis=3, in_channels=8))
+    net.initialize(mx.init.Normal(1.0))
+    for bn in (net[2], net[3]):
+        bn.gamma.set_data(mx.nd.array(np.linspace(0.5, 2.0, 8)))
+        bn.beta.set_data(mx.nd.array(np.linspace(-1.0, 1.0, 8)))
+    left_alone = _nhwc_net(nn.BatchNorm(axis=3, in_channels=8))
+    gn_mx.replace_norm(left_alone, num_groups=4)
+    assert dict(left_alone.gn_mx_report.left)["2"].startswith(
+        "BatchNorm(axis=3) (of unknown input rank: pass sample=)")
+    dbn = _nhwc_net(nn.BatchNorm(axis=-1, in_channels=8))
+    gn_mx.replace_norm(dbn, norm=gn_mx.DecorrelatedBatchNorm, num_groups=2)
+    assert dict(dbn.gn_mx_report.left)["2"] == (
+        "BatchNorm(axis=-1): DecorrelatedBatchNorm normalizes the channel axis 1 only "
+        "(GroupNorm takes the last axis: norm=gn_mx.GroupNorm)")
+
+    gn_mx.replace_norm(net, num_groups=4, sample=x)
+    assert [p for p, _ in net.gn_mx_report.replaced] == ["2", "3"], net.gn_mx_report
+    assert all(isinstance(net[i], gn_mx.GroupNorm) and net[i]._axis == -1 for i in (2, 3))
+    conv = net[1](net[0](x)).asnumpy()
+    gamma, beta = np.linspace(0.5, 2.0, 8), np.linspace(-1.0, 1.0, 8)
+    want = _group_norm_nhwc_f64(_group_norm_nhwc_f64(conv, 4, gamma, beta), 4, gamma, beta)
+    np.testing.assert_allclose(net(x).asnumpy(), want, rtol=1e-4, atol=1e-4)
+    net.hybridize()
+    np.testing.assert_allclose(net(x).asnumpy(), want, rtol=1e-4, atol=1e-4)
+    _export_and_reload(net, x, tmp_path, {"gn_group_norm": 2})
+    nodes = json.load(open(str(tmp_path / "model-symbol.json")))["nodes"]  # export_and_reload's
+    assert [n["attrs"].get("axis") for n in nodes if n["op"] == "gn_group_norm"] == ["-1"] * 2
 
 
 def test_gluoncv_style_net_dbn_keeps_batchnorm_options():
@@ -452,6 +506,28 @@ def test_symbolblock_nodes_that_stay_or_cannot_be_divided():
     sb = _conv_bn_symbolblock(axis=3)
     gn_mx.replace_norm(sb, num_groups=1)
     assert "BatchNorm(axis=3) node" in sb.gn_mx_report.left[0][1]
+
+
+def test_symbolblock_channels_last_node_against_float64():
+    """A BatchNorm(axis=-1) node (channels last) becomes gn_group_norm with axis=-1, reported so,
+    against the float64 channels-last GroupNorm on the old gamma / beta."""
+    data = mx.sym.var("data")
+    y = mx.sym.Convolution(data, num_filter=8, kernel=(3, 3), pad=(1, 1), name="conv")
+    y = mx.sym.BatchNorm(mx.sym.transpose(y, axes=(0, 2, 3, 1)), axis=-1, fix_gamma=False,
+                         name="bn")
+    sb = gluon.SymbolBlock(y, data)
+    sb.initialize(mx.init.Normal(1.0))
+    x = mx.nd.array(np.random.RandomState(4).randn(2, 3, 5, 5))
+    sb(x)
+    g0, b0 = sb.params.get("bn_gamma").data().asnumpy(), sb.params.get("bn_beta").data().asnumpy()
+    gn_mx.replace_norm(sb, num_groups=2)
+    assert sb.gn_mx_report.replaced == [
+        ("bn", "BatchNorm(C=8) node -> gn_group_norm(num_groups=2, eps=0.001, axis=-1)")]
+    conv = mx.nd.Convolution(x, sb.params.get("conv_weight").data(),
+                             sb.params.get("conv_bias").data(), num_filter=8, kernel=(3, 3),
+                             pad=(1, 1)).asnumpy().transpose(0, 2, 3, 1)
+    np.testing.assert_allclose(sb(x).asnumpy(), _group_norm_nhwc_f64(conv, 2, g0, b0, 1e-3),
+                               rtol=1e-4, atol=1e-4)
 
 
 def test_symbolblock_as_a_child():

@@ -157,13 +157,48 @@ def _old_axis(b, kind):
     return b._kwargs.get("axis", 1) if kind == "batch_norm" else b._axis  # SyncBatchNorm: no axis
 
 
-def _channels(b, shape):
-    """C of layer b: its parameters' shape, else its input's (from sample=), else 0 (unknown)."""
+def _gn_axis(axis, ndim):
+    """GroupNorm's axis for a BatchNorm / InstanceNorm normalizing per channel on ``axis``: 1
+    (channels first), -1 (the input's last axis: channels last, GroupNorm(axis=-1)), or None
+    (neither, or an axis other than 1 / -1 of an input of unknown rank ``ndim``)."""
+    if axis in (1, -1):
+        return axis
+    if ndim is None:
+        return None
+    a = axis + ndim if axis < 0 else axis
+    return 1 if a == 1 else -1 if a == ndim - 1 and a > 1 else None
+
+
+def _axis_rule(b, kind, ndim, norm):
+    """(GroupNorm's axis, None) for layer b, or (None, the reason it stays): a BatchNorm or
+    InstanceNorm on axis 1 or on its input's last axis (channels last) becomes a GroupNorm on that
+    axis (DBN: axis 1 only); a LayerNorm is a GroupNorm only over the channels of (N, C) input."""
+    axis, name = _old_axis(b, kind), type(b).__name__
+    unknown = " (of unknown input rank: pass sample=)" if ndim is None else ""
+    if kind == "layer_norm":
+        if axis == 1 or (axis == -1 and ndim == 2):
+            return 1, None
+        return None, (f"{name}(axis={axis}){unknown}: a LayerNorm is a GroupNorm only over the "
+                      "channel axis 1 of (N, C) input "
+                      "(elsewhere it normalizes each position alone)")
+    gn_axis = _gn_axis(axis, ndim)
+    if gn_axis is None:
+        return None, (f"{name}(axis={axis}){unknown}: gn_mx normalizes the channel axis 1 or the "
+                      "last axis ((N, C, *spatial) or (N, *spatial, C) data)")
+    if gn_axis != 1 and norm is not GroupNorm:
+        return None, (f"{name}(axis={axis}): {norm.__name__} normalizes the channel axis 1 only "
+                      "(GroupNorm takes the last axis: norm=gn_mx.GroupNorm)")
+    return gn_axis, None
+
+
+def _channels(b, shape, axis=1):
+    """C of layer b: its parameters' shape, else its input's on ``axis`` (from sample=), else 0
+    (unknown)."""
     s = b.gamma.shape
     if s and s[0] > 0:
         return int(s[0])
-    if shape is not None and len(shape) >= 2 and shape[1] > 0:
-        return int(shape[1])
+    if shape is not None and len(shape) >= 2 and shape[axis] > 0:
+        return int(shape[axis])
     return 0
 
 
@@ -193,20 +228,15 @@ def _plan(b, kind, shape, norm, rule, value, graph_c=0, fit_groups=False):
     or raises ValueError for a C the grouping rule cannot divide. C is the layer's own or its
     sample input's (0: deferred); ``graph_c``, read from the traced graph, decides the grouping
     when C is not known otherwise."""
-    axis = _old_axis(b, kind)
-    ndim = len(shape) if shape is not None else None
-    if kind == "layer_norm" and axis == -1 and ndim == 2:
-        axis = 1
-    if axis != 1:
-        extra = " (of unknown input rank: pass sample=)" if kind == "layer_norm" and axis == -1 \
-            and ndim is None else ""
-        return 0, None, (f"{type(b).__name__}(axis={axis}){extra}: gn_mx normalizes the channel "
-                         "axis 1 of (N, C, *spatial) data")
+    axis, reason = _axis_rule(b, kind, len(shape) if shape is not None else None, norm)
+    if reason:
+        return 0, None, reason
     if kind == "batch_norm" and b.fuse_relu and norm is not GroupNorm:
         return 0, None, (f"{type(b).__name__} has a fused ReLU, {norm.__name__} has none "
                          "(replace it with GroupNorm, or use BatchNorm + Activation)")
-    c = _channels(b, shape)
-    return c, _grouping(c or graph_c, rule, value, norm, fit_groups), None
+    c = _channels(b, shape, axis)
+    grouping = _grouping(c or graph_c, rule, value, norm, fit_groups)
+    return c, dict(grouping, **({"axis": -1} if axis == -1 else {})), None
 
 
 def _new_layer(old, kind, norm, c, grouping, copy_affine, norm_kwargs):
@@ -323,7 +353,8 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
     include : sequence of str, default ('batch_norm',)
         The kinds to replace, of ``'batch_norm'`` (``nn.BatchNorm``, ``BatchNormReLU``,
         ``contrib.nn.SyncBatchNorm``), ``'instance_norm'``, ``'layer_norm'`` (only over the channel
-        axis: ``axis=1``, or the last axis of 2-D input as told by ``sample``).
+        axis: ``axis=1``, or the last axis of 2-D input as told by ``sample``). A BatchNorm or
+        InstanceNorm on its input's last axis becomes ``GroupNorm(axis=-1)`` (channels last).
     sample : NDArray or tuple, optional
         An input batch (or its shape) of a single-input block: the channel count and rank of
         every layer's input are inferred from it (a shape inference of the traced graph for a

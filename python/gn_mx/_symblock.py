@@ -4,9 +4,9 @@ become ``gn_group_norm`` nodes (docs/guide/replace_norm.md, "Inside SymbolBlocks
 A SymbolBlock (``SymbolBlock.imports`` of an exported model, GluonCV's ``FeatureExpander`` /
 ``FPNFeatureExpander`` backbones) holds a graph, not child blocks, so the block walk cannot see its
 norm layers. Here its graph is rewritten: each BatchNorm node (``BatchNorm``,
-``_contrib_SyncBatchNorm``, ``_contrib_BatchNormWithReLU``) on the channel axis 1 becomes a
-``gn_group_norm`` node with the same name, input, gamma and beta (the same Parameter objects: same
-names, shape (C,), values kept with ``copy_affine``, else ones / zeros); the running mean and
+``_contrib_SyncBatchNorm``, ``_contrib_BatchNormWithReLU``) on the channel axis 1 or -1
+(channels last: the node gets ``axis=-1``) becomes a ``gn_group_norm`` node with the same name,
+input, gamma and beta (the same Parameter objects: same names, shape (C,), values kept with ``copy_affine``, else ones / zeros); the running mean and
 variance leave the graph and the block's parameters. The group rule is ``replace_norm``'s; a node
 that cannot be rewritten is reported with the reason.
 """
@@ -60,9 +60,11 @@ def _node_plan(sb, nodes, node, group_of, norm_name, norm_kwargs):
     if norm_name != "GroupNorm":
         return None, (f"{node['op']} node: inside a SymbolBlock only GroupNorm replaces "
                       f"BatchNorm ({norm_name} is not supported there)"), None
-    if axis != 1:
-        return None, (f"{node['op']}(axis={axis}) node: gn_mx normalizes the channel axis 1 of "
-                      "(N, C, *spatial) data"), None
+    if axis not in (1, -1):
+        return None, (f"{node['op']}(axis={axis}) node: gn_group_norm takes the channel axis 1 or "
+                      "-1 (the last); a graph does not tell whether axis "
+                      f"{axis} is its input's last (replace it in the Gluon net before exporting, "
+                      "or export it with axis=-1)"), None
     if _attr_true(node, "output_mean_var", "False"):
         return None, (f"{node['op']}(output_mean_var=True) node: its mean/var outputs have no "
                       "gn_group_norm equivalent"), None
@@ -123,8 +125,12 @@ def apply(sb, path, plans, copy_affine, report):
     g = json.loads(_graph(sb).tojson())
     nodes = g["nodes"]
     dropped = _statistics_nodes(nodes, plans)
-    new_out = mx.sym.load_json(json.dumps(
-        _convert._rewrite_graph(g, plans, dropped, _convert.ConversionReport())))
+    rewritten = _convert._rewrite_graph(g, plans, dropped, _convert.ConversionReport())
+    last = {nodes[i]["name"] for i in plans if int(_convert._attr(nodes[i], "axis", "1")) == -1}
+    for n in rewritten["nodes"]:
+        if n["op"] == "gn_group_norm" and n["name"] in last:
+            n["attrs"]["axis"] = "-1"  # channels last (GroupNorm(axis=-1)'s attribute)
+    new_out = mx.sym.load_json(json.dumps(rewritten))
     params = sb.params._params
     for i in plans:
         node = nodes[i]
@@ -144,5 +150,6 @@ def apply(sb, path, plans, copy_affine, report):
     _blocktree.clear_hybrid_caches(sb)
     for i, (groups, eps, _, act, c) in plans.items():
         what = f"{nodes[i]['op']}(C={c}) node -> gn_group_norm(num_groups={groups}, eps={eps}" + \
-            (f", act_type='{act}')" if act else ")")
+            (f", act_type='{act}'" if act else "") + (", axis=-1)" if nodes[i]["name"] in last
+                                                       else ")")
         report.replaced.append((_where(path, nodes[i]["name"]), what))
