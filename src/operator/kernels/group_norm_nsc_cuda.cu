@@ -1,7 +1,7 @@
 /*
  * group_norm_nsc_cuda.cu: CUDA kernels of gn_moments and gn_group_norm for channels-last data
  * (GroupDims::channels_last: (N, S, C) memory, the ops' axis = -1); group_norm_cuda.cu's entry
- * points hand such data here. The twin of group_norm_cpu.cc's channels-last section: the formulas of
+ * points hand such data here. The twin of group_norm_nsc_cpu.cc: the formulas of
  * group_norm_math.h, the same exact-group rule (gn_exact_group / gn_exact_moments) with the same
  * float64 path, per element.
  *
@@ -114,8 +114,9 @@ __device__ __forceinline__ int64_t at(int64_t n, int64_t s, int64_t c, int64_t S
   return (n * S + s) * C + c;
 }
 
-// The warp's float64 statistics of group (n, g) around its first element (group_norm_cpu.cc's
-// exact_stats): every lane gets x0, d, r (and the variance), bit-identical.
+// The warp's float64 statistics of group (n, g) around its first element
+// (group_norm_cpu_common.h's exact_stats): every lane gets x0, d, r (and the variance),
+// bit-identical.
 template <typename T>
 __device__ void warp_exact_stats(const T* x, int64_t n, int64_t g, const GroupDims& dm, double eps,
                                  double* x0, double* d, double* r, double* var) {
@@ -214,7 +215,7 @@ __global__ void __launch_bounds__(kThreads) nsc_apply_kernel(const T* __restrict
        i += step) {
     const int64_t c = i % dm.C, n = i / (dm.S * dm.C), ng = n * dm.G + c / dm.D;
     const double* e = exact + ng * kExactVals;
-    if (e[3] != 0.0) {  // the float64 path (group_norm_cpu.cc exact_fwd)
+    if (e[3] != 0.0) {  // the float64 path (group_norm_cpu_common.h exact_fwd)
       const double xc = gn_exact_xc(static_cast<double>(to_acc(x[i])), e[0], e[1]);
       const double sc = gn_exact_xhat_scale(e[2], dm.D * dm.S);
       y[i] = from_acc<T>(static_cast<A>(gn_act<ACT>(gn_exact_z(
@@ -367,7 +368,7 @@ __global__ void __launch_bounds__(kThreads) nsc_bwd_dx_kernel(const T* __restric
        i += step) {
     const int64_t c = i % dm.C, n = i / (dm.S * dm.C), ng = n * dm.G + c / dm.D;
     const double* e = exact + ng * kExactVals;
-    if (e[3] != 0.0) {  // group_norm_cpu.cc exact_bwd
+    if (e[3] != 0.0) {  // group_norm_cpu_common.h exact_bwd
       if (M == 1) {
         dx[i] = from_acc<T>(static_cast<A>(dmean_o ? static_cast<double>(dmean_o[ng]) : 0.0));
         continue;
