@@ -13,20 +13,23 @@ STATS_K = "_ZN5gn_mx12_GLOBAL__N_112stats_kernelIfEEvPKT_"
 COPY_K = "_ZN12_GLOBAL__N_115sim_copy_kernelEP6float4PKS0_l"
 
 
-def kernel(name, grid, cycles, reads, writes, cta=None):
+def kernel(name, grid, cycles, reads, writes, cta=None, warps=(0, 0, 0)):
+    """The lines of one kernel; reads, writes and warps are the CUMULATIVE counters after it."""
     lines = [f"GPGPU-Sim PTX: pushing kernel '{name}' to stream 0, gridDim= ({grid},1,1) "
              "blockDim = (256,1,1) "]
     if cta:
         lines.append(f"GPGPU-Sim uArch: CTA/core = {cta}, limited by: regs")
     lines += [f"kernel_name = {name} ", "kernel_launch_uid = 1 ", f"gpu_sim_cycle = {cycles}",
-              "gpu_sim_insn = 123", f"total dram reads = {reads}", "bank skew: 2/1 = 2.00",
+              "gpu_sim_insn = 123", "Stall:%d\tW0_Idle:%d\tW0_Scoreboard:%d\tW1:0" % warps,
+              f"total dram reads = {reads}", "bank skew: 2/1 = 2.00",
               f"total dram writes = {writes}"]
     return lines
 
 
 def test_row_from_simulator_lines():
     log = (["noise", f"{parse.MARK} info r {{\"min_bytes\":6400}}", f"{parse.MARK} begin r op"]
-           + kernel(STATS_K, 200, 1000, 100, 0, cta=2) + kernel(STATS_K, 40, 500, 150, 50)
+           + kernel(STATS_K, 200, 1000, 100, 0, cta=2, warps=(1000, 2000, 7))
+           + kernel(STATS_K, 40, 500, 150, 50, warps=(1500, 3000, 7))
            + [f"{parse.MARK} end r op", f"{parse.MARK} begin r ref"]
            + kernel(COPY_K, 640, 600, 250, 100, cta=8) + [f"{parse.MARK} end r ref"])
     s = parse.Stream()
@@ -40,6 +43,9 @@ def test_row_from_simulator_lines():
     assert (k1["dram_read_bytes"], k2["dram_read_bytes"], k2["dram_write_bytes"]) == \
         (100 * 32, 50 * 32, 50 * 32)
     assert r["cycles"] == 1500 and r["ref_cycles"] == 600
+    assert (k1["warp_stall"], k2["warp_stall"], k2["warp_idle"], k2["warp_scoreboard"]) == \
+        (1000, 500, 1000, 0)  # differences of the cumulative counters
+    assert k1["thread_insn"] == 123
     assert r["ratio"] == pytest.approx(0.4)
     assert r["traffic_vs_min"] == pytest.approx((150 + 50) * 32 / 6400)
     assert r["ref_dram_bytes"] == (100 + 50) * 32

@@ -4,7 +4,8 @@ blocks per SM between the worker's markers, and the table made from them.
 What the simulator prints, per kernel: `pushing kernel '<name>' ... gridDim= (x,y,z) blockDim =
 (x,y,z)` at launch; `CTA/core = K, limited by: regs` when a kernel's resources change; at its end
 `kernel_name = ...`, `gpu_sim_cycle = C`, and the DRAM counters `total dram reads = R` / `total dram
-writes = W`, which count 32-byte accesses CUMULATIVELY over the process (differences are taken).
+writes = W`, which count 32-byte accesses CUMULATIVELY over the process (differences are taken), and
+the warp-slot counters `Stall:a W0_Idle:b W0_Scoreboard:c` (also cumulative).
 """
 import ctypes
 import json
@@ -25,7 +26,11 @@ def flush_c_stdout():
 
 _PUSH = re.compile(r"pushing kernel '(\S+)'.*gridDim= \((\d+),(\d+),(\d+)\)")
 _CTA = re.compile(r"CTA/core = (\d+), limited by:(.*)")
-_VAL = re.compile(r"^(kernel_name|gpu_sim_cycle|total dram reads|total dram writes) = (\S+)")
+_VAL = re.compile(r"^(kernel_name|gpu_sim_cycle|gpu_sim_insn|total dram reads|total dram writes)"
+                  r" = (\S+)")
+# warp-slot states summed over the SMs' schedulers, cumulative: Stall (pipeline), W0_Idle (no warp
+# to issue: too few warps / blocks), W0_Scoreboard (warps waiting on results: latency)
+_WARPS = re.compile(r"^Stall:(\d+)\s+W0_Idle:(\d+)\s+W0_Scoreboard:(\d+)")
 
 
 def short_name(mangled):
@@ -49,6 +54,7 @@ class Stream:
         self.rows = {}        # row -> {"op": [kernel dicts], "ref": [...]}
         self.part = None      # (row, "op" | "ref") between a begin and its end marker
         self.dram = [0, 0]    # cumulative (reads, writes) at the last kernel end
+        self.warps = [0, 0, 0]  # cumulative (Stall, W0_Idle, W0_Scoreboard)
         self.cta = None       # the last CTA/core line: (blocks, limiter)
         self.grid = {}        # kernel name -> blocks of its last launch
         self.cur = None
@@ -69,6 +75,12 @@ class Stream:
         m = _VAL.match(line)
         if m:
             self._value(m.group(1), m.group(2))
+        m = _WARPS.match(line)
+        if m and self.cur is not None:
+            now = [int(v) for v in m.groups()]
+            for key, a, b in zip(("stall", "idle", "scoreboard"), now, self.warps):
+                self.cur["warp_" + key] = a - b
+            self.warps = now
         return None
 
     def _marker(self, words):
@@ -93,6 +105,8 @@ class Stream:
                 self.rows[self.part[0]][self.part[1]].append(self.cur)
         elif key == "gpu_sim_cycle" and self.cur is not None:
             self.cur["cycles"] = int(val)
+        elif key == "gpu_sim_insn" and self.cur is not None:
+            self.cur["thread_insn"] = int(val)
         elif key in ("total dram reads", "total dram writes") and self.cur is not None:
             i = 0 if key.endswith("reads") else 1
             self.cur["dram_" + ("read" if i == 0 else "write") + "_bytes"] = \
@@ -128,6 +142,8 @@ def row_result(row, parts):
            "kernels": [{k: v for k, v in kk.items() if k != "mangled"} for kk in op]}
     for kk in res["kernels"]:
         kk["blocks_per_sm"] = blocks_per_sm(kk)
+    for key in ("warp_idle", "warp_scoreboard", "warp_stall", "thread_insn"):
+        res[key] = sum(k.get(key, 0) for k in op)
     if row["kind"] == "copy":
         res["ratio"] = rcyc / cyc if cyc else None  # same bytes: time ratio = bandwidth ratio
     else:
@@ -142,6 +158,15 @@ def row_result(row, parts):
 def summary(r):
     return (f"{r['cycles']} cycles, ratio {r['ratio']:.2f}" if r.get("ratio") is not None
             else f"{r['cycles']} cycles")
+
+
+def _fmt_warps(r):
+    """Shares of the op's empty issue slots: no warp at all (idle) / warps waiting on results
+    (scoreboard) / pipeline stalls."""
+    tot = r.get("warp_idle", 0) + r.get("warp_scoreboard", 0) + r.get("warp_stall", 0)
+    if not tot:
+        return ""
+    return "/".join(f"{100 * r[k] / tot:.0f}" for k in ("warp_idle", "warp_scoreboard", "warp_stall"))
 
 
 def _fmt_kernels(r):
@@ -159,18 +184,21 @@ def markdown(results, rows, bounds):
            "8 x 256-thread blocks per SM) moving the op's minimum bytes (reads + writes) in the "
            "same process (1.0 = copy speed); DBN / IterNorm = (useful FLOPs / op cycles) / the "
            "simulated FMA kernel's FLOPs per cycle (fp64 FMA peak: their D x D math is fp64). "
-           "DRAM x min: bytes the op moved to/from DRAM / its minimum (< 1: L2 kept written data).",
+           "DRAM x min: bytes the op moved to/from DRAM / its minimum (< 1: L2 kept written data). "
+           "Empty issue slots (summed over the schedulers): idle = no warp resident (too few "
+           "blocks/warps), scoreboard = warps waiting on a result (latency), stall = pipeline.",
            "", "| row | case | op cycles | us @1132 MHz | yardstick cycles | ratio | DRAM x min | "
-           "kernels: cycles (blocks, blocks/SM) |", "|---|---|---|---|---|---|---|---|"]
+           "empty slots % idle/scoreboard/stall | kernels: cycles (blocks, blocks/SM) |",
+           "|---|---|---|---|---|---|---|---|---|"]
     for name in rows:
         r = results["rows"].get(name)
         if r is None:
-            out.append(f"| {name} | {rows[name]['label']} | not run | | | | | |")
+            out.append(f"| {name} | {rows[name]['label']} | not run | | | | | | |")
             continue
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
         tvm = "" if r.get("traffic_vs_min") is None else f"{r['traffic_vs_min']:.2f}"
         out.append(f"| {name} | {r['label']} | {r['cycles']} | {r['us']:.1f} | {r['ref_cycles']} "
-                   f"| {ratio} | {tvm} | {_fmt_kernels(r)} |")
+                   f"| {ratio} | {tvm} | {_fmt_warps(r)} | {_fmt_kernels(r)} |")
     notes = [f"- {n}: {b}" for n, b in bounds.items()]
     if notes:
         out += ["", "Bounds named per row (from the simulator's counters):", ""] + notes
