@@ -183,7 +183,7 @@ def markdown(results, rows, bounds):
            "ratio: memory-bound rows = copy cycles / op cycles, the copy (float4 grid-stride, "
            "8 x 256-thread blocks per SM) moving the op's minimum bytes (reads + writes) in the "
            "same process (1.0 = copy speed); DBN / IterNorm = (useful FLOPs / op cycles) / the "
-           "simulated FMA kernel's FLOPs per cycle (fp64 FMA peak: their D x D math is fp64). "
+           "simulated fp32 FMA kernel's FLOPs per cycle (their m x D products are fp32 FMAs; the D x D math is fp64). "
            "DRAM x min: bytes the op moved to/from DRAM / its minimum (< 1: L2 kept written data). "
            "Empty issue slots (summed over the schedulers): idle = no warp resident (too few "
            "blocks/warps), scoreboard = warps waiting on a result (latency), stall = pipeline.",
