@@ -49,8 +49,8 @@ def test_row_from_simulator_lines():
     assert r["ratio"] == pytest.approx(0.4)
     assert r["traffic_vs_min"] == pytest.approx((150 + 50) * 32 / 6400)
     assert r["ref_dram_bytes"] == (100 + 50) * 32
-    table = parse.markdown({"meta": {}, "rows": {"r": r}}, {"r": {"label": "L"}, "q": {"label": "Q"}},
-                           {"q": "bound by X"})
+    rows = {"r": {"label": "L"}, "q": {"label": "Q"}}
+    table = parse.markdown({"meta": {}, "rows": {"r": r}}, rows, {"q": "bound by X"})
     assert "| r | L | 1500 |" in table and "| q | Q | not run |" in table and "bound by X" in table
 
 

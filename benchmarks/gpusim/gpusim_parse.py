@@ -42,7 +42,8 @@ def short_name(mangled):
         for cut in range(len(digits)):  # "112" may be "1" + "12": try each suffix of the run
             n, start = int(digits[cut:]), m.start() + len(digits)
             ident = mangled[start:start + n]
-            if len(ident) == n and ident.endswith("kernel") and re.fullmatch(r"[A-Za-z_]\w*", ident):
+            if (len(ident) == n and ident.endswith("kernel")
+                    and re.fullmatch(r"[A-Za-z_]\w*", ident)):
                 return ident
     return mangled
 
@@ -166,7 +167,8 @@ def _fmt_warps(r):
     tot = r.get("warp_idle", 0) + r.get("warp_scoreboard", 0) + r.get("warp_stall", 0)
     if not tot:
         return ""
-    return "/".join(f"{100 * r[k] / tot:.0f}" for k in ("warp_idle", "warp_scoreboard", "warp_stall"))
+    keys = ("warp_idle", "warp_scoreboard", "warp_stall")
+    return "/".join(f"{100 * r[k] / tot:.0f}" for k in keys)
 
 
 def _fmt_kernels(r):
@@ -183,7 +185,8 @@ def markdown(results, rows, bounds):
            "ratio: memory-bound rows = copy cycles / op cycles, the copy (float4 grid-stride, "
            "8 x 256-thread blocks per SM) moving the op's minimum bytes (reads + writes) in the "
            "same process (1.0 = copy speed); DBN / IterNorm = (useful FLOPs / op cycles) / the "
-           "simulated fp32 FMA kernel's FLOPs per cycle (their m x D products are fp32 FMAs; the D x D math is fp64). "
+           "simulated fp32 FMA kernel's FLOPs per cycle (their m x D products are fp32 FMAs; "
+           "the D x D math is fp64). "
            "DRAM x min: bytes the op moved to/from DRAM / its minimum (< 1: L2 kept written data). "
            "Empty issue slots (summed over the schedulers): idle = no warp resident (too few "
            "blocks/warps), scoreboard = warps waiting on a result (latency), stall = pipeline.",

@@ -1,11 +1,11 @@
 """The rows of the simulated-V100 benchmark (bench_gpusim.py): what each runs and against what.
 
-Each row: group (rows of one group share one simulator process, in the order of ROWS), label, kind ("copy": ratio to a
-float4 copy of min_bytes = the op's unavoidable reads + writes; "fma": ratio of its useful FLOPs
-per cycle to the simulated fp32 FMA kernel's), make(hnp, lib) -> (op, ref, info): two closures, each
-one cold launch sequence (inputs are prepared before, outside the timed markers), and
-{"min_bytes": the op's unavoidable DRAM reads + writes}. Shapes are small
-(x of 0.25-1 MiB) because the simulator costs ~30-110 s of one core per MiB moved.
+Each row: group (rows of one group share one simulator process, in the order of ROWS), label,
+kind ("copy": ratio to a float4 copy of min_bytes = the op's unavoidable reads + writes; "fma":
+ratio of its useful FLOPs per cycle to the simulated fp32 FMA kernel's), make(hnp, lib) -> (op, ref,
+info): two closures, each one cold launch sequence (inputs are prepared before, outside the timed
+markers), and {"min_bytes": the op's unavoidable DRAM reads + writes}. Shapes are small (x of
+0.25-1 MiB) because the simulator costs ~30-110 s of one core per MiB moved.
 """
 import ctypes
 
@@ -155,7 +155,8 @@ ROWS = {
     "gn_fwd_fp16": _row("gn", "GN fwd fp16, fp32 params (2,128,32,32)", gn(X, 32, np.float16)),
     "gn_bwd_fp16": _row("gn", "GN bwd fp16, fp32 params (2,128,32,32)",
                         gn(X, 32, np.float16, bwd=True)),
-    "gn_fwd_silu": _row("gn", "GN fwd + silu fp32 (2,128,32,32)", gn(X, 32, np.float32, act="silu")),
+    "gn_fwd_silu": _row("gn", "GN fwd + silu fp32 (2,128,32,32)",
+                        gn(X, 32, np.float32, act="silu")),
     "gn_fwd_cl": _row("gn", "GN fwd channels-last fp32 (2,32,32,128)",
                       gn(X_CL, 32, np.float32, channels_last=True)),
     "gn_bwd_cl": _row("gn", "GN bwd channels-last fp32 (2,32,32,128)",

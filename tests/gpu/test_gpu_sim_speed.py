@@ -1,7 +1,7 @@
 """The CI speed check on the simulated V100 (GPGPU-Sim's timing model; issue 39 item 4): small
-cold-launch GroupNorm rows of benchmarks/gpusim/ (the same row code and output parser) whose ratio to
-a float4 copy of the same bytes, in the same process, may not fall below a floor a little under the
-committed value. Cycle counts are deterministic for a fixed simulator, patch, nvcc and PTX, so a
+cold-launch GroupNorm rows of benchmarks/gpusim/ (the same row code and output parser) whose ratio
+to a float4 copy of the same bytes, in the same process, may not fall below a floor a little under
+the committed value. Cycle counts are deterministic for a fixed simulator, patch, nvcc and PTX, so a
 drop below the floor is a kernel (or toolchain) change that made the row slower.
 
 Runs only in timing mode (`bash tests/gpu/sim/gpgpusim.sh timing`, which tests/test_gpgpusim.py
