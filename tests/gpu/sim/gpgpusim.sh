@@ -184,11 +184,12 @@ run_dir() {  # a fresh folder per run: the simulator reads gpgpusim.config from 
   [[ "$TIMING" == 1 ]] && mode=0
   d="$(mktemp -d "$CACHE/run.XXXXXX")"
   cp "$CFG"/* "$d/"
-  sed -i -e 's/^-gpgpu_ptx_sim_mode .*//' -e 's/^-gpgpu_kernel_launch_latency .*//' \
-    -e 's/^-gpgpu_perf_sim_memcpy .*//' "$d/gpgpusim.config"
+  sed -i 's/^-gpgpu_ptx_sim_mode .*//' "$d/gpgpusim.config"
   # functional simulation or the timing model (the file ends without a newline, in a comment)
   printf '\n-gpgpu_ptx_sim_mode %s\n' "$mode" >>"$d/gpgpusim.config"
   if [[ "$TIMING" == 1 ]]; then
+    sed -i -e 's/^-gpgpu_kernel_launch_latency .*//' -e 's/^-gpgpu_perf_sim_memcpy .*//' \
+      "$d/gpgpusim.config"
     printf -- '-gpgpu_kernel_launch_latency 0\n-gpgpu_perf_sim_memcpy 0\n' >>"$d/gpgpusim.config"
   fi
   grep -qx -- "-gpgpu_ptx_sim_mode $mode" "$d/gpgpusim.config" || die "could not set the sim mode"
