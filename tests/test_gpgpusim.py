@@ -56,7 +56,10 @@ def test_kernel_names_are_found():
     assert launched(log, kernels) == {"iternorm_kernel"}
 
 
-def test_ci_list_on_gpgpusim(tmp_path):
+def run_list(command, tmp_path):
+    """Runs gpgpusim.sh `command` (a list of tests in one pytest process); returns the log text
+    and the junit counts, after asserting that it ran, passed and skipped nothing. Skips (with the
+    reason) without a simulator source."""
     src = os.environ.get("GNMX_GPGPUSIM_SRC")
     if not src:
         pytest.skip("no GPGPU-Sim source: set GNMX_GPGPUSIM_SRC to a tarball or clone of "
@@ -67,7 +70,7 @@ def test_ci_list_on_gpgpusim(tmp_path):
     env = dict(os.environ, PYTHON=sys.executable)
     # -s: the simulator's own lines (one "executing kernel ..." per launch) reach the log
     with open(out, "w") as f:
-        r = subprocess.run(["bash", SCRIPT, "ci", "-q", "-s", "-rs", f"--junitxml={junit}"],
+        r = subprocess.run(["bash", SCRIPT, command, "-q", "-s", "-rs", f"--junitxml={junit}"],
                            env=env, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=1800)
     text = out.read_text(errors="replace")
     ours = [ln for ln in text.splitlines() if "GPGPU-Sim" not in ln and not ln.startswith(
@@ -79,6 +82,12 @@ def test_ci_list_on_gpgpusim(tmp_path):
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
     assert counts["tests"] > 0 and counts["failures"] == counts["errors"] == 0, (counts, tail)
     assert counts["skipped"] == 0, ("a test of the simulator list skipped", tail)
+    counts["time"] = float(suite.get("time", 0))
+    return text, counts
+
+
+def test_ci_list_on_gpgpusim(tmp_path):
+    text, counts = run_list("ci", tmp_path)
     # Every kernel ran on the simulator, but those listed with their reason.
     kernels = cuda_kernels()
     ran = launched(text, kernels)
@@ -86,6 +95,14 @@ def test_ci_list_on_gpgpusim(tmp_path):
                                        sorted(ran & set(NOT_ON_SIM)))
     assert ran | set(NOT_ON_SIM) == kernels, ("kernels the simulator list never launched",
                                               sorted(kernels - ran - set(NOT_ON_SIM)))
-    print(f"GPGPU-Sim: {counts['tests']} passed in {float(suite.get('time', 0)):.0f} s, "
+    print(f"GPGPU-Sim: {counts['tests']} passed in {counts['time']:.0f} s, "
           f"{len(ran)} of {len(kernels)} kernels launched;",
           " ".join(re.findall(r"\[gpgpusim\] [^\n]* built in \d+ s", text)))
+
+
+def test_timing_list_on_gpgpusim(tmp_path):
+    """tests/gpu/sim/timing_tests.txt on the timing model: fix 10's check (bar.red state between
+    launches) and the copy-ratio floors of tests/gpu/test_gpu_sim_speed.py."""
+    text, counts = run_list("timing", tmp_path)
+    print(f"GPGPU-Sim timing model: {counts['tests']} passed in {counts['time']:.0f} s;",
+          " ".join(re.findall(r"\[gpusim\] [^\n]*", text)))

@@ -193,6 +193,22 @@ def test_dbn_nonfinite_input_gives_nan_not_crash():
     assert np.isnan(y[:, :4]).all() and np.isfinite(y[:, 4:]).all()
 
 
+def test_dbn_forward_after_nonfinite_launch():
+    """A launch whose every group is non-finite leaves nothing behind: the next launch's finite
+    groups come out right. The eigensolver loads Sigma with __syncthreads_and(finite); GPGPU-Sim's
+    timing mode kept that reduction between uses of a barrier slot until simulator fix 10
+    (tests/gpu/sim/gpgpusim-fixes.patch): every later group read 0 there and came out NaN.
+    128 groups (one block each) cover every SM of the simulated V100's 80."""
+    shape, G, eps = (8, 256, 2), 128, 1e-5
+    bad = np.full(shape, np.nan, np.float32)
+    assert np.isnan(hnp.dbn_fwd(bad, G)[0]).all()
+    x = make(shape, np.float32)
+    y, _, _, lam = hnp.dbn_fwd(x, G, eps=eps)
+    ry, _, rl, _ = ref_dbn(x, G, eps)
+    assert np.isfinite(y).all(), f"{np.isnan(y).any(axis=(0, 2)).sum()} channels NaN"
+    assert rel_err(y, ry) < TOL[np.float32] and rel_err(lam, rl) < TOL[np.float32]
+
+
 # -------------------------------------------------------------------------------------------------
 # Fused affine (y = gamma W (x - mu) + beta) and IterNorm
 

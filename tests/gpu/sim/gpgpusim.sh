@@ -6,11 +6,12 @@
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh pytest [ARGS]   # tests/gpu ARGS on it
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh ci [ARGS]       # the list in ci_tests.txt
 #   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh run CMD...      # any command on it
+#   GNMX_GPGPUSIM_SRC=PATH bash tests/gpu/sim/gpgpusim.sh timing [ARGS]   # timing_tests.txt, timed
 #
 # PATH (or --src PATH before the command): a tarball of, or a clone of, the upstream simulator
 # (https://github.com/accel-sim/gpgpu-sim_distribution, branch dev; measured at commit 667834cf).
 # Steps, each cached:
-#   1. the simulator: the source unpacked/copied, tests/gpu/sim/gpgpusim-fixes.patch applied (nine
+#   1. the simulator: the source unpacked/copied, tests/gpu/sim/gpgpusim-fixes.patch applied (ten
 #      defects that break gn_mx's kernels, one note each in the patch), `make` with GNMX_JOBS jobs
 #      (default 2; ~3 min on 2 cores), in $GNMX_GPGPUSIM_CACHE/sim-<hash of source + patch + nvcc>;
 #   2. the CUDA 11.8 toolkit (tools/cuda11_toolchain.sh; cached in GNMX_TOOLCHAIN_DIR);
@@ -22,6 +23,10 @@
 #      the PTX from the file named there; without it it searches the python executable and crashes),
 #      GNMX_HARNESS_EMU=0 GNMX_HARNESS_LIB=<harness> GNMX_HARNESS_SIM=1 for tests/gpu/harness_np.py.
 # Every new process parses ~13 MB of PTX first (45-105 s): run many tests in one pytest process.
+# GNMX_GPGPUSIM_TIMING=1 (set by the `timing` command): the performance model instead of functional
+# mode (-gpgpu_ptx_sim_mode 0 in the config AND PTX_SIM_MODE_FUNC=0, which the simulator reads at
+# every launch), with -gpgpu_kernel_launch_latency 0 and -gpgpu_perf_sim_memcpy 0 so that launch
+# overhead and host copies do not enter kernel cycle counts (benchmarks/gpusim/, 10-100x slower).
 #
 # Environment: GNMX_GPGPUSIM_SRC, GNMX_GPGPUSIM_CACHE (default <repo>/build/gpgpusim, git-ignored),
 # GNMX_JOBS, PYTHON (default <repo>/.venv/bin/python, else python3), GNMX_TOOLCHAIN_DIR.
@@ -42,9 +47,10 @@ die() { log "$*"; exit 1; }
 if [[ "${1:-}" == --src ]]; then SRC="${2:-}"; shift 2 || true; fi
 cmd="${1:-}"
 [[ $# -gt 0 ]] && shift
-case "$cmd" in build|harness|pytest|ci|run|env) ;; *)
-  sed -n '2,9p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
+case "$cmd" in build|harness|pytest|ci|run|env) ;; timing) export GNMX_GPGPUSIM_TIMING=1 ;; *)
+  sed -n '2,10p' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
 esac
+TIMING="${GNMX_GPGPUSIM_TIMING:-0}"
 
 if [[ -z "$SRC" ]]; then
   log "no simulator source: set GNMX_GPGPUSIM_SRC to a tarball or a clone of" \
@@ -147,13 +153,13 @@ while IFS= read -r line || [[ -n "$line" ]]; do
   line="${line%%#*}"; line="${line//[[:space:]]/}"
   [[ -n "$line" ]] && SRCS+=("$ROOT/src/operator/kernels/$line")
 done <"$ROOT/src/operator/kernels/cuda_sources.txt"
-SRCS+=("$ROOT/tests/gpu/harness.cc")
+SRCS+=("$ROOT/tests/gpu/harness.cc" "$HERE/sim_kernels.cu")  # + the benchmark's copy / FMA kernels
 NVFLAGS=(-ccbin g++-11 -std=c++17 -O3 -shared -Xcompiler -fPIC,-fvisibility=hidden -DGNMX_WITH_CUDA
          -I"$ROOT/src/operator" -gencode arch=compute_70,code=compute_70 -cudart shared)
 HKEY="$({ printf '%s\n' "${NVFLAGS[@]}"; "$CUDA/bin/nvcc" --version | tail -n1;
           find "$ROOT/src/operator/common" "$ROOT/src/operator/kernels" -type f \
             \( -name '*.h' -o -name '*.cuh' -o -name '*.cu' -o -name '*.txt' \) -print0 |
-            LC_ALL=C sort -z | xargs -0 cat; cat "$ROOT/tests/gpu/harness.cc"; } | sha)"
+            LC_ALL=C sort -z | xargs -0 cat; cat "$ROOT/tests/gpu/harness.cc" "$HERE/sim_kernels.cu"; } | sha)"
 HLIB="$CACHE/harness-$HKEY/libgn_harness.so"
 
 build_harness() {
@@ -174,13 +180,19 @@ CFG="$SIM/gpgpu-sim/configs/tested-cfgs/SM7_QV100"
 
 # ---- 4. run ----------------------------------------------------------------------------------------
 run_dir() {  # a fresh folder per run: the simulator reads gpgpusim.config from and writes into the cwd
-  local d
+  local d mode=1
+  [[ "$TIMING" == 1 ]] && mode=0
   d="$(mktemp -d "$CACHE/run.XXXXXX")"
   cp "$CFG"/* "$d/"
   sed -i 's/^-gpgpu_ptx_sim_mode .*//' "$d/gpgpusim.config"
-  # functional simulation (the file ends without a newline, in a comment: start a new line)
-  printf '\n-gpgpu_ptx_sim_mode 1\n' >>"$d/gpgpusim.config"
-  grep -qx -- '-gpgpu_ptx_sim_mode 1' "$d/gpgpusim.config" || die "could not set functional mode"
+  # functional simulation or the timing model (the file ends without a newline, in a comment)
+  printf '\n-gpgpu_ptx_sim_mode %s\n' "$mode" >>"$d/gpgpusim.config"
+  if [[ "$TIMING" == 1 ]]; then
+    sed -i -e 's/^-gpgpu_kernel_launch_latency .*//' -e 's/^-gpgpu_perf_sim_memcpy .*//' \
+      "$d/gpgpusim.config"
+    printf -- '-gpgpu_kernel_launch_latency 0\n-gpgpu_perf_sim_memcpy 0\n' >>"$d/gpgpusim.config"
+  fi
+  grep -qx -- "-gpgpu_ptx_sim_mode $mode" "$d/gpgpusim.config" || die "could not set the sim mode"
   echo "$d"
 }
 
@@ -191,7 +203,7 @@ sim_env() {
   export CUDA_INSTALL_PATH="$CUDA"
   # what the simulator's setup_environment sets for CUDA >= 6 (PTX extracted per file by cuobjdump)
   export PTX_SIM_USE_PTX_FILE=1.ptx PTX_SIM_KERNELFILE=_1.ptx CUOBJDUMP_SIM_FILE=jj
-  export PTX_SIM_MODE_FUNC=1  # functional mode, also read at every launch
+  export PTX_SIM_MODE_FUNC=$((1 - TIMING))  # functional (1) or timing (0), read at every launch
 }
 
 PY="${PYTHON:-}"
@@ -225,6 +237,9 @@ case "$cmd" in
     run_pytest "$@" ;;
   ci)
     mapfile -t list < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' -e '/^$/d' "$HERE/ci_tests.txt")
+    run_pytest "${list[@]}" "$@" ;;
+  timing)
+    mapfile -t list < <(sed -e 's/#.*//' -e 's/[[:space:]]*$//' -e '/^$/d' "$HERE/timing_tests.txt")
     run_pytest "${list[@]}" "$@" ;;
   run)
     d="$(run_dir)"
