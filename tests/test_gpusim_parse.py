@@ -1,4 +1,4 @@
-"""benchmarks/gpusim/gpusim_parse.py on a hand-written excerpt of GPGPU-Sim's timing-mode output:
+"""benchmarks/gpusim/_gpusim_parse.py on a hand-written excerpt of GPGPU-Sim's timing-mode output:
 per-kernel cycles, DRAM bytes from the CUMULATIVE counters (differences), blocks per SM, ratios."""
 import os
 import sys
@@ -7,7 +7,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
                                 "benchmarks", "gpusim"))
-import gpusim_parse as parse  # noqa: E402
+import _gpusim_parse as parse  # noqa: E402
 
 STATS_K = "_ZN5gn_mx12_GLOBAL__N_112stats_kernelIfEEvPKT_"
 COPY_K = "_ZN12_GLOBAL__N_115sim_copy_kernelEP6float4PKS0_l"

@@ -24,8 +24,8 @@ import numpy as np
 HERE = os.path.dirname(os.path.abspath(__file__))
 ROOT = os.path.dirname(os.path.dirname(HERE))
 sys.path.insert(0, HERE)
-import gpusim_rows as rows_mod  # noqa: E402
-import gpusim_parse as parse  # noqa: E402
+import _gpusim_rows as rows_mod  # noqa: E402
+import _gpusim_parse as parse  # noqa: E402
 
 SIM = os.path.join(ROOT, "tests", "gpu", "sim", "gpgpusim.sh")
 RESULT = "gpusim_v100"

@@ -15,8 +15,8 @@ from gpu_common import SIM, hnp
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks", "gpusim"))
-import gpusim_parse as parse  # noqa: E402
-import gpusim_rows as rows  # noqa: E402
+import _gpusim_parse as parse  # noqa: E402
+import _gpusim_rows as rows  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not (SIM and os.environ.get("GNMX_GPGPUSIM_TIMING") == "1"),
                                 reason="timing mode of GPGPU-Sim only (gpgpusim.sh timing)")

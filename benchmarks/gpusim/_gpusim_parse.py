@@ -177,7 +177,7 @@ def _fmt_kernels(r):
 
 
 def markdown(results, rows, bounds):
-    """The results table (rows in the order of gpusim_rows.ROWS)."""
+    """The results table (rows in the order of _gpusim_rows.ROWS)."""
     m = results.get("meta", {})
     out = ["# gn_mx on a simulated V100 (GPGPU-Sim timing model), not a measurement on hardware",
            "", f"Simulator: {m.get('simulator', '?')}. PTX: {m.get('ptx', '?')}. "
