@@ -628,3 +628,83 @@ def test_standardize_convs_attribute_children():
     y = b(x)
     ops = [n["op"] for n in json.loads(b._cached_graph[1].tojson())["nodes"] if n["op"] != "null"]
     assert "gn_weight_standardize" in ops and y.shape == (1, 4, 5, 5)
+
+
+# -------------------------------------------------------------------------------------------------
+# Inside SymbolBlocks (SymbolBlock.imports, GluonCV's SSD / FPN backbones)
+
+def _conv_symbolblock(shared_weight=False):
+    """data -> conv (3x3, 4 filters) -> relu -> conv2 (1x1) [-> conv3 on conv2's weight]."""
+    data = mx.sym.var("data")
+    y = mx.sym.relu(mx.sym.Convolution(data, num_filter=4, kernel=(3, 3), pad=(1, 1),
+                                       name="conv"))
+    w2 = mx.sym.var("conv2_weight")
+    y = mx.sym.Convolution(y, w2, num_filter=4, kernel=(1, 1), no_bias=True, name="conv2")
+    if shared_weight:
+        y = mx.sym.Convolution(y, w2, num_filter=4, kernel=(1, 1), no_bias=True, name="conv3")
+    sb = gluon.SymbolBlock(y, data)
+    sb.initialize(mx.init.Normal(1.0))
+    sb(mx.nd.zeros((1, 3, 5, 5)))
+    return sb
+
+
+@pytest.mark.parametrize("use_gain", [False, True])
+def test_standardize_convs_inside_a_symbolblock(use_gain, tmp_path):
+    """Each Convolution node's weight goes through gn_weight_standardize with a new gain
+    Parameter (<prefix>gain: trained only with use_gain); output and gain gradient against
+    float64; a weight shared by two nodes is standardized once; the export reloads."""
+    sb = _conv_symbolblock(shared_weight=True)
+    p = {k: v.data().asnumpy() for k, v in sb.collect_params().items()}
+    assert gn_mx.standardize_convs(sb, use_gain=use_gain) == ["conv", "conv2", "conv3"]
+    assert sorted(sb.collect_params().keys()) == ["conv2_gain", "conv2_weight", "conv_bias",
+                                                  "conv_gain", "conv_weight"]
+    assert (sb.params.get("conv_gain").grad_req == "write") == use_gain
+    x = mx.nd.array(np.random.RandomState(5).randn(2, 3, 5, 5))
+    one = (1, 1)
+    h = np.maximum(conv_ref(x.asnumpy(), ws_ref(p["conv_weight"], np.ones(4), 1e-6),
+                            p["conv_bias"], one, one, one, 1), 0)
+    w2 = ws_ref(p["conv2_weight"], np.ones(4), 1e-6)
+    want = conv_ref(conv_ref(h, w2, None, one, (0, 0), one, 1), w2, None, one, (0, 0), one, 1)
+    with autograd.record():
+        y = sb(x)
+        y.sum().backward()
+    np.testing.assert_allclose(y.asnumpy(), want, rtol=1e-4, atol=1e-3)
+    if use_gain:  # the gain is live: gradients reach it
+        assert np.abs(sb.params.get("conv2_gain").grad().asnumpy()).max() > 0
+    nodes = json.loads(sb._cached_graph[1].tojson())["nodes"]
+    assert [n["op"] for n in nodes].count("gn_weight_standardize") == 2
+    sb.hybridize()
+    np.testing.assert_allclose(sb(x).asnumpy(), want, rtol=1e-4, atol=1e-3)
+    export_and_reload(sb, [x.asnumpy()], tmp_path, rtol=1e-5, atol=1e-4)
+    assert gn_mx.standardize_convs(sb) == []  # standardized weights are op outputs: left alone
+
+
+def test_standardize_convs_symbolblock_child_include_and_model_zoo(tmp_path):
+    """A SymbolBlock inside a Gluon tree is found (paths 'child:node'), include= sees each node;
+    SymbolBlock.imports of an exported ResNet-18 gets every convolution standardized and trains."""
+    net = gluon.nn.HybridSequential()
+    net.add(_conv_symbolblock(), gluon.nn.Conv2D(2, 1, in_channels=4))
+    net[1].initialize()
+    chosen = gn_mx.standardize_convs(net, include=lambda path, c: path != "0:conv2")
+    assert chosen == ["1", "0:conv"] and type(net[1]) is gn_mx.WSConv2D
+    assert "conv2_gain" not in net[0].collect_params()
+    net[1].gain.initialize()
+    net.hybridize()
+    assert net(mx.nd.ones((1, 3, 5, 5))).shape == (1, 2, 5, 5)
+
+    from mxnet.gluon.model_zoo import vision
+    zoo = vision.resnet18_v1(classes=4)
+    zoo.initialize()
+    zoo.hybridize()
+    x = mx.nd.random.normal(shape=(2, 3, 32, 32))
+    zoo(x)
+    zoo.export(str(tmp_path / "r18"))
+    sb = gluon.SymbolBlock.imports(str(tmp_path / "r18-symbol.json"), ["data"],
+                                   str(tmp_path / "r18-0000.params"))
+    assert len(gn_mx.standardize_convs(sb, use_gain=True)) == 20
+    trainer = gluon.Trainer(sb.collect_params(), "sgd", {"learning_rate": 0.01})
+    with autograd.record():
+        loss = gluon.loss.SoftmaxCrossEntropyLoss()(sb(x), mx.nd.array([0, 1]))
+    loss.backward()
+    trainer.step(2)
+    assert np.isfinite(sb(x).asnumpy()).all()

@@ -1,15 +1,19 @@
-"""``replace_norm`` inside ``gluon.SymbolBlock``s: the BatchNorm nodes of a SymbolBlock's graph
-become ``gn_group_norm`` nodes (docs/guide/replace_norm.md, "Inside SymbolBlocks").
+"""``replace_norm`` and ``standardize_convs`` inside ``gluon.SymbolBlock``s: the BatchNorm nodes of
+a SymbolBlock's graph become ``gn_group_norm`` nodes (docs/guide/replace_norm.md, "Inside
+SymbolBlocks"); its Convolution nodes get their weight through ``gn_weight_standardize``
+(docs/guide/weight_standardization.md).
 
 A SymbolBlock (``SymbolBlock.imports`` of an exported model, GluonCV's ``FeatureExpander`` /
 ``FPNFeatureExpander`` backbones) holds a graph, not child blocks, so the block walk cannot see its
 norm layers. Here its graph is rewritten: each BatchNorm node (``BatchNorm``,
 ``_contrib_SyncBatchNorm``, ``_contrib_BatchNormWithReLU``) on the channel axis 1 or -1
 (channels last: the node gets ``axis=-1``) becomes a ``gn_group_norm`` node with the same name,
-input, gamma and beta (the same Parameter objects: same names, shape (C,), values kept with ``copy_affine``, else ones / zeros); the running mean and
-variance leave the graph and the block's parameters. The group rule is ``replace_norm``'s; a node
-that cannot be rewritten is reported with the reason.
+input, gamma and beta (the same Parameter objects: same names, shape (C,), values kept with
+``copy_affine``, else ones / zeros); the running mean and variance leave the graph and the
+block's parameters. The group rule is ``replace_norm``'s; a node that cannot be rewritten is
+reported with the reason.
 """
+import copy
 import json
 
 import mxnet as mx
@@ -153,3 +157,79 @@ def apply(sb, path, plans, copy_affine, report):
             (f", act_type='{act}'" if act else "") + (", axis=-1)" if nodes[i]["name"] in last
                                                        else ")")
         report.replaced.append((_where(path, nodes[i]["name"]), what))
+
+
+# ---- standardize_convs inside SymbolBlocks -----------------------------------------------------
+
+def _gain_name(weight_name):
+    """The gain Parameter of a standardized weight: ``<prefix>gain`` as a WSConv*D names it."""
+    base = weight_name[:-len("weight")] if weight_name.endswith("weight") else weight_name + "_"
+    return base + "gain"
+
+
+def ws_plan(sb, path, include):
+    """``[(where, conv node id)]``: the Convolution nodes of SymbolBlock ``sb`` whose weight is a
+    variable of the graph (a weight already standardized is the output of an op: left alone), and
+    that ``include(where, node)`` accepts (``node``: the node's JSON dict)."""
+    nodes = json.loads(_graph(sb).tojson())["nodes"]
+    found = []
+    for i, node in enumerate(nodes):
+        if node["op"] != "Convolution" or nodes[node["inputs"][1][0]]["op"] != "null":
+            continue
+        where = _where(path, node["name"])
+        if include is None or include(where, node):
+            found.append((where, i))
+    return found
+
+
+def _ws_graph(g, convs, ws_eps):
+    """The symbol JSON with one gn_weight_standardize(weight, gain) node (and its gain variable)
+    in front of the weight of each Convolution node in ``convs``; convolutions sharing a weight
+    share its standardization. Returns (graph, {weight node id: gain name})."""
+    nodes = g["nodes"]
+    new_nodes, remap, ws_of, gains = [], {}, {}, {}
+    for i, node in enumerate(nodes):
+        out = copy.deepcopy(node)
+        out["inputs"] = [[remap[e[0]], e[1], 0] for e in node["inputs"]]
+        if i in convs:
+            w = node["inputs"][1][0]
+            if w not in ws_of:
+                gains[w] = _gain_name(nodes[w]["name"])
+                new_nodes.append({"op": "null", "name": gains[w], "inputs": [], "attrs": {
+                    "__shape__": f"({_convert._attr(node, 'num_filter', '0')},)"}})
+                new_nodes.append({"op": "gn_weight_standardize", "name": nodes[w]["name"] + "_ws",
+                                  "attrs": {"eps": repr(ws_eps)},
+                                  "inputs": [[remap[w], 0, 0], [len(new_nodes) - 1, 0, 0]]})
+                ws_of[w] = len(new_nodes) - 1
+            out["inputs"][1] = [ws_of[w], 0, 0]
+        remap[i] = len(new_nodes)
+        new_nodes.append(out)
+    return {"nodes": new_nodes,
+            "arg_nodes": [k for k, n in enumerate(new_nodes) if n["op"] == "null"],
+            "heads": [[remap[h[0]], h[1], 0] for h in g["heads"]],
+            "attrs": g.get("attrs", {})}, gains
+
+
+def ws_apply(sb, found, ws_eps, use_gain, gain_initializer):
+    """Standardizes the weights of the Convolution nodes ``found`` (from :func:`ws_plan`) of
+    SymbolBlock ``sb``: its graph, one new ``gain`` Parameter per weight (shape (O,), trained only
+    with ``use_gain``; initialized where the weight is) and its traced caches."""
+    g = json.loads(_graph(sb).tojson())
+    new_g, gains = _ws_graph(g, {i for _, i in found}, ws_eps)
+    params = sb.params._params
+    for w, name in gains.items():
+        weight = params.get(g["nodes"][w]["name"])
+        num_filter = next(int(_convert._attr(n, "num_filter", "0")) for n in g["nodes"]
+                          if n["op"] == "Convolution" and n["inputs"][1][0] == w)
+        gain = gluon.Parameter(name, shape=(num_filter,), init=gain_initializer,
+                               grad_req="write" if use_gain else "null",
+                               dtype=weight.dtype if weight is not None else "float32")
+        params[name] = gain
+        if weight is not None and _blocktree.param_state(weight) == "init":
+            gain.initialize(ctx=weight.list_ctx())
+        elif weight is not None and _blocktree.param_state(weight) == "deferred":
+            gain.initialize(ctx=weight._deferred_init[1])
+    cache = _compat.hybrid_cache(sb)
+    _compat.set_hybrid_cache(sb, cache._replace(
+        graph=(cache.graph[0], mx.sym.load_json(json.dumps(new_g)))))
+    _blocktree.clear_hybrid_caches(sb)

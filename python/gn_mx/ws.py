@@ -23,7 +23,7 @@ import mxnet as mx
 from mxnet.gluon import nn as _gnn
 from mxnet.ndarray import NDArray
 
-from . import _blocktree, _compat, _hybrid, _np
+from . import _blocktree, _compat, _hybrid, _np, _symblock
 from .ops import _both_kinds
 
 __all__ = ["WSConv1D", "WSConv2D", "WSConv3D", "weight_standardize", "standardize_convs",
@@ -300,7 +300,9 @@ def standardize_convs(block, ws_eps=DEFAULT_WS_EPS, use_gain=False, gain_initial
     each filter are discarded), so train (or fine-tune) after swapping. Weight Standardization
     is meant to be followed by a normalization layer (GroupNorm, BatchNorm). Transposed
     convolutions, ``Dense`` and layers that are already WS are left alone; a hybridized
-    ``block`` is re-traced at its next call.
+    ``block`` is re-traced at its next call. Inside a ``gluon.SymbolBlock`` (``imports``, GluonCV's
+    SSD / FPN backbones) each ``Convolution`` node's weight gets a ``gn_weight_standardize`` node
+    and a new ``gain`` Parameter (docs/guide/weight_standardization.md).
 
     Parameters
     ----------
@@ -315,12 +317,13 @@ def standardize_convs(block, ws_eps=DEFAULT_WS_EPS, use_gain=False, gain_initial
         Initializer of the gains.
     include : callable, optional
         ``include(path, conv) -> bool`` chooses the layers to swap (``path``: the dotted child
-        names from ``block``, e.g. ``'features.0'``); default: all.
+        names from ``block``, e.g. ``'features.0'``; for a node of a SymbolBlock ``'path:node'``
+        and ``conv`` the node's JSON dict); default: all.
 
     Returns
     -------
     list of str
-        The paths of the swapped layers, in tree order.
+        The paths of the swapped layers, in tree order, then the standardized SymbolBlock nodes.
 
     Raises
     ------
@@ -344,12 +347,17 @@ def standardize_convs(block, ws_eps=DEFAULT_WS_EPS, use_gain=False, gain_initial
                            f"gn_mx.WS{type(block).__name__}")
     targets = [(parent, key, child, where) for parent, key, child, where in _blocktree.walk(block)
                if type(child) in _WS_OF and (include is None or include(where, child))]
+    in_graphs = [(sb, _symblock.ws_plan(sb, path, include))
+                 for path, sb in _symblock.symbol_blocks(block)]
     for parent, key, child, _ in targets:
         _blocktree.replace_child(parent, key, child,
                                  _ws_replacement(child, ws_eps, use_gain, gain_initializer))
-    if targets:
+    for sb, found in in_graphs:
+        if found:
+            _symblock.ws_apply(sb, found, ws_eps, use_gain, gain_initializer)
+    if targets or any(found for _, found in in_graphs):
         _blocktree.clear_hybrid_caches(block)
-    return [where for _, _, _, where in targets]
+    return [where for _, _, _, where in targets] + [w for _, found in in_graphs for w, _ in found]
 
 
 # ---------------------------------------------------------------------------------------------
