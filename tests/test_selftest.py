@@ -162,6 +162,30 @@ def test_new_checks_fail_on_a_wrong_reference(monkeypatch):
 def test_every_op_of_the_library_is_checked():
     from gn_mx import _library
     names = [n for n, _ in selftest.op_checks()]
-    for op in _library.OPS:
+    for op in _library.OPS + _library.SYNC_OPS:
         prefix = selftest.CHECKED_OPS[op]  # a KeyError: a new op without a self-test check
         assert any(n.startswith(prefix + " ") for n in names), op
+
+
+def test_sync_dbn_checks_pass_and_fail_on_a_wrong_reference(monkeypatch):
+    """The gn_sync_sum / gn_dbn_whiten / gn_dbn_apply checks pass, and the whiten and apply checks
+    raise when their float64 references are made wrong."""
+    import mxnet as mx
+    import numpy as np
+    checks = {n: f for n, f in selftest.op_checks()
+              if n.split()[0] in ("sync_sum", "dbn_whiten", "dbn_apply")}
+    assert len(checks) == 6, sorted(checks)
+    for f in checks.values():
+        assert f(mx.cpu()) <= 1
+    whiten_ref, apply_ref = selftest._whiten_ref, selftest._dbn_apply_ref
+    monkeypatch.setattr(selftest, "_whiten_ref", lambda c, e, w, T: whiten_ref(c, 2 * e, w, T))
+    monkeypatch.setattr(selftest, "_dbn_apply_ref",
+                        lambda x, g, b, m, W: apply_ref(x, g, b, m, np.swapaxes(W, 1, 2)))
+    for name, f in checks.items():
+        if name.startswith("sync_sum"):
+            continue
+        try:
+            f(mx.cpu())
+        except AssertionError:
+            continue
+        raise AssertionError(f"{name} passed with a wrong reference")

@@ -8,7 +8,8 @@ Runs, on each device:
     0 to 3 spatial dimensions, against float64 references computed on the CPU with numpy
     (gn_mx/_reference.py; IterNorm's gradient by central differences of its float64 forward),
     gn_weight_standardize forward and gradient, gn_group_norm on channels-last data (axis=-1) and
-    its double backward;
+    its double backward; the synchronized-DBN ops (CPU-only, checked on the CPU): gn_sync_sum
+    with one device, gn_dbn_whiten (ZCA, IterNorm) of a known covariance, gn_dbn_apply;
   * a short timing table: gn_mx's GroupNorm next to MXNet's own GroupNorm and BatchNorm.
 It prints a report (gn_mx build, MXNet, GPUs with driver and CUDA versions, PASS/FAIL per check
 with the error's message, timings) and exits 0 when every check passed, 1 when one failed, 2 when
@@ -287,10 +288,82 @@ def check_group_norm_double_backward(ctx, dtype, shape):
 _D2_TOL = {d: tuple(max(a, b) for a, b in zip(GRAD_TOL[d], (1e-4, 1e-5))) for d in GRAD_TOL}
 
 
+
+# The synchronized-DBN ops (gn_mx/sync.py) are CPU-only: their checks run on the CPU on every device.
+_SYNC_KEYS = iter(range(1 << 62))
+
+
+def check_sync_sum(ctx, shape):
+    """gn_sync_sum with num_devices=1 (one caller completes the round): out == data, grad == dy."""
+    import mxnet as mx
+    from mxnet import autograd
+    x, dy = _data(shape, np.float64, 32), _data(shape, np.float64, 33)
+    xs = _nd(mx.cpu(), x)
+    xs.attach_grad()
+    key = f"gn_mx.selftest/{os.getpid()}/{next(_SYNC_KEYS)}"
+    with autograd.record():
+        y = mx.nd.gn_sync_sum(xs, key=key, num_devices=1, timeout=10)
+    y.backward(_nd(mx.cpu(), dy))
+    return max(_close("out", y.asnumpy(), x, np.float64, TOL),
+               _close("ddata", xs.grad.asnumpy(), dy, np.float64, GRAD_TOL))
+
+
+def _whiten_ref(cov, eps, whitening, T):
+    """W (G, D, D) of a covariance (eps added here, as the op does): ZCA or IterNorm."""
+    out = []
+    for S in cov + eps * np.eye(cov.shape[-1]):
+        if whitening == "zca":
+            lam, U = np.linalg.eigh(S)
+            out.append(U @ np.diag(1 / np.sqrt(lam)) @ U.T)
+            continue
+        tr = np.trace(S)
+        Sn, P = S / tr, np.eye(len(S))
+        for _ in range(T):
+            P = 1.5 * P - 0.5 * P @ P @ P @ Sn
+        out.append(P / np.sqrt(tr))
+    return np.array(out)
+
+
+def check_dbn_whiten(ctx, whitening, G=2, D=3, T=5):
+    """gn_dbn_whiten's W of a known covariance against the float64 numpy whitening matrix."""
+    import mxnet as mx
+    A = _data((G, D, 4 * D), np.float64, 34)
+    cov = np.einsum("gik,gjk->gij", A, A) / A.shape[-1]
+    f64 = lambda a: _nd(mx.cpu(), a, "float64")  # noqa: E731
+    W = mx.nd.gn_dbn_whiten(f64(cov), f64(np.zeros(G * D)), f64(np.zeros(G * D)),
+                            f64(np.zeros((G, D, D))), eps=1e-3, whitening=whitening,
+                            iterations=T)[0]
+    return _close("W", W.asnumpy(), _whiten_ref(cov, 1e-3, whitening, T), np.float64, TOL)
+
+
+def check_dbn_apply(ctx, dtype, shape, G=2):
+    """gn_dbn_apply: out = gamma[c] (W_g (x - mean))[c] + beta[c] against float64 numpy."""
+    import mxnet as mx
+    C, D = shape[1], shape[1] // G
+    x = _data(shape, dtype, 35)
+    sd = np.float32 if dtype == np.float16 else dtype
+    gamma, beta = _data((C,), sd, 36, 1.0), _data((C,), sd, 37)
+    mean, W = _data((C,), np.float64, 38), _data((G, D, D), np.float64, 39)
+    cpu = mx.cpu()
+    y = mx.nd.gn_dbn_apply(_nd(cpu, x), _nd(cpu, gamma), _nd(cpu, beta), _nd(cpu, mean),
+                           _nd(cpu, W), num_groups=G)
+    return _close("out", y.asnumpy(), _dbn_apply_ref(x, gamma, beta, mean, W), dtype, TOL)
+
+
+def _dbn_apply_ref(x, gamma, beta, mean, W):
+    """gamma[c] (W_g (x - mean))[c] + beta[c] in float64, channels split into G = len(W) groups."""
+    N, C, G = x.shape[0], x.shape[1], len(W)
+    bshape = (1, C) + (1,) * (x.ndim - 2)
+    xg = (x.astype(np.float64) - mean.reshape(bshape)).reshape((N, G, C // G, -1))
+    y = np.einsum("gij,ngjs->ngis", W, xg).reshape(x.shape)
+    return y * gamma.astype(np.float64).reshape(bshape) + beta.astype(np.float64).reshape(bshape)
+
+
 #: Every op of the library (``_library.OPS``) -> the prefix of its checks' names.
 CHECKED_OPS = {"gn_group_norm": "group_norm", "gn_moments": "moments", "gn_dbn": "dbn zca",
                "gn_dbn_inference": "dbn_inference", "gn_channel_affine": "channel_affine",
-               "gn_weight_standardize": "weight_standardize"}
+               "gn_weight_standardize": "weight_standardize", "gn_sync_sum": "sync_sum",
+               "gn_dbn_whiten": "dbn_whiten", "gn_dbn_apply": "dbn_apply"}
 
 
 def op_checks():
@@ -322,6 +395,12 @@ def op_checks():
             out.append((f"dbn zca {dn} {sn}", lambda c, d=dtype, s=shape: check_dbn_zca(c, d, s)))
             out.append((f"dbn iternorm {dn} {sn}",
                         lambda c, d=dtype, s=shape: check_dbn_iternorm(c, d, s)))
+        out.append((f"dbn_apply {dn} 3x4x2x2",
+                    lambda c, d=dtype: check_dbn_apply(c, d, (3, 4, 2, 2))))
+    out.append(("sync_sum float64 2x3", lambda c: check_sync_sum(c, (2, 3))))
+    for whitening in ("zca", "iternorm"):
+        out.append((f"dbn_whiten {whitening} float64 2x3x3",
+                    lambda c, w=whitening: check_dbn_whiten(c, w)))
     return out
 
 
