@@ -336,6 +336,16 @@ def _activation(b, y, act):
     return y
 
 
+def _group_norm_outputs(b, y, mean, rstd, want_stats, xdt, cdt):
+    """gn_group_norm's outputs: y in the input dtype, then (N, G) mean and rstd when consumed."""
+    b.cast(y, cdt, xdt, b.name + "0")
+    if not want_stats:
+        return b.nodes, (xdt,)
+    b.reshape(mean, [0, -1], b.name + "1")
+    b.reshape(rstd, [0, -1], b.name + "2")
+    return b.nodes, (xdt, cdt, cdt)
+
+
 @_register("gn_group_norm")
 def convert_group_norm(node, **kwargs):
     """MXNet exporter converter of ``gn_group_norm`` (see the module docstring's table)."""
@@ -358,17 +368,13 @@ def convert_group_norm(node, **kwargs):
         xhat = b.reshape(b.op("Mul", [d, rstd]), b.op("Shape", [x]))  # (S, G, D) = (*spatial, C)
         y = _activation(b, b.op("Add", [b.op("Mul", [xhat, b.cast(gamma, gdt, cdt)]),
                                         b.cast(beta, bdt, cdt)]), act)
-        b.cast(y, cdt, xdt, b.name + "0")
-        if not want_stats:
-            return b.nodes, (xdt,)
-        b.reshape(mean, [0, -1], b.name + "1")
-        b.reshape(rstd, [0, -1], b.name + "2")
-        return b.nodes, (xdt, cdt, cdt)
+        return _group_norm_outputs(b, y, mean, rstd, want_stats, xdt, cdt)
     x3 = b.reshape(xc, [0, 0, -1])  # (N, C, S): rank-agnostic, 0 spatial dims included
     if USE_GROUP_NORMALIZATION and b.opset >= 21:
         # per-channel scale/bias (GroupNormalization-21), on the (N, C, S) view
         y3 = b.op("GroupNormalization", [x3, b.cast(gamma, gdt, cdt), b.cast(beta, bdt, cdt)],
                   num_groups=G, epsilon=eps)
+        mean = rstd = None
         if want_stats:
             mean, _, var = _group_stats(b, x3, G)
             rstd = _rstd(b, var, eps, cdt)
@@ -380,12 +386,7 @@ def convert_group_norm(node, **kwargs):
         b2 = b.reshape(b.cast(beta, bdt, cdt), [-1, 1])
         y3 = b.op("Add", [b.op("Mul", [xhat, g2]), b2])
     y = _activation(b, b.reshape(y3, b.op("Shape", [x])), act)
-    b.cast(y, cdt, xdt, b.name + "0")
-    if not want_stats:
-        return b.nodes, (xdt,)
-    b.reshape(mean, [0, -1], b.name + "1")
-    b.reshape(rstd, [0, -1], b.name + "2")
-    return b.nodes, (xdt, cdt, cdt)
+    return _group_norm_outputs(b, y, mean, rstd, want_stats, xdt, cdt)
 
 
 @_register("gn_moments")
