@@ -28,6 +28,8 @@ if harness_np.emulated() and shutil.which("g++") is None:
 
 BLOCK, WARP = 256, 32
 THREAD_MAX_BYTES, WARP_MAX_BYTES = 64, 4096  # group_norm_cuda.cu: kThreadMaxBytes, kWarpMaxBytes
+RESIDENT_MAX_BYTES = 32768  # kResidentVecs (8) 16-byte vectors per lane of the block team
+RESIDENT_BWD_VECS = 4       # kResidentBwdVecs: 16-byte vectors per lane in the one-pass backward
 DTYPES = [np.float16, np.float32, np.float64]
 
 
@@ -35,6 +37,36 @@ def team(L, dtype):
     """The plan group_norm_cuda.cu's plan_team picks (threads per group)."""
     b = L * np.dtype(dtype).itemsize
     return 1 if b <= THREAD_MAX_BYTES else WARP if b <= WARP_MAX_BYTES else BLOCK
+
+
+def forward_launches(L, dtype):
+    """Launches of the forward with aligned buffers: group_norm_cuda.cu's plan_resident (one
+    kernel, the group in registers: whole 16-byte vectors, <= 32 KiB) or statistics + apply."""
+    s = np.dtype(dtype).itemsize
+    return 1 if L % (16 // s) == 0 and L * s <= RESIDENT_MAX_BYTES else 2
+
+
+def backward_resident(L, S, dtype):
+    """Whether the backward (aligned buffers) is the one-pass kernel (plan_resident_bwd): vectors
+    inside a channel, at most RESIDENT_BWD_VECS per lane of the group's team."""
+    s = np.dtype(dtype).itemsize
+    V = 16 // s
+    return S % V == 0 and L // V <= team(L, dtype) * RESIDENT_BWD_VECS
+
+
+def expect_backward(grids, NG, L, S, dtype):
+    """The backward's first launch (after the forward's): the one-pass kernel's grid when
+    backward_resident says so, else the row sums' (another grid, unless the two coincide)."""
+    if grids is None:
+        return
+    tm = team(L, dtype)
+    one_pass = (math.ceil(NG / (BLOCK // tm)), 1, 1, BLOCK)
+    got = grids[forward_launches(L, dtype)]
+    if backward_resident(L, S, dtype):
+        assert got == one_pass, (grids, NG, L, S)
+        assert len(grids) - forward_launches(L, dtype) in (2, 3), grids  # + dgamma/dbeta
+    else:
+        assert len(grids) - forward_launches(L, dtype) in (3, 4), grids  # row sums, dx, params
 
 
 def boundary_cases(dtype):
@@ -49,6 +81,13 @@ def boundary_cases(dtype):
         (9, 2, 1, t + 1),      # warp plan, odd length: misaligned groups, odd S (warp rows)
         (3, 3, w // 8, 8),     # largest warp group, 9 groups: 2 blocks
         (2, 2, 1, w + 1),      # block plan, odd S (fp16: rows of > 2048 elements, block rows)
+        (5, 3, 8, 3),          # one-pass forward, vectors across channels (S % V != 0)
+        (1, 2, 16, 130),       # one-pass forward with the block, vectors across channels
+        (1, 2, 1, RESIDENT_MAX_BYTES // s),           # largest one-pass group (block)
+        (1, 2, 1, (RESIDENT_MAX_BYTES + 16) // s),    # one vector more: statistics + apply, split
+        (4, 3, 2, 1024 // s),  # largest one-pass backward with a warp (2 KiB)
+        (1, 2, 4, 4096 // s),  # largest one-pass backward with the block (16 KiB)
+        (1, 2, 1, 16400 // s),  # one vector more: row sums + dx (forward: one pass)
     ]
 
 
@@ -147,7 +186,9 @@ def test_plan_boundaries(lib, launches, dtype, case):
     run = harness_np.Runner()
     launches()
     check_group_norm(run, x, gamma, beta, dy, dmean, drstd, G, act, dtype)
-    expect_plan(launches(), N * G, L, dtype, 2)  # statistics, apply (unsplit: enough groups)
+    grids = launches()
+    expect_plan(grids, N * G, L, dtype, forward_launches(L, dtype))
+    expect_backward(grids, N * G, L, S, dtype)
     check_moments(run, x, G, dmean, drstd, dtype)
     expect_plan(launches(), N * G, L, dtype, 1)
 
@@ -199,7 +240,7 @@ def test_recomputed_groups_in_shared_blocks(lib, launches, L, act):
     run = harness_np.Runner()
     launches()
     r = run.group_norm(x, gamma, beta, G, 1e-5, act=act, dy=dy)
-    expect_plan(launches(), N * G, L, np.float32, 2)
+    expect_plan(launches(), N * G, L, np.float32, forward_launches(L, np.float32))
     ref, rmean, rrstd = group_norm_ref(x, gamma, beta, G, 1e-5, act=act)
     np.testing.assert_allclose(r["y"], ref, *tol(np.float32))
     np.testing.assert_allclose(r["mean"], rmean, rtol=1e-5, atol=1e-6)

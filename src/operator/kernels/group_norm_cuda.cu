@@ -37,9 +37,15 @@
  * (count, mean, M2) states; the consumer (the apply kernel, or a finalize kernel for gn_moments) merges
  * them in one warp. No atomics, no E[x^2] - E[x]^2.
  *
- * Forward: stats kernel, then an apply kernel over (group, chunk) blocks: y = x * a_c + b_c. For the
+ * Forward of a group that fits in its team's registers (fwd_resident_kernel, plan_resident: 16-byte
+ * aligned x and y, whole vectors, <= 32 KiB for the block): one launch, x read once, statistics
+ * as a sum and then a sum of squares around the mean from the registers. Larger or misaligned
+ * groups: stats kernel, then an apply kernel over (group, chunk) blocks: y = x * a_c + b_c. For the
  * SD-UNet shapes x (<= 21 MB) stays in the H200's 50 MB L2 between the two kernels, so DRAM sees about
  * one read of x and one write of y.
+ * Backward of a group that fits (bwd_resident_kernel, plan_resident_bwd: aligned x, dy, dx, S a
+ * multiple of the vector width, <= 16 KiB for the block): one launch writes the row sums and dx
+ * from x and dy held in registers. Otherwise:
  *
  * Backward: kernel 1 reduces each row (n, c) to dsc = sum dy (x - mu) and db = sum dy (a row split
  * across blocks when rows are few and long; partial sums in the workspace); kernel 2 has one team
@@ -574,12 +580,12 @@ struct FwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r;
-  __device__ __forceinline__ Coef coef(uint32_t c) const {
+  __device__ __forceinline__ Coef coef_of(P gm, P bt) const {
     Coef cf;
-    gn_fwd_coeffs<A>(mu, r, static_cast<A>(to_acc(gamma[c])), static_cast<A>(to_acc(beta[c])),
-                     &cf.a, &cf.b);
+    gn_fwd_coeffs<A>(mu, r, static_cast<A>(to_acc(gm)), static_cast<A>(to_acc(bt)), &cf.a, &cf.b);
     return cf;
   }
+  __device__ __forceinline__ Coef coef(uint32_t c) const { return coef_of(gamma[c], beta[c]); }
   __device__ __forceinline__ A operator()(const Coef& cf, A x, A) const {
     return gn_act<ACT>(x * cf.a + cf.b);
   }
@@ -646,6 +652,143 @@ fwd_apply_kernel(const T* __restrict__ x, const P* __restrict__ gamma, const P* 
   }
   FwdOp<P, A, ACT> op{gamma + g * D, beta + g * D, mu, r};
   map_group<T, V, 1, kTeam>(x + ng * L, nullptr, y + ng * L, begin, end, S, op);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Forward in one pass: resident groups (plan_resident)
+//
+// A group of at most kResidentVecs 16-byte vectors per lane of its team (plan_team: 64 B for a
+// thread, 4 KiB for a warp, 32 KiB for the block) is loaded into registers once; its sum, then its
+// sum of squares around that mean (two team reductions, no division per element), then y from the
+// same registers. One launch and one read of x, where the two-kernel path (stats_kernel +
+// fwd_apply_kernel) launches twice and reads x twice, and spends a Welford merge (a division) per
+// vector. Taken when x and y are 16-byte aligned and L is a whole number of vectors; every other
+// group keeps the two-kernel path. Simulated V100 (benchmarks/results/gpusim_v100.md): see
+// docs/performance/gpu.md.
+constexpr int kResidentVecs = 8;
+
+template <typename T, int V, int kTeam, int K>
+__device__ __forceinline__ void load_resident(const T* __restrict__ xg, uint32_t e,
+                                              Vec<T, V> (&r)[K]) {
+  const Vec<T, V>* p = reinterpret_cast<const Vec<T, V>*>(xg);
+  const uint32_t lane = team_lane<kTeam>();
+#pragma unroll
+  for (int u = 0; u < K; ++u)
+    if (lane + u * kTeam < e) r[u] = p[lane + u * kTeam];
+}
+
+// gamma and beta at the first channel of each of a lane's resident vectors, loaded next to x (so
+// their latency hides behind the statistics instead of following them).
+template <typename P, int V, int kTeam, int K = kResidentVecs>
+struct VecParams {
+  P g[K], b[K];  // b: 0 without beta
+  __device__ __forceinline__ void load(const P* __restrict__ gamma, const P* __restrict__ beta,
+                                       uint32_t e, uint32_t S) {
+    const uint32_t lane = team_lane<kTeam>();
+    if (lane >= e) return;
+    ChannelWalk cw(lane * V, kTeam * V, S);
+#pragma unroll
+    for (int u = 0; u < K; ++u, cw.next())
+      if (lane + u * kTeam < e) {
+        g[u] = gamma[cw.c];
+        b[u] = beta ? beta[cw.c] : P(0);
+      }
+  }
+};
+
+// (mean, rstd) of a resident group of L elements (e vectors): every lane of the team gets them
+// bitwise (team_sum), so the exact decision is team-uniform.
+template <typename T, int V, int kTeam>
+__device__ __forceinline__ Pair<AccT<T>> resident_stats(const Vec<T, V> (&r)[kResidentVecs],
+                                                        uint32_t e, uint32_t L, double eps) {
+  using A = AccT<T>;
+  const uint32_t lane = team_lane<kTeam>();
+  A s = 0;
+#pragma unroll
+  for (int u = 0; u < kResidentVecs; ++u)
+    if (lane + u * kTeam < e)
+#pragma unroll
+      for (int k = 0; k < V; ++k) s += to_acc(r[u].v[k]);
+  const A mu = team_sum<kTeam>(s) / static_cast<A>(L);
+  A q = 0;
+#pragma unroll
+  for (int u = 0; u < kResidentVecs; ++u)
+    if (lane + u * kTeam < e)
+#pragma unroll
+      for (int k = 0; k < V; ++k) {
+        const A d = to_acc(r[u].v[k]) - mu;
+        q += d * d;
+      }
+  const A var = team_sum<kTeam>(q) / static_cast<A>(L);
+  return Pair<A>{mu, gn_rstd(var, static_cast<A>(eps))};
+}
+
+// y of a resident group from its registers; a vector that crosses a channel (S % V != 0) takes its
+// coefficients element by element.
+template <typename T, int V, int kTeam, typename Op, typename Prm>
+__device__ __forceinline__ void store_resident(const Vec<T, V> (&r)[kResidentVecs], uint32_t e,
+                                               uint32_t S, T* __restrict__ yg, const Op& op,
+                                               const Prm& prm) {
+  using A = AccT<T>;
+  const uint32_t lane = team_lane<kTeam>();
+  if (lane >= e) return;
+  Vec<T, V>* po = reinterpret_cast<Vec<T, V>*>(yg);
+  const bool whole = S % V == 0;
+  ChannelWalk cw(lane * V, kTeam * V, S);
+#pragma unroll
+  for (int u = 0; u < kResidentVecs; ++u, cw.next()) {
+    if (lane + u * kTeam >= e) break;
+    uint32_t c = cw.c, sk = cw.s;
+    typename Op::Coef cf = op.coef_of(prm.g[u], prm.b[u]);
+    Vec<T, V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k, ++sk) {
+      if (!whole && sk == S) {
+        sk = 0;
+        cf = op.coef(++c);
+      }
+      o.v[k] = from_acc<T>(op(cf, to_acc(r[u].v[k]), A(0)));
+    }
+    po[lane + u * kTeam] = o;
+  }
+}
+
+// Grid ceil(N*G / (kBlock / kTeam)): team t of the grid normalizes group t (writes y, mean, rstd);
+// exactly recomputed groups (gn_exact_group) take the float64 path from x.
+template <typename T, typename P, int V, Act ACT, int kTeam>
+__global__ void __launch_bounds__(kBlock)
+fwd_resident_kernel(const T* __restrict__ x, const P* __restrict__ gamma,
+                    const P* __restrict__ beta, T* __restrict__ y, AccT<T>* __restrict__ mean,
+                    AccT<T>* __restrict__ rstd, double eps, int64_t NG, uint32_t L, uint32_t S,
+                    int64_t G, uint32_t D) {
+  using A = AccT<T>;
+  const int64_t ng = int64_t(blockIdx.x) * (kBlock / kTeam) + team_rank<kTeam>();
+  if (kTeam != kBlock && ng >= NG) return;  // whole teams leave together
+  const T* xg = x + ng * L;
+  const uint32_t e = L / V;
+  const int64_t g = ng % G;
+  Vec<T, V> r[kResidentVecs];
+  load_resident<T, V, kTeam>(xg, e, r);
+  VecParams<P, V, kTeam> prm;
+  prm.load(gamma + g * D, beta + g * D, e, S);
+  const Pair<A> st = resident_stats<T, V, kTeam>(r, e, L, eps);
+  GN_ASSERT_UNIFORM(kTeam, st);
+  const bool lead = team_lane<kTeam>() == 0;
+  if (gn_exact_group<T>(st.a, st.b, L)) {  // team-uniform
+    const ExactStats ex = exact_stats<kTeam>(xg, L, eps);
+    if (lead) {
+      mean[ng] = static_cast<A>(ex.x0 + ex.d);
+      rstd[ng] = static_cast<A>(ex.r);
+    }
+    exact_fwd_range<kTeam, ACT>(xg, y + ng * L, gamma + g * D, beta + g * D, ex, 0, L, S);
+    return;
+  }
+  if (lead) {
+    mean[ng] = st.a;
+    rstd[ng] = st.b;
+  }
+  store_resident<T, V, kTeam>(r, e, S, y + ng * L,
+                              FwdOp<P, A, ACT>{gamma + g * D, beta + g * D, st.a, st.b}, prm);
 }
 
 template <typename A>
@@ -787,17 +930,24 @@ struct BwdOp {
   const P* gamma;  // this group's D channels
   const P* beta;
   A mu, r, c2, c3;
-  __device__ __forceinline__ Coef coef(uint32_t c) const {
+  // bt is read only with an activation (the backward gets no beta without one)
+  __device__ __forceinline__ Coef coef_of(P gm_p, P bt) const {
     Coef cf;
-    const A gm = static_cast<A>(to_acc(gamma[c]));
+    const A gm = static_cast<A>(to_acc(gm_p));
     cf.c1 = r * gm;
     cf.a = A(1);
     cf.b = A(0);
-    if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(beta[c])), &cf.a, &cf.b);
+    if (ACT != Act::kNone) gn_fwd_coeffs<A>(mu, r, gm, static_cast<A>(to_acc(bt)), &cf.a, &cf.b);
     return cf;
   }
+  __device__ __forceinline__ Coef coef(uint32_t c) const {
+    return coef_of(gamma[c], ACT != Act::kNone ? beta[c] : P(0));
+  }
+  __device__ __forceinline__ A grad(const Coef& cf, A dy, A x) const {  // g = dy * act'(z)
+    return gn_act_grad<ACT>(x * cf.a + cf.b, dy);
+  }
   __device__ __forceinline__ A operator()(const Coef& cf, A dy, A x) const {
-    return gn_bwd_dx<A>(cf.c1, c2, c3, mu, gn_act_grad<ACT>(x * cf.a + cf.b, dy), x);
+    return gn_bwd_dx<A>(cf.c1, c2, c3, mu, grad(cf, dy, x), x);
   }
 };
 
@@ -850,6 +1000,146 @@ bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const AccT<T>* 
   op.r = rstd[ng];
   gn_bwd_coeffs<A>(ab.a, ab.b, op.r, A(1) / A(L), dmean_g, drstd_g, &op.c2, &op.c3);
   map_group<T, V, 2, kTeam>(dy + ng * L, x + ng * L, dx + ng * L, begin, end, S, op);
+}
+
+// ------------------------------------------------------------------------------------------------
+// Backward in one pass: resident groups (plan_resident_bwd)
+//
+// x and dy of a group of at most kResidentBwdVecs 16-byte vectors per lane of its team (16 KiB for
+// the block team) are loaded once into registers; each vector's (sum g (x - mu), sum g) goes to
+// shared memory, the team sums each row (n, c) from there (the row sums bwd_param_kernel reads,
+// one split), folds gamma into the group's A, B, and writes dx from the registers. One launch and
+// one read of x and dy, where the two-kernel path (bwd_row_sums_kernel + bwd_dx_kernel) launches
+// twice and reads them twice. Vectors stay inside a channel (S % V == 0).
+constexpr int kResidentBwdVecs = 4;
+
+// (sum g (x - mu), sum g) of each of this lane's resident vectors into slots[vector].
+template <typename T, int V, int kTeam, typename Op, typename Prm>
+__device__ __forceinline__ void bwd_vector_sums(const Vec<T, V> (&xr)[kResidentBwdVecs],
+                                                const Vec<T, V> (&dr)[kResidentBwdVecs],
+                                                uint32_t e, const Op& op, const Prm& prm,
+                                                Pair<AccT<T>>* slots) {
+  using A = AccT<T>;
+  const uint32_t lane = team_lane<kTeam>();
+#pragma unroll
+  for (int u = 0; u < kResidentBwdVecs; ++u) {
+    if (lane + u * kTeam >= e) break;
+    const typename Op::Coef cf = op.coef_of(prm.g[u], prm.b[u]);
+    Pair<A> p{A(0), A(0)};
+#pragma unroll
+    for (int k = 0; k < V; ++k) {
+      const A xv = to_acc(xr[u].v[k]);
+      const A g = op.grad(cf, to_acc(dr[u].v[k]), xv);
+      p.a += g * (xv - op.mu);
+      p.b += g;
+    }
+    slots[lane + u * kTeam] = p;
+  }
+}
+
+// Rows d = 0..D-1 of group ng from the per-vector slots (S / V each): written to part (one split);
+// returns the group's (sum gamma_d dsc_d, sum gamma_d db_d) on every lane of the team. Warps of
+// the team take rows in turn (a thread team: all of them).
+template <int kTeam, typename A, typename P>
+__device__ __forceinline__ Pair<A> bwd_rows_from_slots(const Pair<A>* slots, uint32_t per,
+                                                       uint32_t D, int64_t ng,
+                                                       const P* __restrict__ gamma,
+                                                       A* __restrict__ part) {
+  constexpr int kSub = kTeam < kWarp ? kTeam : kWarp;
+  const uint32_t lane = team_lane<kTeam>(), sub = lane / kSub, sl = lane % kSub;
+  Pair<A> ab{A(0), A(0)};
+  for (uint32_t d = sub; d < D; d += kTeam / kSub) {
+    Pair<A> rs{A(0), A(0)};
+    for (uint32_t j = sl; j < per; j += kSub) {
+      rs.a += slots[d * per + j].a;
+      rs.b += slots[d * per + j].b;
+    }
+    rs = warp_sum<kSub>(rs);
+    if (sl == 0) {
+      A* p = part + (ng * D + d) * kRowPart;
+      p[0] = rs.a;
+      p[1] = rs.b;
+      const A gm = static_cast<A>(to_acc(gamma[d]));
+      ab.a += gm * rs.a;
+      ab.b += gm * rs.b;
+    }
+  }
+  return team_sum<kTeam>(ab);
+}
+
+// Exactly recomputed group ng (gn_exact_group): its rows' sums (sum g xhat, sum g) and dx in
+// float64 from x and dy (exact_row_sums, exact_bwd_range).
+template <int kTeam, Act ACT, typename T, typename P>
+__device__ __forceinline__ void bwd_resident_exact(const T* __restrict__ dy,
+                                                   const T* __restrict__ x,
+                                                   const P* __restrict__ gamma,
+                                                   const P* __restrict__ beta, AccT<T>* part,
+                                                   T* __restrict__ dx, int64_t ng, int64_t G,
+                                                   uint32_t D, uint32_t S, double dmean_g,
+                                                   double drstd_g, double eps) {
+  const int64_t C = G * D, g = ng % G;
+  const uint32_t L = D * S;
+  for (uint32_t d = 0; d < D; ++d) {
+    const Pair<AccT<T>> e =
+        exact_row_sums<kTeam, ACT>(dy, x, gamma, beta, ng * D + d, C, S, D, 0, S, eps);
+    if (team_lane<kTeam>() == 0) {
+      part[(ng * D + d) * kRowPart] = e.a;
+      part[(ng * D + d) * kRowPart + 1] = e.b;
+    }
+  }
+  exact_bwd_range<kTeam, ACT>(x + ng * L, dy + ng * L, dx + ng * L, gamma + g * D, beta + g * D,
+                              dmean_g, drstd_g, eps, L, S, 0, L);
+}
+
+// Grid ceil(N*G / (kBlock / kTeam)): team t of the grid writes dx and the row sums of group t.
+template <typename T, typename P, int V, Act ACT, int kTeam>
+__global__ void __launch_bounds__(kBlock)
+bwd_resident_kernel(const T* __restrict__ dy, const T* __restrict__ x,
+                    const AccT<T>* __restrict__ mean, const AccT<T>* __restrict__ rstd,
+                    const AccT<T>* __restrict__ dmean_o, const AccT<T>* __restrict__ drstd_o,
+                    const P* __restrict__ gamma, const P* __restrict__ beta,
+                    AccT<T>* __restrict__ part, T* __restrict__ dx, int64_t NG, int64_t G,
+                    uint32_t D, uint32_t S, double eps) {
+  using A = AccT<T>;
+  __shared__ RawSlots<Pair<A>, kBlock * kResidentBwdVecs> s_raw;
+  Pair<A>* slots = s_raw.get() + team_rank<kTeam>() * (kTeam * kResidentBwdVecs);
+  const int64_t ng = int64_t(blockIdx.x) * (kBlock / kTeam) + team_rank<kTeam>();
+  const bool live = kTeam == kBlock || ng < NG;  // teams past the last group: the barrier only
+  const uint32_t L = D * S, e = L / V;
+  const int64_t g = live ? ng % G : 0;
+  const A mu = live ? mean[ng] : A(0), r = live ? rstd[ng] : A(1);
+  const bool exact = live && gn_exact_group<T>(mu, r, L);  // team-uniform
+  BwdOp<P, A, ACT> op{gamma + g * D, beta ? beta + g * D : nullptr, mu, r, A(0), A(0)};
+  Vec<T, V> xr[kResidentBwdVecs], dr[kResidentBwdVecs];
+  VecParams<P, V, kTeam, kResidentBwdVecs> prm;
+  if (live && !exact) {
+    load_resident<T, V, kTeam>(x + ng * L, e, xr);
+    load_resident<T, V, kTeam>(dy + ng * L, e, dr);
+    prm.load(op.gamma, ACT != Act::kNone ? op.beta : nullptr, e, S);
+    bwd_vector_sums<T, V, kTeam>(xr, dr, e, op, prm, slots);
+  }
+  __syncthreads();  // every thread of the block, once: the slots are written
+  if (!live) return;  // whole teams leave together
+  const A dmean_g = dmean_o ? dmean_o[ng] : A(0), drstd_g = drstd_o ? drstd_o[ng] : A(0);
+  if (exact) {
+    bwd_resident_exact<kTeam, ACT>(dy, x, gamma, beta, part, dx, ng, G, D, S, dmean_g, drstd_g,
+                                   eps);
+    return;
+  }
+  const Pair<A> ab = bwd_rows_from_slots<kTeam>(slots, S / V, D, ng, op.gamma, part);
+  gn_bwd_coeffs<A>(ab.a, ab.b, r, A(1) / A(L), dmean_g, drstd_g, &op.c2, &op.c3);
+  Vec<T, V>* po = reinterpret_cast<Vec<T, V>*>(dx + ng * L);
+  const uint32_t lane = team_lane<kTeam>();
+#pragma unroll
+  for (int u = 0; u < kResidentBwdVecs; ++u) {
+    if (lane + u * kTeam >= e) break;
+    const typename BwdOp<P, A, ACT>::Coef cf = op.coef_of(prm.g[u], prm.b[u]);
+    Vec<T, V> o;
+#pragma unroll
+    for (int k = 0; k < V; ++k)
+      o.v[k] = from_acc<T>(op(cf, to_acc(dr[u].v[k]), to_acc(xr[u].v[k])));
+    po[lane + u * kTeam] = o;
+  }
 }
 
 // Backward parameter gradients, stage 1 of param_reduce.cuh's two-stage reduction over n (stage 2:
@@ -1059,10 +1349,40 @@ const char* moments_impl(const MomentsArgs& a, void* ws, cudaStream_t st) {
   return nullptr;
 }
 
+// Whether the forward takes fwd_resident_kernel: 16-byte aligned x and y, whole vectors per
+// group, at most kResidentVecs of them per lane of the group's team (plan_team).
+template <typename T>
+bool plan_resident(const void* x, const void* y, int64_t L) {
+  const int64_t V = vec_width<T>();
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return al16(x) && al16(y) && L % V == 0 &&
+         L / V <= int64_t(plan_team(L, sizeof(T))) * kResidentVecs;
+}
+
+template <typename T, typename P>
+const char* launch_resident(const GroupNormFwdArgs& a, cudaStream_t st) {
+  using A = AccT<T>;
+  const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G, L = D * a.dims.S;
+  dispatch_act(a.act, [&](auto act) {
+    dispatch_team(plan_team(L, sizeof(T)), [&](auto team) {
+      constexpr int kTeam = decltype(team)::value;
+      auto* k = fwd_resident_kernel<T, P, vec_width<T>(), decltype(act)::value, kTeam>;
+      k<<<static_cast<unsigned>(ceil_div(NG, kBlock / kTeam)), kBlock, 0, st>>>(
+          static_cast<const T*>(a.x), static_cast<const P*>(a.gamma),
+          static_cast<const P*>(a.beta), static_cast<T*>(a.y), static_cast<A*>(a.mean),
+          static_cast<A*>(a.rstd), a.eps, NG, static_cast<uint32_t>(L),
+          static_cast<uint32_t>(a.dims.S), a.dims.G, static_cast<uint32_t>(D));
+    });
+  });
+  GN_CUDA_CHECK_LAUNCH();
+  return nullptr;
+}
+
 template <typename T, typename P>
 const char* fwd_impl(const GroupNormFwdArgs& a, void* ws, cudaStream_t st) {
   using A = AccT<T>;
   const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G, L = D * a.dims.S;
+  if (plan_resident<T>(a.x, a.y, L)) return launch_resident<T, P>(a, st);
   GroupPlan sp;
   if (const char* e = plan_stats<T>(a.x, NG, L, ws != nullptr, &sp)) return e;
   const T* x = static_cast<const T*>(a.x);
@@ -1245,11 +1565,43 @@ const char* launch_row_sums(const GroupNormBwdArgs& a, const RowPlan& p, AccT<T>
   return nullptr;
 }
 
+// Whether the backward takes bwd_resident_kernel: 16-byte aligned x, dy and dx, vectors inside a
+// channel (S a multiple of V), at most kResidentBwdVecs per lane of the group's team (plan_team).
+template <typename T>
+bool plan_resident_bwd(const GroupNormBwdArgs& a) {
+  const int64_t V = vec_width<T>(), S = a.dims.S, L = (a.dims.C / a.dims.G) * S;
+  const auto al16 = [](const void* p) { return reinterpret_cast<uintptr_t>(p) % 16 == 0; };
+  return al16(a.x) && al16(a.dy) && al16(a.dx) && S % V == 0 &&
+         L / V <= int64_t(plan_team(L, sizeof(T))) * kResidentBwdVecs;
+}
+
+// bwd_resident_kernel, then the parameter gradients from its row sums (one split per row).
+template <typename T, typename P, Act ACT>
+const char* bwd_resident(const GroupNormBwdArgs& a, cudaStream_t st) {
+  using A = AccT<T>;
+  const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G;
+  RowPlan rp;  // splits = 1: the row-sum layout carve_rows / bwd_param_kernel read
+  A* part = carve_rows<T>(a.workspace, a.dims.N * a.dims.C, rp);
+  dispatch_team(plan_team(D * a.dims.S, sizeof(T)), [&](auto team) {
+    constexpr int kTeam = decltype(team)::value;
+    auto* k = bwd_resident_kernel<T, P, vec_width<T>(), ACT, kTeam>;
+    k<<<static_cast<unsigned>(ceil_div(NG, kBlock / kTeam)), kBlock, 0, st>>>(
+        static_cast<const T*>(a.dy), static_cast<const T*>(a.x), static_cast<const A*>(a.mean),
+        static_cast<const A*>(a.rstd), static_cast<const A*>(a.dmean),
+        static_cast<const A*>(a.drstd), static_cast<const P*>(a.gamma),
+        static_cast<const P*>(a.beta), part, static_cast<T*>(a.dx), NG, a.dims.G,
+        static_cast<uint32_t>(D), static_cast<uint32_t>(a.dims.S), a.eps);
+  });
+  GN_CUDA_CHECK_LAUNCH();
+  return launch_params<T, P>(a, rp, part, st);
+}
+
 template <typename T, typename P, Act ACT>
 const char* bwd_impl_act(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
   if (a.workspace == nullptr) return kGnNeedsWorkspace;
   if (!aligned16(a.workspace)) return kGnWorkspaceAlign;
+  if (plan_resident_bwd<T>(a)) return bwd_resident<T, P, ACT>(a, st);
   RowPlan rp;
   if (const char* e = plan_rows<T, P, ACT>(a, &rp)) return e;
   A* part = carve_rows<T>(a.workspace, a.dims.N * a.dims.C, rp);
