@@ -71,9 +71,16 @@ MXReturnValue sum_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>
                         std::vector<std::vector<unsigned>>* out) {
   return guarded(kSum, [&] {
     parse_sum(attrs);
-    (*out)[0] = (*in)[0];
+    // A 0 dim is "not inferred yet" under MXNet's legacy shapes: passing it on would make MXNet
+    // allocate an output of 2^32-1 rows (and fail the next op); forward reports an empty tensor.
+    if (!shape_unknown((*in)[0])) (*out)[0] = (*in)[0];
     return MX_SUCCESS;
   });
+}
+
+// Run-time check of an input the kernels index with (inferShape leaves 0 dims unknown).
+void check_nonempty(const char* op, const char* name, const MXTensor& t) {
+  if (t.size() == 0) fail(op, ": ", kEmptyTensorRule, "; ", name, " shape ", shape_str(t.shape));
 }
 
 MXReturnValue f64_type(const char* op, const std::vector<int>& in, std::vector<int>* out,
@@ -114,6 +121,7 @@ void sum_call(const SumParams& p, const char* dir, const MXTensor& t_in, MXTenso
               const OpResource& res) {
   const Device dev = device_of(kSum, t_in, res);
   if (dev.gpu) fail(kSum, ": gpu contexts are not supported yet (cpu only)");
+  check_nonempty(kSum, "data", t_in);
   if (t_in.dtype != kFloat64 || t_out->dtype != kFloat64 || t_in.size() != t_out->size())
     fail(kSum, ": expected float64 tensors of one size");
   const std::string key = p.key + "/" + dir;
@@ -241,10 +249,23 @@ MXReturnValue whiten_mutate(const AttrMap&, std::vector<int>* idx) {
 const Kernel<DbnWhitenArgs> kWhitenKernel{dbn_whiten_cpu, nullptr, nullptr, nullptr};
 const Kernel<DbnWhitenBwdArgs> kWhitenBwdKernel{dbn_whiten_bwd_cpu, nullptr, nullptr, nullptr};
 
-Device whiten_device(const MXTensor& cov, const OpResource& res) {
+// The device of a call on the forward inputs `ins`, after the run-time checks of what the kernels
+// index with: inferShape leaves a 0 dim unknown (MXNet's legacy shapes), so a zero-size or
+// mismatched input can reach the kernels (a zero-size mean read past its end, a SIGSEGV).
+Device whiten_device(const MXTensor* ins, const OpResource& res) {
+  const MXTensor& cov = ins[kCov];
   const Device dev = device_of(kWhiten, cov, res);
   if (dev.gpu) fail(kWhiten, ": gpu contexts are not supported yet (cpu only)");
-  if (cov.shape.size() != 3) fail(kWhiten, ": cov must be (G, D, D)");
+  if (cov.shape.size() != 3 || cov.shape[1] != cov.shape[2])
+    fail(kWhiten, ": cov must have shape (G, D, D); got ", shape_str(cov.shape));
+  check_nonempty(kWhiten, "cov", cov);
+  const char* names[kWhitenNumIn] = {"cov", "mean", "running_mean", "running_projection"};
+  for (int i : {kMean, kRMean, kRProj}) {
+    const int64_t want = i == kRProj ? cov.size() : cov.shape[0] * cov.shape[1];
+    if (ins[i].size() != want)
+      fail(kWhiten, ": ", names[i], " must have ", want, " elements for cov shape ",
+           shape_str(cov.shape), "; got shape ", shape_str(ins[i].shape));
+  }
   return dev;
 }
 
@@ -253,7 +274,7 @@ MXReturnValue whiten_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
   return guarded(kWhiten, [&] {
     const WhitenParams p = parse_whiten(attrs);
     const MXTensor& cov = (*in)[kCov];
-    const Device dev = whiten_device(cov, res);
+    const Device dev = whiten_device(in->data(), res);
     DbnWhitenArgs a;
     a.stat_dtype = to_dtype((*in)[kRProj].dtype);
     a.cov = static_cast<const double*>(cov.data_ptr);
@@ -285,7 +306,7 @@ MXReturnValue whiten_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
            int(kWhitenNumIn), " outputs; got ", in->size(), " and ", out->size());
     const MXTensor* ins = in->data() + kWhitenNumOut;
     const MXTensor* outs = ins + kWhitenNumIn;
-    const Device dev = whiten_device(ins[kCov], res);
+    const Device dev = whiten_device(ins, res);
     check_grad_dtype(kWhiten, (*in)[kW], kFloat64, "W");
     DbnWhitenBwdArgs a;
     a.dW = static_cast<const double*>((*in)[kW].data_ptr);
