@@ -83,11 +83,15 @@ void check_nonempty(const char* op, const char* name, const MXTensor& t) {
   if (t.size() == 0) fail(op, ": ", kEmptyTensorRule, "; ", name, " shape ", shape_str(t.shape));
 }
 
-MXReturnValue f64_type(const char* op, const std::vector<int>& in, std::vector<int>* out,
-                       size_t num_in) {
-  for (size_t i = 0; i < num_in; ++i)
-    if (in[i] != kDtypeUnknown && in[i] != kFloat64)
-      fail(op, ": input ", i, " must be float64; got ", mx_dtype_name(in[i]));
+// The first num_in inputs are float64 (an unknown one becomes float64: a Module binding variables
+// without a dtype), as are all outputs.
+MXReturnValue f64_type(const char* op, std::vector<int>* in, std::vector<int>* out, size_t num_in) {
+  for (size_t i = 0; i < num_in; ++i) {
+    int& t = (*in)[i];
+    if (t != kDtypeUnknown && t != kFloat64)
+      fail(op, ": input ", i, " must be float64; got ", mx_dtype_name(t));
+    t = kFloat64;
+  }
   for (int& t : *out) t = kFloat64;
   return MX_SUCCESS;
 }
@@ -95,7 +99,7 @@ MXReturnValue f64_type(const char* op, const std::vector<int>& in, std::vector<i
 MXReturnValue sum_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
   return guarded(kSum, [&] {
     parse_sum(attrs);
-    return f64_type(kSum, *in, out, 1);
+    return f64_type(kSum, in, out, 1);
   });
 }
 
@@ -236,7 +240,7 @@ MXReturnValue whiten_type(const AttrMap& attrs, std::vector<int>* in, std::vecto
     if ((*in)[kRProj] == kDtypeUnknown) (*in)[kRProj] = (*in)[kRMean];
     if ((*in)[kRMean] != (*in)[kRProj])
       fail(kWhiten, ": running_mean and running_projection must have the same dtype");
-    return f64_type(kWhiten, *in, out, 2);
+    return f64_type(kWhiten, in, out, 2);
   });
 }
 
@@ -372,10 +376,12 @@ MXReturnValue apply_type(const AttrMap& attrs, std::vector<int>* in, std::vector
   return guarded(kApply, [&] {
     apply_groups(attrs);
     const int t = infer_affine_param_types(kApply, in);
-    for (int i : {kApMean, kApW})
+    for (int i : {kApMean, kApW}) {
       if ((*in)[i] != kDtypeUnknown && (*in)[i] != kFloat64)
         fail(kApply, ": ", i == kApMean ? "mean" : "W", " must be float64; got ",
              mx_dtype_name((*in)[i]));
+      (*in)[i] = kFloat64;  // unknown: the one dtype they take
+    }
     (*out)[0] = t;
     return MX_SUCCESS;
   });
