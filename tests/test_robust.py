@@ -11,6 +11,7 @@
 import itertools
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -18,7 +19,7 @@ import pytest
 import mxnet as mx
 import gn_mx
 
-from conftest import run_python
+from conftest import check_bad_inputs, run_python
 from gn_mx._library import OPS
 from reference import dbn_ref, group_norm_ref
 
@@ -343,6 +344,23 @@ def test_concurrent_errors_keep_their_message():
     r = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
     assert not r["crashed"] and r["nerr"] == 6 * 30, r
     assert r["nwrong"] == 0, r  # per-thread messages: no thread sees another's, nothing races
+
+
+def test_sync_sum_barrier_nobody_joins_times_out_each_time():
+    """gn_sync_sum(num_devices=2) with one caller: every call ends after its timeout with its own
+    message (the key, 1 of 2 arrived), and the key works again afterwards."""
+    key, x = _sync_key(), _f64(np.arange(3.0))
+    for _ in range(5):
+        t0 = time.monotonic()
+        with pytest.raises(mx.base.MXNetError) as e:
+            mx.nd.gn_sync_sum(x, key=key, num_devices=2, timeout=0.05).wait_to_read()
+        elapsed, msg = time.monotonic() - t0, str(e.value)
+        assert (f"gn_sync_sum: key '{key}/fwd': timed out after 0.05 s with 1 of 2 devices "
+                "arrived") in msg, msg
+        assert msg.count("Extension Traceback") == 1 and "[1]" not in msg, msg  # no stale text
+        assert 0.04 < elapsed < 5, elapsed
+    y = mx.nd.gn_sync_sum(x, key=key, num_devices=1, timeout=0.05)
+    np.testing.assert_array_equal(y.asnumpy(), x.asnumpy())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -773,3 +791,66 @@ def test_blocks_empty_batch_clear_error(cls, hybridize, shape):
         with mx.autograd.record():
             blk(x)
     assert "is empty" in str(e.value) and cls in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Zero-size and mismatched inputs: a clear MXNetError, never a crash or garbage. Under MXNet's
+#    legacy shapes a 0 dim reads as "not inferred yet", so shape inference lets such inputs through
+#    and the ops check what their kernels index with at run time. (Before the fix gn_dbn_whiten
+#    read past a zero-size mean (SIGSEGV), wrote past zero-size running statistics and returned a
+#    () array of garbage for a zero-size cov; gn_sync_sum made MXNet allocate 2^32 - 1 rows.)
+
+_EMPTY = "empty tensors are not supported (every dim must be > 0)"
+_BAD_PRELUDE = """
+import mxnet as mx, numpy as np, gn_mx
+A = lambda *s, dtype='float32': mx.nd.array(np.ones(s), dtype=dtype)
+F = lambda *s: mx.nd.array(np.ones(s), dtype='float64')
+"""
+_W = "mx.nd.gn_dbn_whiten({}, eps=1e-3)"
+_AP = "mx.nd.gn_dbn_apply({}, num_groups=2)"
+_BAD_INPUTS = {
+    "gn_group_norm/empty": ("mx.nd.gn_group_norm(A(0, 4, 2), A(4), A(4), num_groups=2)", _EMPTY),
+    "gn_moments/empty": ("mx.nd.gn_moments(A(2, 4, 0), num_groups=2)", _EMPTY),
+    "gn_channel_affine/empty": ("mx.nd.gn_channel_affine(A(0, 4), A(4), A(4))", _EMPTY),
+    "gn_dbn/empty": ("mx.nd.gn_dbn(A(0, 4, 2), A(4), A(2, 2, 2), num_groups=2)", _EMPTY),
+    "gn_dbn_inference/empty": ("mx.nd.gn_dbn_inference(A(0, 4), A(4), A(2, 2, 2), num_groups=2)",
+                               _EMPTY),
+    "gn_weight_standardize/empty": ("mx.nd.gn_weight_standardize(A(0, 4, 2), A(0))", _EMPTY),
+    "gn_sync_sum/empty": ("mx.nd.gn_sync_sum(F(0, 3), key='bad/1')", _EMPTY + "; data shape (0, 3)"),
+    # fails before its barrier: no wait for the second device
+    "gn_sync_sum/empty_two_devices": ("mx.nd.gn_sync_sum(F(3, 0), key='bad/2', num_devices=2, "
+                                      "timeout=20)", _EMPTY),
+    "gn_sync_sum/dtype": ("mx.nd.gn_sync_sum(A(3), key='bad/3')", "input 0 must be float64; got "
+                          "float32"),
+    "gn_dbn_whiten/empty_cov": (_W.format("F(0, 2, 2), F(0), F(0), F(0, 2, 2)"),
+                                _EMPTY + "; cov shape (0, 2, 2)"),
+    "gn_dbn_whiten/empty_group": (_W.format("F(2, 0, 0), F(0), F(0), F(2, 0, 0)"), _EMPTY),
+    "gn_dbn_whiten/empty_mean": (_W.format("F(1, 2, 2), F(0), F(2), F(1, 2, 2)"),
+                                 "mean must have 2 elements for cov shape (1, 2, 2); got shape (0,)"),
+    "gn_dbn_whiten/empty_running_mean": (_W.format("F(1, 2, 2), F(2), F(0), F(0, 2, 2)"),
+                                         "running_mean must have 2 elements"),
+    "gn_dbn_whiten/empty_running_projection": (_W.format("F(1, 2, 2), F(2), F(2), F(1, 0, 2)"),
+                                               "running_projection must have 4 elements"),
+    "gn_dbn_whiten/cov_rank": (_W.format("F(2, 2), F(2), F(2), F(2, 2)"),
+                               "cov must have shape (G, D, D)"),
+    "gn_dbn_whiten/cov_dtype": (_W.format("A(1, 2, 2), F(2), F(2), F(1, 2, 2)"),
+                                "input 0 must be float64; got float32"),
+    "gn_dbn_whiten/stats_dtype": (_W.format("F(1, 2, 2), F(2), A(2, dtype='int32'), "
+                                            "A(1, 2, 2, dtype='int32')"),
+                                  "running statistics must be a float type; got int32"),
+    "gn_dbn_apply/empty": (_AP.format("A(0, 4, 2), A(4), A(4), F(4), F(2, 2, 2)"), _EMPTY),
+    "gn_dbn_apply/empty_spatial": (_AP.format("A(2, 4, 0), A(4), A(4), F(4), F(2, 2, 2)"), _EMPTY),
+    "gn_dbn_apply/empty_mean": (_AP.format("A(1, 4, 2), A(4), A(4), F(0), F(2, 2, 2)"),
+                                "mean / W do not match data shape (1, 4, 2)"),
+    "gn_dbn_apply/empty_W": (_AP.format("A(1, 4, 2), A(4), A(4), F(4), F(2, 0, 2)"),
+                             "mean / W do not match data shape (1, 4, 2)"),
+    "gn_dbn_apply/W_shape": (_AP.format("A(1, 4, 2), A(4), A(4), F(4), F(1, 4, 4)"),
+                             "W must have shape (2, 2, 2) for data shape (1, 4, 2); got (1, 4, 4)"),
+    "gn_dbn_apply/mean_dtype": (_AP.format("A(1, 4, 2), A(4), A(4), A(4), F(2, 2, 2)"),
+                                "mean must be float64; got float32"),
+}
+
+
+def test_zero_size_and_mismatched_inputs_every_op():
+    check_bad_inputs(_BAD_PRELUDE, _BAD_INPUTS,
+                     "mx.nd.gn_sync_sum(F(2), key='alive').asnumpy().tolist()", "[1.0, 1.0]")
