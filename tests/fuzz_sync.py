@@ -286,12 +286,12 @@ def draw_attrs(draw, st, op, G, int_strs, eps_strs, mom_strs, parse_int):
     if op == "gn_dbn_apply":
         a["num_groups"] = str(G) if draw(st.integers(0, 5)) else draw(int_strs)
     elif op == "gn_dbn_whiten":
-        a["eps"] = draw(st.sampled_from(["1e-3", "1e-5", "0.1"]) if draw(st.integers(0, 2))
+        a["eps"] = draw(st.sampled_from(["1e-3", "1e-5", "0.1"]) if draw(st.integers(0, 3)) < 3
                         else eps_strs)
         for name, values in (("momentum", mom_strs), ("whitening", st.sampled_from(
                 ["zca", "iternorm", "iternorm", "iternorm", "ZCA", "pca", ""])), ("iterations",
                 st.sampled_from(["1", "3", "5", "5", "10", "0", "11", " 4", "2.0"]))):
-            if draw(st.integers(0, 2)) == 0:
+            if draw(st.integers(0, 2)) == 2:
                 a[name] = draw(values)
     else:
         if draw(st.integers(0, 19)):

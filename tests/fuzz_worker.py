@@ -8,8 +8,10 @@ parameter / statistics dtype (float16 data with float32 params), eps / num_group
 attribute STRINGS (valid and invalid spellings), a mode (imperative, hybridized, symbolic) and
 forward or forward+backward. `expect_error` (a Python mirror of the ops' documented rules) says
 whether the op must raise MXNetError; otherwise outputs and gradients are compared with the float64
-references of tests/reference.py. Before each call the case is printed as `START <json>` so that
-the parent can name the input of a crash.
+references of tests/reference.py. The synchronized-DBN ops (gn_sync_sum, gn_dbn_whiten,
+gn_dbn_apply) have their rules, inputs (planted bad ones included) and checks in tests/fuzz_sync.py;
+their errors must also name one of the broken rules. Before each call the case is printed as
+`START <json>` so that the parent can name the input of a crash.
 """
 import json
 import math
