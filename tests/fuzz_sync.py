@@ -28,7 +28,8 @@ EMPTY = "empty tensors are not supported"
 CORRUPT = {
     "gn_sync_sum": {"empty": EMPTY},
     "gn_dbn_whiten": {"empty": EMPTY, "cov_nonsquare": "cov must have shape (G, D, D)",
-                      "mean_len": "input 1 must have shape", "rproj_shape": "input 3 must have shape",
+                      "mean_len": "input 1 must have shape",
+                      "rproj_shape": "input 3 must have shape",
                       "mean_dtype": "input 1 must be float64",
                       "stats_mixed": "must have the same dtype",
                       "stats_int": "running statistics must be a float type"},
@@ -100,7 +101,7 @@ def violations(c, parse_int, parse_num):
     return bad
 
 
-# ---- inputs ------------------------------------------------------------------------------------------
+# ---- inputs --------------------------------------------------------------------------------------
 def _columns(c, rng):
     """The case's data as float64 (G, D, m) columns: N * prod(spatial) samples of G groups."""
     shape, G = c["shape"], c["G"]
@@ -164,7 +165,7 @@ def unique_attrs(c):
     return a
 
 
-# ---- checks ------------------------------------------------------------------------------------------
+# ---- checks --------------------------------------------------------------------------------------
 def _whiten_attrs(c):
     a = c["attrs"]
     return (float(a.get("eps", 1e-5)), float(a.get("momentum", 0.9)), a.get("whitening", "zca"),
@@ -201,7 +202,8 @@ def _whiten_tols(cond, whitening, T):
 
 
 def _check_whiten(c, inputs, outs, heads, grads, after, close):
-    """W against the reference; the running statistics' update; d cov against central differences."""
+    """W against the reference, the running statistics' update, d cov against central
+    differences."""
     eps, mom, whitening, T = _whiten_attrs(c)
     cov = inputs[0].astype(np.float64)
     lam = np.linalg.eigvalsh(cov + eps * np.eye(cov.shape[-1]))

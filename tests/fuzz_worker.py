@@ -389,7 +389,8 @@ def strategy():
         mode = draw(st.sampled_from(["imperative", "imperative", "hybridized", "symbolic"]))
         extra = {"corrupt": fuzz_sync.draw_corrupt(draw, st, op, mode)} if sync else {}
         return {
-            **extra, "op": op, "shape": shape, "G": G, "dtype": dtype, "pdtype": pdtype, "attrs": attrs,
+            **extra, "op": op, "shape": shape, "G": G, "dtype": dtype, "pdtype": pdtype,
+            "attrs": attrs,
             "mode": mode,
             "backward": draw(st.booleans()),
             "scale": draw(st.sampled_from([1.0, 1.0, 3.0, 0.01])),

@@ -816,7 +816,8 @@ _BAD_INPUTS = {
     "gn_dbn_inference/empty": ("mx.nd.gn_dbn_inference(A(0, 4), A(4), A(2, 2, 2), num_groups=2)",
                                _EMPTY),
     "gn_weight_standardize/empty": ("mx.nd.gn_weight_standardize(A(0, 4, 2), A(0))", _EMPTY),
-    "gn_sync_sum/empty": ("mx.nd.gn_sync_sum(F(0, 3), key='bad/1')", _EMPTY + "; data shape (0, 3)"),
+    "gn_sync_sum/empty": ("mx.nd.gn_sync_sum(F(0, 3), key='bad/1')",
+                          _EMPTY + "; data shape (0, 3)"),
     # fails before its barrier: no wait for the second device
     "gn_sync_sum/empty_two_devices": ("mx.nd.gn_sync_sum(F(3, 0), key='bad/2', num_devices=2, "
                                       "timeout=20)", _EMPTY),
@@ -826,7 +827,8 @@ _BAD_INPUTS = {
                                 _EMPTY + "; cov shape (0, 2, 2)"),
     "gn_dbn_whiten/empty_group": (_W.format("F(2, 0, 0), F(0), F(0), F(2, 0, 0)"), _EMPTY),
     "gn_dbn_whiten/empty_mean": (_W.format("F(1, 2, 2), F(0), F(2), F(1, 2, 2)"),
-                                 "mean must have 2 elements for cov shape (1, 2, 2); got shape (0,)"),
+                                 "mean must have 2 elements for cov shape (1, 2, 2); got shape "
+                                 "(0,)"),
     "gn_dbn_whiten/empty_running_mean": (_W.format("F(1, 2, 2), F(2), F(0), F(0, 2, 2)"),
                                          "running_mean must have 2 elements"),
     "gn_dbn_whiten/empty_running_projection": (_W.format("F(1, 2, 2), F(2), F(2), F(1, 0, 2)"),

@@ -48,9 +48,10 @@ gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x 
 gn_channel_affine    per-channel Mul / Add on an (N, C, -1) view.
 gn_dbn               not exported: it is the training op (``HybridBlock.export`` always writes the
                      inference graph with ``gn_dbn_inference``); a clear error says so.
-gn_sync_sum,         not exported, as gn_dbn: synchronized DBN's training step (a barrier across
-gn_dbn_whiten,       devices, batch statistics); ``SyncDecorrelatedBatchNorm.export`` writes
-gn_dbn_apply         ``gn_dbn_inference``. A clear error says so.
+gn_sync_sum          not exported, as gn_dbn (nor ``gn_dbn_whiten``, ``gn_dbn_apply``): synchronized
+                     DBN's training ops (a barrier across devices, batch statistics);
+                     ``SyncDecorrelatedBatchNorm.export`` writes ``gn_dbn_inference``. A clear
+                     error says so.
 ==================== ============================================================================
 
 ``gn_weight_standardize`` (the ``WSConv*D`` weight): Reshape (O, -1) -> ReduceMean -> Sub ->
