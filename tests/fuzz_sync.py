@@ -56,6 +56,7 @@ def _attr(attrs, name, parse, default, ok, text):
 
 
 def _fin(lo, hi=math.inf, lo_open=False):
+    """The range check of a number attribute: finite, above lo (or at it), at most hi."""
     return lambda v: math.isfinite(v) and (v > lo if lo_open else v >= lo) and v <= hi
 
 
@@ -133,6 +134,7 @@ def inputs(c, rng):
 
 
 def _whiten_inputs(c, rng):
+    """cov of the case's columns (+ mean, running statistics), with its `corrupt` input planted."""
     bad = c.get("corrupt")
     X = _columns(c, rng)
     G, D, m = X.shape
@@ -167,6 +169,7 @@ def unique_attrs(c):
 
 # ---- checks --------------------------------------------------------------------------------------
 def _whiten_attrs(c):
+    """(eps, momentum, whitening, iterations) of a valid gn_dbn_whiten case."""
     a = c["attrs"]
     return (float(a.get("eps", 1e-5)), float(a.get("momentum", 0.9)), a.get("whitening", "zca"),
             int(a.get("iterations", 5)))
@@ -262,7 +265,6 @@ def check(c, inputs, outs, heads, grads, after, close, units):
                                    (10 * u, 10 * up, 10 * up, 1e-12 * m, 1e-12 * m)):
             errs.append(close(name, g, r, tol))
     return errs
-
 
 
 # ---- case strategy -------------------------------------------------------------------------------
