@@ -169,7 +169,8 @@ for nsp in range(4):
     r['json'] = reloaded(s, data=shp)
     r['module'] = list(np.array(module_out(s, 'data', shp, np.ones(shp, np.float32))).shape)
     res[f'gn_dbn_apply/{nsp}'] = r
-    s = mx.sym.gn_sync_sum(V('data', dtype='float64'), key='robust/%d' % nsp, num_devices=1)
+    s = mx.sym.gn_sync_sum(V('data', dtype='float64'), key='robust/%d' % nsp, num_devices=1,
+                          timeout=5)
     x = np.arange(np.prod(shp), dtype=np.float64).reshape(shp)
     res[f'gn_sync_sum/{nsp}'] = dict(shapes(s, data=shp), json=reloaded(s, data=shp),
                                      module_equal=module_out(s, 'data', shp, x) == x.tolist())
@@ -217,7 +218,8 @@ res = []
 for op, kw, n in [('gn_group_norm', dict(num_groups=2), 3), ('gn_channel_affine', {}, 3),
                   ('gn_dbn', dict(num_groups=2), 3), ('gn_dbn_inference', dict(num_groups=2), 3),
                   ('gn_dbn_apply', dict(num_groups=2), 5), ('gn_dbn_whiten', {}, 4),
-                  ('gn_moments', dict(num_groups=2), 1), ('gn_sync_sum', dict(key='k'), 1)]:
+                  ('gn_moments', dict(num_groups=2), 1),
+                  ('gn_sync_sum', dict(key='k', timeout=5), 1)]:
     ins = [V('data')] + [V('p%d' % i) for i in range(1, n)]
     s = getattr(mx.sym, op)(*ins, **kw)
     for _ in range(20):
@@ -721,7 +723,7 @@ def test_attribute_parser_rejects(key, val, text):
 ])
 def test_attribute_parser_same_rules_every_op(op, args, key):
     fn = getattr(mx.nd, op)
-    extra = _sync_extra(op)
+    extra = _sync_extra(op, key)
     with pytest.raises(mx.base.MXNetError) as e:
         r = fn(*args, *_sync_stats(op), **extra, **{key: "0x1"})
         (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
@@ -731,9 +733,12 @@ def test_attribute_parser_same_rules_every_op(op, args, key):
     (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
 
 
-def _sync_extra(op):
-    """The attributes a call needs besides the one tested: gn_sync_sum's key (one caller)."""
-    return {"key": _sync_key()} if op == "gn_sync_sum" else {}
+def _sync_extra(op, key):
+    """The attributes a call needs besides the one tested: gn_sync_sum's key (one caller; a short
+    timeout, though one caller never waits)."""
+    if op != "gn_sync_sum":
+        return {}
+    return {"key": _sync_key(), **({} if key == "timeout" else {"timeout": "5"})}
 
 
 def _sync_stats(op):
@@ -742,14 +747,17 @@ def _sync_stats(op):
 
 
 @pytest.mark.parametrize("op, attrs, text", [
-    ("gn_sync_sum", {}, "attribute key is required"),
-    ("gn_sync_sum", {"key": ""}, "attribute key is required"),
-    ("gn_sync_sum", {"key": "k", "num_devices": "0"}, "num_devices must be in [1, 4096]; got 0"),
-    ("gn_sync_sum", {"key": "k", "num_devices": "4097"}, "num_devices must be in [1, 4096]"),
+    ("gn_sync_sum", {"timeout": "5"}, "attribute key is required"),
+    ("gn_sync_sum", {"key": "", "timeout": "5"}, "attribute key is required"),
+    ("gn_sync_sum", {"key": "k", "num_devices": "0", "timeout": "5"},
+     "num_devices must be in [1, 4096]; got 0"),
+    ("gn_sync_sum", {"key": "k", "num_devices": "4097", "timeout": "5"},
+     "num_devices must be in [1, 4096]"),
     ("gn_sync_sum", {"key": "k", "timeout": "0"}, "timeout must be a finite number of seconds > 0"),
     ("gn_sync_sum", {"key": "k", "timeout": "inf"}, "timeout must be a finite number"),
     ("gn_sync_sum", {"key": "k", "timeout": "nan"}, "timeout must be a finite number"),
-    ("gn_sync_sum", {"key": "k", "num_device": "1"}, "unknown attribute 'num_device'"),
+    ("gn_sync_sum", {"key": "k", "num_device": "1", "timeout": "5"},
+     "unknown attribute 'num_device'"),
     ("gn_dbn_whiten", {"whitening": "ZCA"}, "whitening must be 'zca' or 'iternorm'; got 'ZCA'"),
     ("gn_dbn_whiten", {"iterations": "11"}, "iterations must be in [1, 10]; got 11"),
     ("gn_dbn_whiten", {"iterations": "0"}, "iterations must be in [1, 10]"),
@@ -816,13 +824,13 @@ _BAD_INPUTS = {
     "gn_dbn_inference/empty": ("mx.nd.gn_dbn_inference(A(0, 4), A(4), A(2, 2, 2), num_groups=2)",
                                _EMPTY),
     "gn_weight_standardize/empty": ("mx.nd.gn_weight_standardize(A(0, 4, 2), A(0))", _EMPTY),
-    "gn_sync_sum/empty": ("mx.nd.gn_sync_sum(F(0, 3), key='bad/1')",
+    "gn_sync_sum/empty": ("mx.nd.gn_sync_sum(F(0, 3), key='bad/1', timeout=5)",
                           _EMPTY + "; data shape (0, 3)"),
     # fails before its barrier: no wait for the second device
     "gn_sync_sum/empty_two_devices": ("mx.nd.gn_sync_sum(F(3, 0), key='bad/2', num_devices=2, "
-                                      "timeout=20)", _EMPTY),
-    "gn_sync_sum/dtype": ("mx.nd.gn_sync_sum(A(3), key='bad/3')", "input 0 must be float64; got "
-                          "float32"),
+                                      "timeout=5)", _EMPTY),
+    "gn_sync_sum/dtype": ("mx.nd.gn_sync_sum(A(3), key='bad/3', timeout=5)",
+                          "input 0 must be float64; got float32"),
     "gn_dbn_whiten/empty_cov": (_W.format("F(0, 2, 2), F(0), F(0), F(0, 2, 2)"),
                                 _EMPTY + "; cov shape (0, 2, 2)"),
     "gn_dbn_whiten/empty_group": (_W.format("F(2, 0, 0), F(0), F(0), F(2, 0, 0)"), _EMPTY),
@@ -855,4 +863,5 @@ _BAD_INPUTS = {
 
 def test_zero_size_and_mismatched_inputs_every_op():
     check_bad_inputs(_BAD_PRELUDE, _BAD_INPUTS,
-                     "mx.nd.gn_sync_sum(F(2), key='alive').asnumpy().tolist()", "[1.0, 1.0]")
+                     "mx.nd.gn_sync_sum(F(2), key='alive', timeout=5).asnumpy().tolist()",
+                     "[1.0, 1.0]")
