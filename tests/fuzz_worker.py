@@ -8,8 +8,10 @@ parameter / statistics dtype (float16 data with float32 params), eps / num_group
 attribute STRINGS (valid and invalid spellings), a mode (imperative, hybridized, symbolic) and
 forward or forward+backward. `expect_error` (a Python mirror of the ops' documented rules) says
 whether the op must raise MXNetError; otherwise outputs and gradients are compared with the float64
-references of tests/reference.py. Before each call the case is printed as `START <json>` so that
-the parent can name the input of a crash.
+references of tests/reference.py. The synchronized-DBN ops (gn_sync_sum, gn_dbn_whiten,
+gn_dbn_apply) have their rules, inputs (planted bad ones included) and checks in tests/fuzz_sync.py;
+their errors must also name one of the broken rules. Before each call the case is printed as
+`START <json>` so that the parent can name the input of a crash.
 """
 import json
 import math
@@ -23,6 +25,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import mxnet as mx  # noqa: E402
 import gn_mx  # noqa: E402,F401
+import fuzz_sync  # noqa: E402  (the synchronized-DBN ops' rules, inputs and checks)
 from gn_mx._library import OPS  # noqa: E402  (the one op list: every op is fuzzed)
 from mxnet import autograd, gluon  # noqa: E402
 
@@ -32,7 +35,7 @@ from reference import (dbn_bwd_ref, dbn_inference_ref, dbn_ref, group_norm_bwd_r
 FLT_MIN, DBL_MIN = 1.1754943508222875e-38, 2.2250738585072014e-308
 ATTRS = {"gn_moments": ["num_groups"], "gn_group_norm": ["num_groups", "eps"],
          "gn_channel_affine": [], "gn_dbn": ["num_groups", "eps", "momentum"],
-         "gn_dbn_inference": ["num_groups"], "gn_weight_standardize": ["eps"]}
+         "gn_dbn_inference": ["num_groups"], "gn_weight_standardize": ["eps"], **fuzz_sync.ATTRS}
 assert set(ATTRS) == set(OPS), "fuzz_worker.py: ATTRS, _inputs and check need every op of OPS"
 # ops with an eps attribute checked as gn_group_norm's (finite, >= 0, 0 or a normal of the
 # accumulation dtype)
@@ -70,8 +73,11 @@ def parse_num(s):
 
 
 def expect_error(c):
-    """None if the call is valid, else a short reason."""
+    """None if the call is valid, else a short reason (for the synchronized-DBN ops: the message
+    fragments of every broken rule, joined by ' | ', one of which the error must contain)."""
     op, dt, pdt = c["op"], c["dtype"], c["pdtype"]
+    if op in fuzz_sync.SYNC_OPS:
+        return " | ".join(fuzz_sync.violations(c, parse_int, parse_num)) or None
     try:
         G = parse_int(c["attrs"]["num_groups"]) if "num_groups" in c["attrs"] else 1
         eps = parse_num(c["attrs"]["eps"]) if "eps" in c["attrs"] else 1e-5
@@ -117,6 +123,8 @@ class _OpBlock(gluon.HybridBlock):
 
 def _inputs(c, rng):
     op, shape, dt = c["op"], tuple(c["shape"]), c["dtype"]
+    if op in fuzz_sync.SYNC_OPS:
+        return fuzz_sync.inputs(c, rng)
     pdt = c["pdtype"] or dt
     C = shape[1]
     x = (rng.standard_normal(shape) * c["scale"] + c["shift"]).astype(dt)
@@ -135,12 +143,14 @@ def _inputs(c, rng):
 
 
 def _run(c, inputs, rng):
-    """Outputs (numpy) and, with backward, gradients of the forward inputs."""
-    op, mode, attrs = c["op"], c["mode"], c["attrs"]
-    n_out = {"gn_moments": 2, "gn_group_norm": 3, "gn_dbn": 4, "gn_weight_standardize": 3}.get(op, 1)
+    """Outputs (numpy), head gradients, with backward the gradients of the forward inputs, and the
+    inputs after the call (the running statistics an op updates in place)."""
+    op, mode, attrs = c["op"], c["mode"], fuzz_sync.unique_attrs(c)
+    n_out = {"gn_moments": 2, "gn_group_norm": 3, "gn_dbn": 4, "gn_weight_standardize": 3,
+             "gn_dbn_whiten": 3}.get(op, 1)
     heads_for = [0, 1] if op == "gn_moments" else [0]
     if mode == "symbolic":
-        names = ["data", "p1", "p2"][:len(inputs)]
+        names = ["data", "p1", "p2", "p3", "p4"][:len(inputs)]
         syms = [mx.sym.var(n) for n in names]
         s = getattr(mx.sym, op)(*syms, **attrs)
         outs_sym = mx.sym.Group([s[i] for i in heads_for]) if n_out > 1 else s
@@ -160,10 +170,12 @@ def _run(c, inputs, rng):
             exe.backward([mx.nd.array(h, dtype=h.dtype) for h in heads])
             grads = [exe.grad_dict[n].asnumpy() if n in exe.grad_dict and grad_req.get(n) == "write"
                      else None for n in names]
-        return outs, heads if c["backward"] else None, grads
+        after = [(exe.aux_dict if n in aux_names else exe.arg_dict)[n].asnumpy() for n in names]
+        return outs, heads if c["backward"] else None, grads, after
     arrs = [mx.nd.array(a, dtype=a.dtype) for a in inputs]
     for a in arrs:
-        a.attach_grad()
+        if a.size:  # MXNet's own zeros_like fails on a zero-size array (legacy shapes)
+            a.attach_grad()
     fn = (lambda *xs: getattr(mx.nd, op)(*xs, **attrs)) if mode == "imperative" else \
         _OpBlock(op, attrs)
     if mode == "hybridized":
@@ -172,13 +184,15 @@ def _run(c, inputs, rng):
         res = fn(*arrs)
         res = list(res) if isinstance(res, (list, tuple)) else [res]
         sel = [res[i] for i in heads_for]
+    for o in sel:  # a failed forward raises here, with its own message, not at the backward
+        o.wait_to_read()
     heads = None
     if c["backward"]:
         heads = [rng.standard_normal(o.shape).astype(o.dtype) for o in sel]
         autograd.backward(sel, head_grads=[mx.nd.array(h, dtype=h.dtype) for h in heads])
     outs = [o.asnumpy() for o in sel]
-    grads = [a.grad.asnumpy() for a in arrs] if c["backward"] else None
-    return outs, heads, grads
+    grads = [None if a.grad is None else a.grad.asnumpy() for a in arrs] if c["backward"] else None
+    return outs, heads, grads, [a.asnumpy() for a in arrs]
 
 
 _U = {"float16": 1e-3, "float32": 1e-6, "float64": 1e-13}
@@ -230,9 +244,15 @@ def _check_ws(w, gain, eps, outs, heads, grads, u, ua):
     return errs
 
 
-def check(c, inputs, outs, heads, grads):
+def check(c, inputs, outs, heads, grads, after=None):
     """Compare with the float64 references; returns a mismatch text, UNCHECKED or None."""
     op, dt = c["op"], c["dtype"]
+    if op in fuzz_sync.SYNC_OPS:
+        errs = fuzz_sync.check(c, inputs, outs, heads, grads, after, _close, _U)
+        if errs == UNCHECKED:
+            return UNCHECKED
+        errs = [e for e in errs if e]
+        return "; ".join(errs) if errs else None
     attrs = c["attrs"]
     G = parse_int(attrs["num_groups"]) if "num_groups" in attrs else 1
     eps = parse_num(attrs["eps"]) if "eps" in attrs else 1e-5
@@ -296,20 +316,22 @@ def run_case(c):
     inputs = _inputs(c, rng)
     why = expect_error(c)
     try:
-        outs, heads, grads = _run(c, inputs, rng)
+        outs, heads, grads, after = _run(c, inputs, rng)
     except (mx.base.MXNetError, ValueError, RuntimeError) as e:
         msg = str(e)
         if why is None:
             return "mismatch: unexpected error: " + msg[-400:]
         if ".h[" in msg or ".cc[" in msg or "/src/operator" in msg:
             return "mismatch: error text has a build path: " + msg[-300:]
+        if c["op"] in fuzz_sync.SYNC_OPS and not any(f in msg for f in why.split(" | ")):
+            return f"mismatch: the error names none of ({why}): " + msg[-400:]
         return "error"
     if why is not None:
         return f"mismatch: no error raised (expected: {why})"
     if os.environ.get("GNMX_FUZZ_SELFTEST"):  # proves the checker can fail: perturb results
         outs = [o * 1.1 + 0.1 for o in outs]
         grads = [g * 1.1 + 0.1 if g is not None else None for g in grads or []] or None
-    bad = check(c, inputs, outs, heads, grads)
+    bad = check(c, inputs, outs, heads, grads, after)
     if bad == UNCHECKED:
         return UNCHECKED
     return "mismatch: " + bad if bad else "ok"
@@ -342,15 +364,20 @@ def strategy():
         if dbn and draw(st.booleans()):
             N = max(N, 2 * D + 2)  # well-conditioned batches too
         shape = [N, G * D] + sp
-        dtype = draw(st.sampled_from(["float16", "float32", "float64"]))
-        pdtype = None
-        if op != "gn_moments":
-            pdtype = draw(st.sampled_from([dtype, dtype, "float32", "float64", "float16"]))
-        attrs = {}
-        if "num_groups" in ATTRS[op]:
+        sync = op in fuzz_sync.SYNC_OPS
+        if sync:
+            dtype, pdtype = fuzz_sync.draw_dtypes(draw, st, op)
+            attrs = fuzz_sync.draw_attrs(draw, st, op, G, int_strs, eps_strs, mom_strs, parse_int)
+        else:
+            dtype = draw(st.sampled_from(["float16", "float32", "float64"]))
+            pdtype = None
+            if op != "gn_moments":
+                pdtype = draw(st.sampled_from([dtype, dtype, "float32", "float64", "float16"]))
+            attrs = {}
+        if "num_groups" in ATTRS[op] and not sync:
             # mostly the right G, sometimes an arbitrary spelling
             attrs["num_groups"] = str(G) if draw(st.integers(0, 5)) else draw(int_strs)
-        if "eps" in ATTRS[op] and draw(st.integers(0, 2)) == 0:
+        if "eps" in ATTRS[op] and not sync and draw(st.integers(0, 2)) == 0:
             attrs["eps"] = draw(eps_strs)
         if op == "gn_dbn" and "eps" not in attrs:
             attrs["eps"] = draw(st.sampled_from(["1e-3", "0.01", "0.1"]))
@@ -359,9 +386,12 @@ def strategy():
         if draw(st.integers(0, 19)) == 0:
             attrs["num_group"] = "2"  # a typo: unknown attribute
         m = N * int(np.prod(sp)) if sp else N
+        mode = draw(st.sampled_from(["imperative", "imperative", "hybridized", "symbolic"]))
+        extra = {"corrupt": fuzz_sync.draw_corrupt(draw, st, op, mode)} if sync else {}
         return {
-            "op": op, "shape": shape, "G": G, "dtype": dtype, "pdtype": pdtype, "attrs": attrs,
-            "mode": draw(st.sampled_from(["imperative", "imperative", "hybridized", "symbolic"])),
+            **extra, "op": op, "shape": shape, "G": G, "dtype": dtype, "pdtype": pdtype,
+            "attrs": attrs,
+            "mode": mode,
             "backward": draw(st.booleans()),
             "scale": draw(st.sampled_from([1.0, 1.0, 3.0, 0.01])),
             "shift": draw(st.sampled_from([0.0, 0.0, 2.0])),

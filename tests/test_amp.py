@@ -38,6 +38,13 @@ def test_ops_are_in_amp_lists():
     assert fp16.FP16_FUNCS.count("gn_group_norm") == 1
 
 
+def test_every_op_is_in_one_amp_list():
+    """Each op of the library (gn_mx._library.OPS) has exactly one AMP class."""
+    from gn_mx._library import OPS
+    classes = gn_mx.amp.LP16_OPS + gn_mx.amp.FP32_OPS + gn_mx.amp.EITHER_OPS
+    assert sorted(classes) == sorted(OPS)
+
+
 def test_dbn_ops_registered_when_loaded():
     dbn_ops = tuple(op for op in ("gn_dbn", "gn_dbn_inference") if hasattr(mx.nd, op))
     assert gn_mx.amp.registered_ops()[1] == dbn_ops + ("gn_weight_standardize",)

@@ -57,6 +57,18 @@ def test_contract_table_parsed():
                                      "affine": "False", "whitening": "zca", "iterations": "5"}
 
 
+def test_every_op_is_in_the_contract_table():
+    """Every op of the library (gn_mx._library.OPS) has a row of the table, its own or shared (the
+    synchronized-DBN ops' row links their section)."""
+    from gn_mx._library import OPS
+    text = _read("docs/reference/ops.md")
+    table = text[text.index("## The ops at a glance"):]
+    table = table[:table.index("\n## ", 3)]
+    named = {op for line in table.splitlines() if line.startswith("| [")
+             for op in re.findall(r"`(\w+)`", line.split("|")[1])}
+    assert set(OPS) <= named, set(OPS) - named
+
+
 def _inputs(op):
     """Inputs for one call of op with its default attributes (fresh aux states each call)."""
     rs = np.random.RandomState(0)

@@ -232,6 +232,32 @@ def test_training_graph_is_refused_clearly(tmp_path):
                              onnx_file_path=str(tmp_path / "train.onnx"))
 
 
+@pytest.mark.parametrize("op", ["gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply"])
+def test_sync_training_graph_is_refused_clearly(op, tmp_path):
+    """Synchronized DBN's training ops have no ONNX form (the exported SyncDecorrelatedBatchNorm
+    graph holds gn_dbn_inference): the exporter names the op and the inference graph."""
+    x = mx.sym.var("data")
+    V = lambda n: mx.sym.var(n, dtype="float64")  # noqa: E731
+    sym = {"gn_sync_sum": lambda: mx.sym.gn_sync_sum(x, key="k", name="s"),
+           "gn_dbn_whiten": lambda: mx.sym.gn_dbn_whiten(x, V("m"), V("rm"), V("rp"), name="s")[0],
+           "gn_dbn_apply": lambda: mx.sym.gn_dbn_apply(x, V("g"), V("b"), V("m"), V("w"),
+                                                       num_groups=2, name="s")}[op]()
+    shape = (2, 2, 2) if op == "gn_dbn_whiten" else (8, 4)
+    F = lambda *s: mx.nd.ones(s, dtype="float64")  # noqa: E731
+    params = {"m": F(4), "rm": F(4), "rp": F(2, 2, 2), "g": F(4), "b": F(4), "w": F(2, 2, 2)}
+    params = {k: v for k, v in params.items() if k in sym.list_inputs()}
+    with pytest.raises(NotImplementedError, match=f"s is {op}.*inference graph"):
+        gn_onnx.export_model(sym, params, in_shapes=[shape], in_types=[np.float64],
+                             onnx_file_path=str(tmp_path / "train.onnx"))
+
+
+def test_every_op_has_a_converter():
+    from gn_mx._library import OPS
+    assert set(gn_onnx.CONVERTED_OPS) == set(OPS)
+    supported = mx.onnx.get_operator_support()
+    assert all(op in supported for op in OPS), [op for op in OPS if op not in supported]
+
+
 def test_converters_are_registered_on_import():
     supported = mx.onnx.get_operator_support()
     for op in ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine",

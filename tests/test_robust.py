@@ -4,10 +4,14 @@
 - no leak and no stale text after caught errors (subprocess, RSS);
 - NaN/Inf in one group / channel stays there, every op, forward and backward;
 - extreme finite inputs in DBN's eigensolver; eps checked against the accumulation dtype;
-- the strict attribute parser; empty batches in the blocks.
+- the strict attribute parser; empty batches in the blocks;
+- zero-size and mismatched inputs of every op (the synchronized-DBN ops read past a zero-size
+  mean / wrote past zero-size running statistics before the fix); a barrier nobody joins.
 """
+import itertools
 import json
 import os
+import time
 
 import numpy as np
 import pytest
@@ -15,25 +19,36 @@ import pytest
 import mxnet as mx
 import gn_mx
 
-from conftest import run_python
+from conftest import check_bad_inputs, run_python
 from gn_mx._library import OPS
 from reference import dbn_ref, group_norm_ref
 
 # The ops each section covers; every op of the one list (gn_mx._library.OPS) is in each.
+_SYNC = {"gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply"}
 _COVERED = {
     "symbolic inference": {"gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference",
-                           "gn_moments", "gn_weight_standardize"},
+                           "gn_moments", "gn_weight_standardize"} | _SYNC,
     "attribute parser": {"gn_group_norm", "gn_moments", "gn_dbn", "gn_dbn_inference",
-                         "gn_weight_standardize", "gn_channel_affine"},  # the last: no attributes
+                         "gn_weight_standardize", "gn_channel_affine"} | _SYNC,
     "non-finite inputs": {"gn_channel_affine", "gn_dbn", "gn_dbn_inference",
                           "gn_weight_standardize",
-                          "gn_group_norm", "gn_moments"},  # the last two: tests/edge_cases.py
+                          "gn_group_norm", "gn_moments"} | _SYNC,  # GN, moments: edge_cases.py
+    "zero-size and mismatched inputs": None,  # the ops of its cases (_BAD_INPUTS, section 7)
 }
+_sync_keys = itertools.count()
+
+
+def _sync_key():
+    """A gn_sync_sum key of its own (barriers are process-wide)."""
+    return f"test_robust/{os.getpid()}/{next(_sync_keys)}"
 
 
 @pytest.mark.parametrize("section", sorted(_COVERED))
 def test_every_op_is_covered(section):
-    assert _COVERED[section] == set(OPS), f"{section}: add {set(OPS) - _COVERED[section]}"
+    ops = _COVERED[section]
+    if ops is None:
+        ops = {case.split("/")[0] for case in _BAD_INPUTS}
+    assert ops == set(OPS), f"{section}: add {set(OPS) - ops}"
 
 # ---------------------------------------------------------------------------------------------
 # 1. Symbolic shape inference with parameters of unknown shape
@@ -124,6 +139,71 @@ def test_symbolic_inference_with_shapeless_parameters_every_op_and_rank():
                                                          if k in ("p_gamma", "p_beta")], key
 
 
+_SYMBOLIC_SYNC = r"""
+import json, mxnet as mx, numpy as np, gn_mx
+V = mx.sym.var
+def shapes(s, **given):
+    args, outs, aux = s.infer_shape(**given)
+    names = s.list_arguments() + s.list_auxiliary_states()
+    return {'shapes': dict(zip(names, [list(a) for a in args + aux])),
+            'partial': dict(zip(names, [list(a) for a in sum(s.infer_shape_partial(**given)[::2],
+                                                             [])])),
+            'outs': [list(o) for o in outs]}
+def reloaded(s, **given):  # JSON saved without placeholders (a gn_mx without them): loads, infers
+    g = json.loads(s.tojson())
+    for n in g['nodes']:
+        n.get('attrs', {}).pop('__shape__', None)
+    return [list(a) for a in mx.sym.load_json(json.dumps(g)).infer_shape(**given)[0]]
+def module_out(s, name, shp, value):
+    m = mx.mod.Module(s, data_names=[name], label_names=None)
+    m.bind(data_shapes=[(name, shp)], for_training=False)
+    m.init_params()
+    m.forward(mx.io.DataBatch([mx.nd.array(value, dtype=value.dtype)]), is_train=False)
+    return m.get_outputs()[0].asnumpy().tolist()
+res = {}
+for nsp in range(4):
+    shp = (4, 6) + (3,) * nsp
+    s = mx.sym.gn_dbn_apply(V('data'), V('gamma'), V('beta'), V('mean', init=mx.init.Zero()),
+                            V('W', init=mx.init.One()), num_groups=2)
+    r = shapes(s, data=shp)
+    r['json'] = reloaded(s, data=shp)
+    r['module'] = list(np.array(module_out(s, 'data', shp, np.ones(shp, np.float32))).shape)
+    res[f'gn_dbn_apply/{nsp}'] = r
+    s = mx.sym.gn_sync_sum(V('data', dtype='float64'), key='robust/%d' % nsp, num_devices=1,
+                          timeout=5)
+    x = np.arange(np.prod(shp), dtype=np.float64).reshape(shp)
+    res[f'gn_sync_sum/{nsp}'] = dict(shapes(s, data=shp), json=reloaded(s, data=shp),
+                                     module_equal=module_out(s, 'data', shp, x) == x.tolist())
+s = mx.sym.gn_dbn_whiten(V('cov'), V('mean'), V('running_mean'), V('running_projection'))
+r = shapes(s, cov=(2, 3, 3))
+r['json'] = reloaded(s, cov=(2, 3, 3))
+res['gn_dbn_whiten'] = r
+print('RESULT ' + json.dumps(res))
+"""
+
+
+def test_symbolic_inference_sync_ops_with_shapeless_inputs():
+    """gn_dbn_apply's parameters and gn_dbn_whiten's mean / running statistics as variables without
+    a shape: placeholders (_symbolic.PARAM_RANKS) let the op fill them in (without: SIGSEGV in
+    MXNet's shape glue for whiten, bad_alloc for apply); gn_sync_sum passes its shape on."""
+    p = run_python(_SYMBOLIC_SYNC, timeout=240)
+    assert p.returncode == 0, (p.stdout[-2000:], p.stderr[-4000:])
+    res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
+    for nsp in range(4):
+        shp = [4, 6] + [3] * nsp
+        r = res[f"gn_dbn_apply/{nsp}"]
+        want = {"data": shp, "gamma": [6], "beta": [6], "mean": [6], "W": [2, 3, 3]}
+        assert r["shapes"] == r["partial"] == want, (nsp, r)
+        assert r["outs"] == [shp] and r["module"] == shp and r["json"] == list(want.values()), r
+        r = res[f"gn_sync_sum/{nsp}"]
+        assert r["shapes"] == r["partial"] == {"data": shp} and r["outs"] == [shp], r
+        assert r["json"] == [shp] and r["module_equal"], r
+    r = res["gn_dbn_whiten"]
+    want = {"cov": [2, 3, 3], "mean": [6], "running_mean": [6], "running_projection": [2, 3, 3]}
+    assert r["shapes"] == r["partial"] == want, r
+    assert r["outs"] == [[2, 3, 3], [2, 3, 3], [2, 3]] and r["json"] == [[2, 3, 3], [6]], r
+
+
 UNDER_ASAN = "libasan" in os.environ.get("LD_PRELOAD", "")
 
 
@@ -135,10 +215,12 @@ def test_symbolic_partial_inference_without_data_shape():
 import json, mxnet as mx, gn_mx
 V = mx.sym.var
 res = []
-for op, kw in [('gn_group_norm', dict(num_groups=2)), ('gn_channel_affine', {}),
-               ('gn_dbn', dict(num_groups=2)), ('gn_dbn_inference', dict(num_groups=2)),
-               ('gn_moments', dict(num_groups=2))]:
-    ins = [V('data')] + ([] if op == 'gn_moments' else [V('a'), V('b')])
+for op, kw, n in [('gn_group_norm', dict(num_groups=2), 3), ('gn_channel_affine', {}, 3),
+                  ('gn_dbn', dict(num_groups=2), 3), ('gn_dbn_inference', dict(num_groups=2), 3),
+                  ('gn_dbn_apply', dict(num_groups=2), 5), ('gn_dbn_whiten', {}, 4),
+                  ('gn_moments', dict(num_groups=2), 1),
+                  ('gn_sync_sum', dict(key='k', timeout=5), 1)]:
+    ins = [V('data')] + [V('p%d' % i) for i in range(1, n)]
     s = getattr(mx.sym, op)(*ins, **kw)
     for _ in range(20):
         try:
@@ -151,11 +233,12 @@ print('RESULT ' + json.dumps(res))
 """, timeout=120)
     assert p.returncode == 0, p.stderr[-3000:]
     res = json.loads([ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:])
-    # with placeholders the ops with parameters complete; gn_moments (data only) gets MXNet's
-    # clean error for an all-unknown input list
+    # with placeholders the ops with parameters complete; gn_moments and gn_sync_sum (data only)
+    # get MXNet's clean error for an all-unknown input list
     assert res == [op for op in ["gn_group_norm", "gn_channel_affine", "gn_dbn",
-                                 "gn_dbn_inference"] for _ in range(20)] + \
-        ["gn_moments raised: bad_alloc"] * 20, res
+                                 "gn_dbn_inference", "gn_dbn_apply", "gn_dbn_whiten"]
+                   for _ in range(20)] + \
+        [f"{op} raised: bad_alloc" for op in ("gn_moments", "gn_sync_sum") for _ in range(20)], res
 
 
 @pytest.mark.xfail(strict=True, reason="known: with data of unknown rank MXNet 1.9.1 sizes its "
@@ -265,6 +348,23 @@ def test_concurrent_errors_keep_their_message():
     assert r["nwrong"] == 0, r  # per-thread messages: no thread sees another's, nothing races
 
 
+def test_sync_sum_barrier_nobody_joins_times_out_each_time():
+    """gn_sync_sum(num_devices=2) with one caller: every call ends after its timeout with its own
+    message (the key, 1 of 2 arrived), and the key works again afterwards."""
+    key, x = _sync_key(), _f64(np.arange(3.0))
+    for _ in range(5):
+        t0 = time.monotonic()
+        with pytest.raises(mx.base.MXNetError) as e:
+            mx.nd.gn_sync_sum(x, key=key, num_devices=2, timeout=0.05).wait_to_read()
+        elapsed, msg = time.monotonic() - t0, str(e.value)
+        assert (f"gn_sync_sum: key '{key}/fwd': timed out after 0.05 s with 1 of 2 devices "
+                "arrived") in msg, msg
+        assert msg.count("Extension Traceback") == 1 and "[1]" not in msg, msg  # no stale text
+        assert 0.04 < elapsed < 5, elapsed
+    y = mx.nd.gn_sync_sum(x, key=key, num_devices=1, timeout=0.05)
+    np.testing.assert_array_equal(y.asnumpy(), x.asnumpy())
+
+
 # ---------------------------------------------------------------------------------------------
 # 3. NaN / Inf stay in their group or channel, forward and backward (gn_group_norm and gn_moments:
 #    tests/edge_cases.py, nonfinite_stays_in_its_group, on both devices)
@@ -366,6 +466,73 @@ def test_nonfinite_stays_in_its_group_dbn(ctx, bad, dtype):
         yb = mx.nd.gn_dbn_inference(mx.nd.array(np.nan_to_num(x, nan=0, posinf=0, neginf=0)),
                                     mx.nd.array(rm), mx.nd.array(Pb), num_groups=G).asnumpy()
         assert np.isfinite(yb[:, 2:]).all()
+
+
+@pytest.mark.parametrize("bad", BAD)
+def test_nonfinite_stays_in_its_element_sync_sum(bad):
+    """One caller: out is data and ddata is dout, a non-finite element included, in place."""
+    x = np.arange(6.0).reshape(2, 3)
+    x[1, 2] = bad
+    dy = np.arange(6.0).reshape(2, 3) + 1
+    dy[0, 1] = bad
+    (y,), (dx,) = _fwd_bwd(lambda a: mx.nd.gn_sync_sum(a, key=_sync_key(), timeout=5), [x],
+                           head=lambda o: mx.nd.array(dy, dtype="float64"))
+    np.testing.assert_array_equal(y, x)
+    np.testing.assert_array_equal(dx, dy)
+
+
+@pytest.mark.parametrize("whitening", ["zca", "iternorm"])
+@pytest.mark.parametrize("bad", BAD)
+def test_nonfinite_stays_in_its_group_dbn_whiten(bad, whitening):
+    """A non-finite covariance entry of group 1 (of 3): group 1's W is non-finite, the other groups'
+    W, running projection and d cov are right (the documented NaN-for-that-group rule)."""
+    from gn_mx.selftest import _whiten_ref
+    A = np.random.RandomState(1).randn(3, 2, 6)
+    cov = np.einsum("gik,gjk->gij", A, A) / 6
+    mean = np.arange(6.0)
+    bad_cov = cov.copy()
+    bad_cov[1, 0, 1] = bad_cov[1, 1, 0] = bad
+    rm, rp = _f64(np.zeros(6)), _f64(np.zeros((3, 2, 2)))
+    (W, _, _), (dcov, _) = _fwd_bwd(
+        lambda c, m: mx.nd.gn_dbn_whiten(c, m, rm, rp, eps=1e-3, momentum=0.5,
+                                         whitening=whitening), [bad_cov, mean])
+    ok = [0, 2]
+    ref = _whiten_ref(cov[ok], 1e-3, whitening, 5)
+    np.testing.assert_allclose(W[ok], ref, rtol=1e-10, atol=1e-12)
+    assert not np.isfinite(W[1]).any()
+    np.testing.assert_allclose(rp.asnumpy()[ok], 0.5 * ref, rtol=1e-10, atol=1e-12)
+    np.testing.assert_array_equal(rm.asnumpy(), 0.5 * mean)  # the mean input is finite
+    assert np.isfinite(dcov[ok]).all()
+
+
+@pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nonfinite_stays_in_its_column_dbn_apply(bad, dtype):
+    """A non-finite x[n, c, s] reaches out[n, group(c), s] only; dx = W^T (gamma dy) never sees
+    x; dW only in the column of c, dgamma only in c's group. A non-finite W of group 0 reaches
+    group 0's channels only."""
+    rng = np.random.RandomState(2)
+    N, G, D, S = 2, 3, 2, 3
+    x = rng.randn(N, G * D, S).astype(dtype)
+    x[1, 3, 1] = bad  # group 1, its channel 1
+    args = [x, (rng.rand(6) + 0.5).astype(dtype), rng.randn(6).astype(dtype), rng.randn(6),
+            rng.randn(G, D, D)]
+    (y,), (dx, dgamma, dbeta, dmean, dW) = _fwd_bwd(
+        lambda *a: mx.nd.gn_dbn_apply(*a, num_groups=G), args)
+    pos = np.zeros(y.shape, bool)
+    pos[1, 2:4, 1] = True
+    assert not np.isfinite(y[pos]).any() and np.isfinite(y[~pos]).all()
+    assert np.isfinite(dx).all() and np.isfinite(dbeta).all() and np.isfinite(dmean).all()
+    assert not np.isfinite(dW[1][:, 1]).any()
+    dW_ok = dW.copy()
+    dW_ok[1][:, 1] = 0
+    assert np.isfinite(dW_ok).all()
+    assert np.isfinite(dgamma[[0, 1, 4, 5]]).all() and not np.isfinite(dgamma[2:4]).any()
+    ok = [a.copy() for a in args]
+    ok[0] = np.nan_to_num(x, nan=0.0, posinf=0.0, neginf=0.0)
+    ok[4][0, 1, 0] = bad
+    y2 = mx.nd.gn_dbn_apply(*[mx.nd.array(a, dtype=a.dtype) for a in ok], num_groups=G).asnumpy()
+    assert np.isfinite(y2[:, [0, 2, 3, 4, 5]]).all() and not np.isfinite(y2[:, 1]).any()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -497,6 +664,10 @@ def test_dbn_tiny_eps_m1_float32_finite_and_fp16_stats_bound(ctx):
 X6 = mx.nd.array(np.random.randn(2, 6, 4))
 G6, B6 = mx.nd.ones((6,)), mx.nd.zeros((6,))
 
+
+def _f64(a):
+    return mx.nd.array(a, dtype="float64")
+
 GOOD_ATTRS = [
     ("num_groups", "2"), ("num_groups", "+2"), ("num_groups", " 2"), ("num_groups", "2 "),
     ("num_groups", "\t3\n"), ("eps", "1e-5"), ("eps", " 1e-05 "), ("eps", "0.001"), ("eps", ".5"),
@@ -543,16 +714,72 @@ def test_attribute_parser_rejects(key, val, text):
     ("gn_dbn", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "eps"),
     ("gn_dbn_inference", (X6, mx.nd.zeros((6,)), mx.nd.zeros((1, 6, 6))), "num_groups"),
     ("gn_weight_standardize", (X6, mx.nd.ones((X6.shape[0],))), "eps"),
+    ("gn_sync_sum", (_f64(np.ones(3)),), "num_devices"),
+    ("gn_sync_sum", (_f64(np.ones(3)),), "timeout"),
+    ("gn_dbn_whiten", (_f64(np.eye(3)[None]), _f64(np.zeros(3))), "eps"),
+    ("gn_dbn_whiten", (_f64(np.eye(3)[None]), _f64(np.zeros(3))), "momentum"),
+    ("gn_dbn_whiten", (_f64(np.eye(3)[None]), _f64(np.zeros(3))), "iterations"),
+    ("gn_dbn_apply", (X6, G6, B6, _f64(np.zeros(6)), _f64(np.ones((1, 6, 6)))), "num_groups"),
 ])
 def test_attribute_parser_same_rules_every_op(op, args, key):
     fn = getattr(mx.nd, op)
+    extra = _sync_extra(op, key)
     with pytest.raises(mx.base.MXNetError) as e:
-        r = fn(*args, **{key: "0x1"})
+        r = fn(*args, *_sync_stats(op), **extra, **{key: "0x1"})
         (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
     assert "must be a" in str(e.value)
-    good = " 1 " if key == "num_groups" else " 0.5 "
-    r = fn(*args, **{key: good})
+    good = " 1 " if key in ("num_groups", "num_devices", "iterations") else " 0.5 "
+    r = fn(*args, *_sync_stats(op), **extra, **{key: good})
     (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
+
+
+def _sync_extra(op, key):
+    """The attributes a call needs besides the one tested: gn_sync_sum's key (one caller; a short
+    timeout, though one caller never waits)."""
+    if op != "gn_sync_sum":
+        return {}
+    return {"key": _sync_key(), **({} if key == "timeout" else {"timeout": "5"})}
+
+
+def _sync_stats(op):
+    """gn_dbn_whiten's running statistics, fresh for each call (updated in place)."""
+    return (_f64(np.zeros(3)), _f64(np.zeros((1, 3, 3)))) if op == "gn_dbn_whiten" else ()
+
+
+@pytest.mark.parametrize("op, attrs, text", [
+    ("gn_sync_sum", {"timeout": "5"}, "attribute key is required"),
+    ("gn_sync_sum", {"key": "", "timeout": "5"}, "attribute key is required"),
+    ("gn_sync_sum", {"key": "k", "num_devices": "0", "timeout": "5"},
+     "num_devices must be in [1, 4096]; got 0"),
+    ("gn_sync_sum", {"key": "k", "num_devices": "4097", "timeout": "5"},
+     "num_devices must be in [1, 4096]"),
+    ("gn_sync_sum", {"key": "k", "timeout": "0"}, "timeout must be a finite number of seconds > 0"),
+    ("gn_sync_sum", {"key": "k", "timeout": "inf"}, "timeout must be a finite number"),
+    ("gn_sync_sum", {"key": "k", "timeout": "nan"}, "timeout must be a finite number"),
+    ("gn_sync_sum", {"key": "k", "num_device": "1", "timeout": "5"},
+     "unknown attribute 'num_device'"),
+    ("gn_dbn_whiten", {"whitening": "ZCA"}, "whitening must be 'zca' or 'iternorm'; got 'ZCA'"),
+    ("gn_dbn_whiten", {"iterations": "11"}, "iterations must be in [1, 10]; got 11"),
+    ("gn_dbn_whiten", {"iterations": "0"}, "iterations must be in [1, 10]"),
+    ("gn_dbn_whiten", {"eps": "0"}, "eps must be a finite number > 0"),
+    ("gn_dbn_whiten", {"eps": "-1e-3"}, "eps must be a finite number > 0"),
+    ("gn_dbn_whiten", {"momentum": "1.5"}, "momentum must be in [0, 1]"),
+    ("gn_dbn_whiten", {"momentum": "nan"}, "momentum must be in [0, 1]"),
+    ("gn_dbn_whiten", {"num_groups": "1"}, "unknown attribute 'num_groups'"),
+    ("gn_dbn_apply", {"num_groups": "0"}, "num_groups must be positive"),
+    ("gn_dbn_apply", {"num_groups": "4"}, "must be divisible by num_groups (4)"),
+    ("gn_dbn_apply", {"num_groups": "1", "eps": "1e-5"}, "unknown attribute 'eps'"),
+])
+def test_attribute_parser_sync_op_rules(op, attrs, text):
+    """The synchronized-DBN ops' own attribute rules: each broken one is named (no call waits:
+    every gn_sync_sum case fails before its barrier)."""
+    args = {"gn_sync_sum": (_f64(np.ones(3)),),
+            "gn_dbn_whiten": (_f64(np.eye(3)[None]), _f64(np.zeros(3))) + _sync_stats(op),
+            "gn_dbn_apply": (X6, G6, B6, _f64(np.zeros(6)), _f64(np.ones((1, 6, 6))))}[op]
+    with pytest.raises(mx.base.MXNetError) as e:
+        r = getattr(mx.nd, op)(*args, **attrs)
+        (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
+    assert text in str(e.value), str(e.value)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -572,3 +799,69 @@ def test_blocks_empty_batch_clear_error(cls, hybridize, shape):
         with mx.autograd.record():
             blk(x)
     assert "is empty" in str(e.value) and cls in str(e.value)
+
+
+# ---------------------------------------------------------------------------------------------
+# 7. Zero-size and mismatched inputs: a clear MXNetError, never a crash or garbage. Under MXNet's
+#    legacy shapes a 0 dim reads as "not inferred yet", so shape inference lets such inputs through
+#    and the ops check what their kernels index with at run time. (Before the fix gn_dbn_whiten
+#    read past a zero-size mean (SIGSEGV), wrote past zero-size running statistics and returned a
+#    () array of garbage for a zero-size cov; gn_sync_sum made MXNet allocate 2^32 - 1 rows.)
+
+_EMPTY = "empty tensors are not supported (every dim must be > 0)"
+_BAD_PRELUDE = """
+import mxnet as mx, numpy as np, gn_mx
+A = lambda *s, dtype='float32': mx.nd.array(np.ones(s), dtype=dtype)
+F = lambda *s: mx.nd.array(np.ones(s), dtype='float64')
+"""
+_W = "mx.nd.gn_dbn_whiten({}, eps=1e-3)"
+_AP = "mx.nd.gn_dbn_apply({}, num_groups=2)"
+_BAD_INPUTS = {
+    "gn_group_norm/empty": ("mx.nd.gn_group_norm(A(0, 4, 2), A(4), A(4), num_groups=2)", _EMPTY),
+    "gn_moments/empty": ("mx.nd.gn_moments(A(2, 4, 0), num_groups=2)", _EMPTY),
+    "gn_channel_affine/empty": ("mx.nd.gn_channel_affine(A(0, 4), A(4), A(4))", _EMPTY),
+    "gn_dbn/empty": ("mx.nd.gn_dbn(A(0, 4, 2), A(4), A(2, 2, 2), num_groups=2)", _EMPTY),
+    "gn_dbn_inference/empty": ("mx.nd.gn_dbn_inference(A(0, 4), A(4), A(2, 2, 2), num_groups=2)",
+                               _EMPTY),
+    "gn_weight_standardize/empty": ("mx.nd.gn_weight_standardize(A(0, 4, 2), A(0))", _EMPTY),
+    "gn_sync_sum/empty": ("mx.nd.gn_sync_sum(F(0, 3), key='bad/1', timeout=5)",
+                          _EMPTY + "; data shape (0, 3)"),
+    # fails before its barrier: no wait for the second device
+    "gn_sync_sum/empty_two_devices": ("mx.nd.gn_sync_sum(F(3, 0), key='bad/2', num_devices=2, "
+                                      "timeout=5)", _EMPTY),
+    "gn_sync_sum/dtype": ("mx.nd.gn_sync_sum(A(3), key='bad/3', timeout=5)",
+                          "input 0 must be float64; got float32"),
+    "gn_dbn_whiten/empty_cov": (_W.format("F(0, 2, 2), F(0), F(0), F(0, 2, 2)"),
+                                _EMPTY + "; cov shape (0, 2, 2)"),
+    "gn_dbn_whiten/empty_group": (_W.format("F(2, 0, 0), F(0), F(0), F(2, 0, 0)"), _EMPTY),
+    "gn_dbn_whiten/empty_mean": (_W.format("F(1, 2, 2), F(0), F(2), F(1, 2, 2)"),
+                                 "mean must have 2 elements for cov shape (1, 2, 2); got shape "
+                                 "(0,)"),
+    "gn_dbn_whiten/empty_running_mean": (_W.format("F(1, 2, 2), F(2), F(0), F(0, 2, 2)"),
+                                         "running_mean must have 2 elements"),
+    "gn_dbn_whiten/empty_running_projection": (_W.format("F(1, 2, 2), F(2), F(2), F(1, 0, 2)"),
+                                               "running_projection must have 4 elements"),
+    "gn_dbn_whiten/cov_rank": (_W.format("F(2, 2), F(2), F(2), F(2, 2)"),
+                               "cov must have shape (G, D, D)"),
+    "gn_dbn_whiten/cov_dtype": (_W.format("A(1, 2, 2), F(2), F(2), F(1, 2, 2)"),
+                                "input 0 must be float64; got float32"),
+    "gn_dbn_whiten/stats_dtype": (_W.format("F(1, 2, 2), F(2), A(2, dtype='int32'), "
+                                            "A(1, 2, 2, dtype='int32')"),
+                                  "running statistics must be a float type; got int32"),
+    "gn_dbn_apply/empty": (_AP.format("A(0, 4, 2), A(4), A(4), F(4), F(2, 2, 2)"), _EMPTY),
+    "gn_dbn_apply/empty_spatial": (_AP.format("A(2, 4, 0), A(4), A(4), F(4), F(2, 2, 2)"), _EMPTY),
+    "gn_dbn_apply/empty_mean": (_AP.format("A(1, 4, 2), A(4), A(4), F(0), F(2, 2, 2)"),
+                                "mean / W do not match data shape (1, 4, 2)"),
+    "gn_dbn_apply/empty_W": (_AP.format("A(1, 4, 2), A(4), A(4), F(4), F(2, 0, 2)"),
+                             "mean / W do not match data shape (1, 4, 2)"),
+    "gn_dbn_apply/W_shape": (_AP.format("A(1, 4, 2), A(4), A(4), F(4), F(1, 4, 4)"),
+                             "W must have shape (2, 2, 2) for data shape (1, 4, 2); got (1, 4, 4)"),
+    "gn_dbn_apply/mean_dtype": (_AP.format("A(1, 4, 2), A(4), A(4), A(4), F(2, 2, 2)"),
+                                "mean must be float64; got float32"),
+}
+
+
+def test_zero_size_and_mismatched_inputs_every_op():
+    check_bad_inputs(_BAD_PRELUDE, _BAD_INPUTS,
+                     "mx.nd.gn_sync_sum(F(2), key='alive', timeout=5).asnumpy().tolist()",
+                     "[1.0, 1.0]")

@@ -152,12 +152,10 @@ def _import_mxnet():
 
 #: The ops libgn_mx.so registers (docs/reference/ops.md); all of them present = the library is loaded.
 #: The one list: the fuzz and robustness suites (tests/fuzz_worker.py, tests/test_robust.py) and the
-#: self-test read it, so an op added here is fuzzed and checked there too.
+#: self-test read it, so an op added here is fuzzed and checked there too. The last three are the
+#: synchronized-DBN ops (python/gn_mx/sync.py; CPU only).
 OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine",
-       "gn_weight_standardize")
-#: The synchronized-DBN ops (CPU only): tested by tests/test_dbn_sync.py, not yet in the fuzz,
-#: robustness and self-test suites that read OPS (the open part of issue 42).
-SYNC_OPS = ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
+       "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
 
 
 def ops_registered(mx=None):
@@ -167,7 +165,7 @@ def ops_registered(mx=None):
     (MXNet regenerates ``mx.nd`` / ``mx.sym`` from its op registry after each load).
     """
     mx = mx or _import_mxnet()
-    return all(hasattr(mx.nd, n) and hasattr(mx.sym, n) for n in OPS + SYNC_OPS)
+    return all(hasattr(mx.nd, n) and hasattr(mx.sym, n) for n in OPS)
 
 
 def load():

@@ -32,6 +32,8 @@ PARAM_RANKS = {
     "gn_dbn": (None, 1, 3),
     "gn_dbn_inference": (None, 1, 3),
     "gn_weight_standardize": (None, 1),  # the weight is the "data"; gain (O,) from it
+    "gn_dbn_apply": (None, 1, 1, 1, 3),  # gamma, beta, mean (C,); W (G, D, D)
+    "gn_dbn_whiten": (None, 1, 1, 3),  # cov (G, D, D) is the "data"; mean, running stats from it
 }
 _SHAPE_KEY = "__shape__"
 

@@ -48,6 +48,10 @@ gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x 
 gn_channel_affine    per-channel Mul / Add on an (N, C, -1) view.
 gn_dbn               not exported: it is the training op (``HybridBlock.export`` always writes the
                      inference graph with ``gn_dbn_inference``); a clear error says so.
+gn_sync_sum          not exported, as gn_dbn (nor ``gn_dbn_whiten``, ``gn_dbn_apply``): synchronized
+                     DBN's training ops (a barrier across devices, batch statistics);
+                     ``SyncDecorrelatedBatchNorm.export`` writes ``gn_dbn_inference``. A clear
+                     error says so.
 ==================== ============================================================================
 
 ``gn_weight_standardize`` (the ``WSConv*D`` weight): Reshape (O, -1) -> ReduceMean -> Sub ->
@@ -211,8 +215,9 @@ def _wrap_graph_proto():
 
 _wrap_graph_proto()
 
+#: Every op of the library (``_library.OPS``) has a converter; the training ops' refuse clearly.
 CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn",
-                 "gn_weight_standardize")
+                 "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
 ACT_TYPES = ("none", "relu", "silu")
 
 
@@ -488,3 +493,16 @@ def convert_dbn_training(node, **kwargs):
         "statistics, in-place running-statistics update); ONNX export needs the inference graph "
         "(gn_dbn_inference). HybridBlock.export() always writes that graph: export the symbol "
         "and params it saves.")
+
+
+def _refuse_sync(node, **kwargs):
+    """The synchronized-DBN ops are not exported: NotImplementedError naming the inference graph."""
+    raise NotImplementedError(
+        f"gn_mx.onnx: {node['name']} is {node['op']}, a step of SyncDecorrelatedBatchNorm's "
+        "training (statistics across devices); ONNX export needs the inference graph "
+        "(gn_dbn_inference). SyncDecorrelatedBatchNorm.export() always writes that graph: export "
+        "the symbol and params it saves.")
+
+
+for _op in ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply"):
+    _register(_op)(_refuse_sync)

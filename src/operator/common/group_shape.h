@@ -61,11 +61,15 @@ inline const char* num_groups_error(int64_t G) {
   return buf;
 }
 
+// The rule every op states for a tensor with a 0 dim (the GroupNorm-family data and the
+// synchronized-DBN ops' inputs).
+constexpr char kEmptyTensorRule[] = "empty tensors are not supported (every dim must be > 0)";
+
 // nullptr for valid dims, else the one wording of the broken rule, with the values involved
 // (thread-local storage, valid until the next call on this thread).
 inline const char* check_group_dims(const GroupDims& d) {
   if (d.N <= 0 || d.C <= 0 || d.S <= 0)
-    return "empty tensors are not supported (every dim must be > 0)";
+    return kEmptyTensorRule;
   if (const char* e = num_groups_error(d.G)) return e;
   thread_local char buf[128];
   if (d.C % d.G != 0) {

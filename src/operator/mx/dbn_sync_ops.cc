@@ -71,16 +71,27 @@ MXReturnValue sum_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>
                         std::vector<std::vector<unsigned>>* out) {
   return guarded(kSum, [&] {
     parse_sum(attrs);
-    (*out)[0] = (*in)[0];
+    // A 0 dim is "not inferred yet" under MXNet's legacy shapes: passing it on would make MXNet
+    // allocate an output of 2^32-1 rows (and fail the next op); forward reports an empty tensor.
+    if (!shape_unknown((*in)[0])) (*out)[0] = (*in)[0];
     return MX_SUCCESS;
   });
 }
 
-MXReturnValue f64_type(const char* op, const std::vector<int>& in, std::vector<int>* out,
-                       size_t num_in) {
-  for (size_t i = 0; i < num_in; ++i)
-    if (in[i] != kDtypeUnknown && in[i] != kFloat64)
-      fail(op, ": input ", i, " must be float64; got ", mx_dtype_name(in[i]));
+// Run-time check of an input the kernels index with (inferShape leaves 0 dims unknown).
+void check_nonempty(const char* op, const char* name, const MXTensor& t) {
+  if (t.size() == 0) fail(op, ": ", kEmptyTensorRule, "; ", name, " shape ", shape_str(t.shape));
+}
+
+// The first num_in inputs are float64 (an unknown one becomes float64: a Module binding variables
+// without a dtype), as are all outputs.
+MXReturnValue f64_type(const char* op, std::vector<int>* in, std::vector<int>* out, size_t num_in) {
+  for (size_t i = 0; i < num_in; ++i) {
+    int& t = (*in)[i];
+    if (t != kDtypeUnknown && t != kFloat64)
+      fail(op, ": input ", i, " must be float64; got ", mx_dtype_name(t));
+    t = kFloat64;
+  }
   for (int& t : *out) t = kFloat64;
   return MX_SUCCESS;
 }
@@ -88,7 +99,7 @@ MXReturnValue f64_type(const char* op, const std::vector<int>& in, std::vector<i
 MXReturnValue sum_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
   return guarded(kSum, [&] {
     parse_sum(attrs);
-    return f64_type(kSum, *in, out, 1);
+    return f64_type(kSum, in, out, 1);
   });
 }
 
@@ -114,6 +125,7 @@ void sum_call(const SumParams& p, const char* dir, const MXTensor& t_in, MXTenso
               const OpResource& res) {
   const Device dev = device_of(kSum, t_in, res);
   if (dev.gpu) fail(kSum, ": gpu contexts are not supported yet (cpu only)");
+  check_nonempty(kSum, "data", t_in);
   if (t_in.dtype != kFloat64 || t_out->dtype != kFloat64 || t_in.size() != t_out->size())
     fail(kSum, ": expected float64 tensors of one size");
   const std::string key = p.key + "/" + dir;
@@ -228,7 +240,7 @@ MXReturnValue whiten_type(const AttrMap& attrs, std::vector<int>* in, std::vecto
     if ((*in)[kRProj] == kDtypeUnknown) (*in)[kRProj] = (*in)[kRMean];
     if ((*in)[kRMean] != (*in)[kRProj])
       fail(kWhiten, ": running_mean and running_projection must have the same dtype");
-    return f64_type(kWhiten, *in, out, 2);
+    return f64_type(kWhiten, in, out, 2);
   });
 }
 
@@ -241,10 +253,23 @@ MXReturnValue whiten_mutate(const AttrMap&, std::vector<int>* idx) {
 const Kernel<DbnWhitenArgs> kWhitenKernel{dbn_whiten_cpu, nullptr, nullptr, nullptr};
 const Kernel<DbnWhitenBwdArgs> kWhitenBwdKernel{dbn_whiten_bwd_cpu, nullptr, nullptr, nullptr};
 
-Device whiten_device(const MXTensor& cov, const OpResource& res) {
+// The device of a call on the forward inputs `ins`, after the run-time checks of what the kernels
+// index with: inferShape leaves a 0 dim unknown (MXNet's legacy shapes), so a zero-size or
+// mismatched input can reach the kernels (a zero-size mean read past its end, a SIGSEGV).
+Device whiten_device(const MXTensor* ins, const OpResource& res) {
+  const MXTensor& cov = ins[kCov];
   const Device dev = device_of(kWhiten, cov, res);
   if (dev.gpu) fail(kWhiten, ": gpu contexts are not supported yet (cpu only)");
-  if (cov.shape.size() != 3) fail(kWhiten, ": cov must be (G, D, D)");
+  if (cov.shape.size() != 3 || cov.shape[1] != cov.shape[2])
+    fail(kWhiten, ": cov must have shape (G, D, D); got ", shape_str(cov.shape));
+  check_nonempty(kWhiten, "cov", cov);
+  const char* names[kWhitenNumIn] = {"cov", "mean", "running_mean", "running_projection"};
+  for (int i : {kMean, kRMean, kRProj}) {
+    const int64_t want = i == kRProj ? cov.size() : cov.shape[0] * cov.shape[1];
+    if (ins[i].size() != want)
+      fail(kWhiten, ": ", names[i], " must have ", want, " elements for cov shape ",
+           shape_str(cov.shape), "; got shape ", shape_str(ins[i].shape));
+  }
   return dev;
 }
 
@@ -253,7 +278,7 @@ MXReturnValue whiten_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
   return guarded(kWhiten, [&] {
     const WhitenParams p = parse_whiten(attrs);
     const MXTensor& cov = (*in)[kCov];
-    const Device dev = whiten_device(cov, res);
+    const Device dev = whiten_device(in->data(), res);
     DbnWhitenArgs a;
     a.stat_dtype = to_dtype((*in)[kRProj].dtype);
     a.cov = static_cast<const double*>(cov.data_ptr);
@@ -285,7 +310,7 @@ MXReturnValue whiten_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
            int(kWhitenNumIn), " outputs; got ", in->size(), " and ", out->size());
     const MXTensor* ins = in->data() + kWhitenNumOut;
     const MXTensor* outs = ins + kWhitenNumIn;
-    const Device dev = whiten_device(ins[kCov], res);
+    const Device dev = whiten_device(ins, res);
     check_grad_dtype(kWhiten, (*in)[kW], kFloat64, "W");
     DbnWhitenBwdArgs a;
     a.dW = static_cast<const double*>((*in)[kW].data_ptr);
@@ -351,10 +376,12 @@ MXReturnValue apply_type(const AttrMap& attrs, std::vector<int>* in, std::vector
   return guarded(kApply, [&] {
     apply_groups(attrs);
     const int t = infer_affine_param_types(kApply, in);
-    for (int i : {kApMean, kApW})
+    for (int i : {kApMean, kApW}) {
       if ((*in)[i] != kDtypeUnknown && (*in)[i] != kFloat64)
         fail(kApply, ": ", i == kApMean ? "mean" : "W", " must be float64; got ",
              mx_dtype_name((*in)[i]));
+      (*in)[i] = kFloat64;  // unknown: the one dtype they take
+    }
     (*out)[0] = t;
     return MX_SUCCESS;
   });
