@@ -176,12 +176,24 @@ def _fmt_kernels(r):
                      f"{k.get('blocks_per_sm', '?')}/SM)" for k in r["kernels"])
 
 
+def _fmt_commits(results):
+    """'Commit X', or, where rows were re-run after a kernel change (a resumed run keeps the rows
+    it already has), each commit with its rows: every row times the kernels of its own commit."""
+    m = results.get("meta", {})
+    by = {}
+    for name, r in results["rows"].items():
+        by.setdefault(r.get("git", m.get("git", "?")), []).append(name)
+    if len(by) <= 1:
+        return f"Commit {next(iter(by), m.get('git', '?'))}"
+    return "Kernels of commits " + "; ".join(f"{c} ({', '.join(n)})" for c, n in by.items())
+
+
 def markdown(results, rows, bounds):
     """The results table (rows in the order of _gpusim_rows.ROWS)."""
     m = results.get("meta", {})
     out = ["# gn_mx on a simulated V100 (GPGPU-Sim timing model), not a measurement on hardware",
            "", f"Simulator: {m.get('simulator', '?')}. PTX: {m.get('ptx', '?')}. "
-           f"Commit {m.get('git', '?')}. Made by `{m.get('command', '?')}`.", "",
+           f"{_fmt_commits(results)}. Made by `{m.get('command', '?')}`.", "",
            "ratio: memory-bound rows = copy cycles / op cycles, the copy (float4 grid-stride, "
            "8 x 256-thread blocks per SM) moving the op's minimum bytes (reads + writes) in the "
            "same process (1.0 = copy speed); DBN / IterNorm = (useful FLOPs / op cycles) / the "

@@ -3,13 +3,14 @@ next to a yardstick run in the same process: a float4 grid-stride copy of the op
 (memory-bound rows) or the simulated FMA peak (DBN / IterNorm). SIMULATED, not measured on hardware.
 
     GNMX_GPGPUSIM_SRC=<simulator source> python benchmarks/gpusim/bench_gpusim.py [--rows a,b]
-        [--out benchmarks/results] [--fresh] [--list]
+        [--out benchmarks/results] [--fresh] [--rerun a,b] [--list]
 
 Rows run in groups, one simulator process per group (each process first parses the ~13 MB of PTX:
 30-90 s), ONE process at a time under `nice -n 5`, through tests/gpu/sim/gpgpusim.sh in timing mode
 (GNMX_GPGPUSIM_TIMING=1: -gpgpu_ptx_sim_mode 0 + PTX_SIM_MODE_FUNC=0, no launch latency, host copies
 not simulated). Every finished row is written at once to <out>/gpusim_v100.json; a rerun skips the
-rows already there (resumable; --fresh starts over) and rewrites <out>/gpusim_v100.md.
+rows already there (resumable; --fresh starts over, --rerun a,b measures those rows again) and
+rewrites <out>/gpusim_v100.md; each row records the commit whose kernels it timed.
 Each op runs once, cold (inputs copied from the host bypass L2); the copy reads a fresh buffer.
 """
 import argparse
@@ -92,6 +93,7 @@ def run_group(names, results, out, log_path):
             if done:
                 results["rows"][done] = parse.row_result(rows_mod.ROWS[done], stream.rows[done])
                 results["rows"][done]["sim_wall_s"] = round(time.time() - t0, 1)
+                results["rows"][done]["git"] = results["meta"].get("git", "?")
                 save(results, out)
                 print(f"[gpusim] {done}: {parse.summary(results['rows'][done])}", flush=True)
                 t0 = time.time()
@@ -118,6 +120,8 @@ def main(argv=None):
     ap.add_argument("--rows", help="comma-separated row names (default: all)")
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--fresh", action="store_true", help="forget finished rows")
+    ap.add_argument("--rerun", help="comma-separated rows to measure again (after a kernel change), "
+                                    "keeping the others")
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -135,6 +139,10 @@ def main(argv=None):
         raise SystemExit(f"unknown rows: {', '.join(unknown)} (--list shows them)")
     path = os.path.join(a.out, RESULT + ".json")
     results = load_results(path, a.fresh)
+    for r in results["rows"].values():  # rows of an earlier run keep the commit they timed
+        r.setdefault("git", results["meta"].get("git", "?"))
+    for n in (a.rerun.split(",") if a.rerun else []):
+        results["rows"].pop(n, None)
     results["meta"] = meta()
     todo = [n for n in wanted if n not in results["rows"]]
     groups = {}
