@@ -1037,14 +1037,35 @@ __device__ __forceinline__ void bwd_vector_sums(const Vec<T, V> (&xr)[kResidentB
   }
 }
 
-// Rows d = 0..D-1 of group ng from the per-vector slots (S / V each): written to part (one split);
-// returns the group's (sum gamma_d dsc_d, sum gamma_d db_d) on every lane of the team. Warps of
-// the team take rows in turn (a thread team: all of them).
+// Where the resident backward puts a row's sums (sum g (x - mu) or, for an exactly recomputed
+// group, sum g xhat; and sum g): the row-sum layout bwd_param_kernel reads (one split), or, when
+// the batch is one sample (direct), dgamma_c / dbeta_c themselves (bwd_param_kernel's sum over n
+// of one term: rstd * dsc, db), which saves that launch.
+template <typename A, typename P>
+struct RowSink {
+  A* part;
+  P* dgamma;  // nullptr: not wanted (direct only)
+  P* dbeta;
+  bool direct;
+  __device__ __forceinline__ void put(int64_t row, int64_t c, A ds, A db, A r) const {
+    if (!direct) {
+      part[row * kRowPart] = ds;
+      part[row * kRowPart + 1] = db;
+      return;
+    }
+    if (dgamma) dgamma[c] = from_acc<P>(ds * r);
+    if (dbeta) dbeta[c] = from_acc<P>(db);
+  }
+};
+
+// Rows d = 0..D-1 of group ng (channels g*D + d) from the per-vector slots (S / V each), each put
+// in the sink; returns the group's (sum gamma_d dsc_d, sum gamma_d db_d) on every lane of the
+// team. Warps of the team take rows in turn (a thread team: all of them).
 template <int kTeam, typename A, typename P>
 __device__ __forceinline__ Pair<A> bwd_rows_from_slots(const Pair<A>* slots, uint32_t per,
-                                                       uint32_t D, int64_t ng,
-                                                       const P* __restrict__ gamma,
-                                                       A* __restrict__ part) {
+                                                       uint32_t D, int64_t ng, int64_t g,
+                                                       const P* __restrict__ gamma, A r,
+                                                       const RowSink<A, P>& sink) {
   constexpr int kSub = kTeam < kWarp ? kTeam : kWarp;
   const uint32_t lane = team_lane<kTeam>(), sub = lane / kSub, sl = lane % kSub;
   Pair<A> ab{A(0), A(0)};
@@ -1056,9 +1077,7 @@ __device__ __forceinline__ Pair<A> bwd_rows_from_slots(const Pair<A>* slots, uin
     }
     rs = warp_sum<kSub>(rs);
     if (sl == 0) {
-      A* p = part + (ng * D + d) * kRowPart;
-      p[0] = rs.a;
-      p[1] = rs.b;
+      sink.put(ng * D + d, g * D + d, rs.a, rs.b, r);
       const A gm = static_cast<A>(to_acc(gamma[d]));
       ab.a += gm * rs.a;
       ab.b += gm * rs.b;
@@ -1073,7 +1092,8 @@ template <int kTeam, Act ACT, typename T, typename P>
 __device__ __forceinline__ void bwd_resident_exact(const T* __restrict__ dy,
                                                    const T* __restrict__ x,
                                                    const P* __restrict__ gamma,
-                                                   const P* __restrict__ beta, AccT<T>* part,
+                                                   const P* __restrict__ beta,
+                                                   const RowSink<AccT<T>, P>& sink,
                                                    T* __restrict__ dx, int64_t ng, int64_t G,
                                                    uint32_t D, uint32_t S, double dmean_g,
                                                    double drstd_g, double eps) {
@@ -1082,10 +1102,7 @@ __device__ __forceinline__ void bwd_resident_exact(const T* __restrict__ dy,
   for (uint32_t d = 0; d < D; ++d) {
     const Pair<AccT<T>> e =
         exact_row_sums<kTeam, ACT>(dy, x, gamma, beta, ng * D + d, C, S, D, 0, S, eps);
-    if (team_lane<kTeam>() == 0) {
-      part[(ng * D + d) * kRowPart] = e.a;
-      part[(ng * D + d) * kRowPart + 1] = e.b;
-    }
+    if (team_lane<kTeam>() == 0) sink.put(ng * D + d, g * D + d, e.a, e.b, AccT<T>(1));
   }
   exact_bwd_range<kTeam, ACT>(x + ng * L, dy + ng * L, dx + ng * L, gamma + g * D, beta + g * D,
                               dmean_g, drstd_g, eps, L, S, 0, L);
@@ -1098,7 +1115,7 @@ bwd_resident_kernel(const T* __restrict__ dy, const T* __restrict__ x,
                     const AccT<T>* __restrict__ mean, const AccT<T>* __restrict__ rstd,
                     const AccT<T>* __restrict__ dmean_o, const AccT<T>* __restrict__ drstd_o,
                     const P* __restrict__ gamma, const P* __restrict__ beta,
-                    AccT<T>* __restrict__ part, T* __restrict__ dx, int64_t NG, int64_t G,
+                    const RowSink<AccT<T>, P> sink, T* __restrict__ dx, int64_t NG, int64_t G,
                     uint32_t D, uint32_t S, double eps) {
   using A = AccT<T>;
   __shared__ RawSlots<Pair<A>, kBlock * kResidentBwdVecs> s_raw;
@@ -1122,11 +1139,11 @@ bwd_resident_kernel(const T* __restrict__ dy, const T* __restrict__ x,
   if (!live) return;  // whole teams leave together
   const A dmean_g = dmean_o ? dmean_o[ng] : A(0), drstd_g = drstd_o ? drstd_o[ng] : A(0);
   if (exact) {
-    bwd_resident_exact<kTeam, ACT>(dy, x, gamma, beta, part, dx, ng, G, D, S, dmean_g, drstd_g,
+    bwd_resident_exact<kTeam, ACT>(dy, x, gamma, beta, sink, dx, ng, G, D, S, dmean_g, drstd_g,
                                    eps);
     return;
   }
-  const Pair<A> ab = bwd_rows_from_slots<kTeam>(slots, S / V, D, ng, op.gamma, part);
+  const Pair<A> ab = bwd_rows_from_slots<kTeam>(slots, S / V, D, ng, g, op.gamma, r, sink);
   gn_bwd_coeffs<A>(ab.a, ab.b, r, A(1) / A(L), dmean_g, drstd_g, &op.c2, &op.c3);
   Vec<T, V>* po = reinterpret_cast<Vec<T, V>*>(dx + ng * L);
   const uint32_t lane = team_lane<kTeam>();
@@ -1575,13 +1592,16 @@ bool plan_resident_bwd(const GroupNormBwdArgs& a) {
          L / V <= int64_t(plan_team(L, sizeof(T))) * kResidentBwdVecs;
 }
 
-// bwd_resident_kernel, then the parameter gradients from its row sums (one split per row).
+// bwd_resident_kernel, then the parameter gradients from its row sums (one split per row); a batch
+// of one sample gets them from the kernel itself (RowSink::direct).
 template <typename T, typename P, Act ACT>
 const char* bwd_resident(const GroupNormBwdArgs& a, cudaStream_t st) {
   using A = AccT<T>;
   const int64_t NG = a.dims.N * a.dims.G, D = a.dims.C / a.dims.G;
   RowPlan rp;  // splits = 1: the row-sum layout carve_rows / bwd_param_kernel read
   A* part = carve_rows<T>(a.workspace, a.dims.N * a.dims.C, rp);
+  const bool direct = a.dims.N == 1;
+  const RowSink<A, P> sink{part, static_cast<P*>(a.dgamma), static_cast<P*>(a.dbeta), direct};
   dispatch_team(plan_team(D * a.dims.S, sizeof(T)), [&](auto team) {
     constexpr int kTeam = decltype(team)::value;
     auto* k = bwd_resident_kernel<T, P, vec_width<T>(), ACT, kTeam>;
@@ -1589,11 +1609,11 @@ const char* bwd_resident(const GroupNormBwdArgs& a, cudaStream_t st) {
         static_cast<const T*>(a.dy), static_cast<const T*>(a.x), static_cast<const A*>(a.mean),
         static_cast<const A*>(a.rstd), static_cast<const A*>(a.dmean),
         static_cast<const A*>(a.drstd), static_cast<const P*>(a.gamma),
-        static_cast<const P*>(a.beta), part, static_cast<T*>(a.dx), NG, a.dims.G,
+        static_cast<const P*>(a.beta), sink, static_cast<T*>(a.dx), NG, a.dims.G,
         static_cast<uint32_t>(D), static_cast<uint32_t>(a.dims.S), a.eps);
   });
   GN_CUDA_CHECK_LAUNCH();
-  return launch_params<T, P>(a, rp, part, st);
+  return direct ? nullptr : launch_params<T, P>(a, rp, part, st);
 }
 
 template <typename T, typename P, Act ACT>
