@@ -56,27 +56,55 @@ def test_kernel_names_are_found():
     assert launched(log, kernels) == {"iternorm_kernel"}
 
 
-def run_list(command, tmp_path):
-    """Runs gpgpusim.sh `command` (a list of tests in one pytest process); returns the log text
-    and the junit counts, after asserting that it ran, passed and skipped nothing. Skips (with the
-    reason) without a simulator source."""
+def sim_source():
+    """GNMX_GPGPUSIM_SRC, or a skip with the reason."""
     src = os.environ.get("GNMX_GPGPUSIM_SRC")
     if not src:
         pytest.skip("no GPGPU-Sim source: set GNMX_GPGPUSIM_SRC to a tarball or clone of "
                     "accel-sim/gpgpu-sim_distribution (tests/gpu/README.md)")
     if not os.path.exists(src):
         pytest.skip(f"GNMX_GPGPUSIM_SRC={src} does not exist")
-    junit, out = tmp_path / "sim.xml", tmp_path / "sim.log"
-    env = dict(os.environ, PYTHON=sys.executable)
-    # -s: the simulator's own lines (one "executing kernel ..." per launch) reach the log
-    with open(out, "w") as f:
-        r = subprocess.run(["bash", SCRIPT, command, "-q", "-s", "-rs", f"--junitxml={junit}"],
-                           env=env, stdout=f, stderr=subprocess.STDOUT, text=True, timeout=1800)
-    text = out.read_text(errors="replace")
+    return src
+
+
+# gpgpusim.sh runs started and not yet checked: command -> (process, junit path, log path). The
+# functional list's test starts the timing list beside it (both are one single-threaded simulator
+# process each: on 2 cores the two lists take the time of the longer one, not of their sum).
+_RUNS = {}
+
+
+def start_list(command, folder):
+    """Starts gpgpusim.sh `command` (a list of tests in one pytest process) in the background,
+    once per session; its output goes to files in `folder`."""
+    sim_source()
+    if command not in _RUNS:
+        os.makedirs(folder, exist_ok=True)
+        junit, out = os.path.join(folder, "sim.xml"), os.path.join(folder, "sim.log")
+        env = dict(os.environ, PYTHON=sys.executable)
+        # -s: the simulator's own lines (one "executing kernel ..." per launch) reach the log
+        with open(out, "w") as f:
+            p = subprocess.Popen(["bash", SCRIPT, command, "-q", "-s", "-rs", f"--junitxml={junit}"],
+                                 env=env, stdout=f, stderr=subprocess.STDOUT, text=True)
+        _RUNS[command] = (p, junit, out)
+    return _RUNS[command]
+
+
+def finish_list(command, folder):
+    """Waits for gpgpusim.sh `command` (started here if it was not); returns the log text and the
+    junit counts, after asserting that it ran, passed and skipped nothing."""
+    p, junit, out = start_list(command, folder)
+    try:
+        p.wait(timeout=1800)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.wait()
+        raise
+    with open(out, errors="replace") as f:
+        text = f.read()
     ours = [ln for ln in text.splitlines() if "GPGPU-Sim" not in ln and not ln.startswith(
         ("Max CTA", "kernel_", "gpu_", "Kernel ", "Destroy", "event update"))]
     tail = "\n".join(ours[-60:])
-    assert r.returncode == 0, tail
+    assert p.returncode == 0, tail
     suite = ET.parse(junit).getroot()
     suite = suite if suite.tag == "testsuite" else suite.find("testsuite")
     counts = {k: int(suite.get(k, 0)) for k in ("tests", "failures", "errors", "skipped")}
@@ -86,8 +114,14 @@ def run_list(command, tmp_path):
     return text, counts
 
 
-def test_ci_list_on_gpgpusim(tmp_path):
-    text, counts = run_list("ci", tmp_path)
+@pytest.fixture(scope="module")
+def sim_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("gpgpusim")
+
+
+def test_ci_list_on_gpgpusim(sim_dir):
+    start_list("timing", str(sim_dir / "timing"))  # beside this one (test_timing_list_on_gpgpusim)
+    text, counts = finish_list("ci", str(sim_dir / "ci"))
     # Every kernel ran on the simulator, but those listed with their reason.
     kernels = cuda_kernels()
     ran = launched(text, kernels)
@@ -100,9 +134,9 @@ def test_ci_list_on_gpgpusim(tmp_path):
           " ".join(re.findall(r"\[gpgpusim\] [^\n]* built in \d+ s", text)))
 
 
-def test_timing_list_on_gpgpusim(tmp_path):
+def test_timing_list_on_gpgpusim(sim_dir):
     """tests/gpu/sim/timing_tests.txt on the timing model: fix 10's check (bar.red state between
     launches) and the copy-ratio floors of tests/gpu/test_gpu_sim_speed.py."""
-    text, counts = run_list("timing", tmp_path)
+    text, counts = finish_list("timing", str(sim_dir / "timing"))
     print(f"GPGPU-Sim timing model: {counts['tests']} passed in {counts['time']:.0f} s;",
           " ".join(re.findall(r"\[gpusim\] [^\n]*", text)))
