@@ -121,7 +121,7 @@ def main(argv=None):
     ap.add_argument("--out", default=os.path.join(ROOT, "benchmarks", "results"))
     ap.add_argument("--fresh", action="store_true", help="forget finished rows")
     ap.add_argument("--rerun", help="comma-separated rows to measure again (after a kernel change), "
-                                    "keeping the others")
+                                    "keeping the others; without --rows, only these run")
     ap.add_argument("--list", action="store_true", help="print the rows and exit")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     a = ap.parse_args(argv)
@@ -133,15 +133,16 @@ def main(argv=None):
         return 0
     if not os.environ.get("GNMX_GPGPUSIM_SRC"):
         raise SystemExit("set GNMX_GPGPUSIM_SRC to the simulator source (tests/gpu/README.md)")
-    wanted = a.rows.split(",") if a.rows else list(rows_mod.ROWS)
-    unknown = [n for n in wanted if n not in rows_mod.ROWS]
+    rerun = a.rerun.split(",") if a.rerun else []
+    wanted = a.rows.split(",") if a.rows else rerun or list(rows_mod.ROWS)
+    unknown = [n for n in dict.fromkeys(wanted + rerun) if n not in rows_mod.ROWS]
     if unknown:
         raise SystemExit(f"unknown rows: {', '.join(unknown)} (--list shows them)")
     path = os.path.join(a.out, RESULT + ".json")
     results = load_results(path, a.fresh)
     for r in results["rows"].values():  # rows of an earlier run keep the commit they timed
         r.setdefault("git", results["meta"].get("git", "?"))
-    for n in (a.rerun.split(",") if a.rerun else []):
+    for n in rerun:
         results["rows"].pop(n, None)
     results["meta"] = meta()
     todo = [n for n in wanted if n not in results["rows"]]
