@@ -1,7 +1,8 @@
 """Overhead of synchronized DBN's training step (CPU, in-process devices).
 
 For N = 2 and 4 cpu contexts of one process, one training step of one normalization layer
-(forward with autograd recording on every device, backward of all devices, wait) with
+(forward with autograd recording on every device, backward of all devices to the input and the
+parameters, wait) with
 
     DBN       gn_mx.DecorrelatedBatchNorm: each device whitens its own batch (the fused gn_dbn)
     SyncDBN   gn_mx.SyncDecorrelatedBatchNorm(num_devices=N): the statistics of all N batches
@@ -64,6 +65,8 @@ def compare(shape, G, ndev, rounds, steps):
     a, ctx = make(gn_mx.DecorrelatedBatchNorm, ndev, C, G)
     b, _ = make(gn_mx.SyncDecorrelatedBatchNorm, ndev, C, G, num_devices=ndev)
     xs = [mx.nd.array(np.random.randn(*shape), ctx=c) for c in ctx]
+    for x in xs:
+        x.attach_grad()  # a layer inside a net: the input gradient is part of the step
     for blk in (a, b):
         step(blk, xs)  # build the graphs
     ta, tb = [], []

@@ -6,6 +6,9 @@ made unique per call at run time (`unique_attrs`). gn_dbn_whiten gets the covari
 (G, D, m) batch (singular when m < D), gn_dbn_apply random mean / W; both are compared with the
 self-test's float64 references (gn_mx.selftest._whiten_ref / _dbn_apply_ref), the whitening's
 gradient with central differences of that reference, the running statistics with their update rule.
+gn_dbn_local_sums / gn_dbn_local_cov are compared with float64 numpy sums and covariances and their
+closed-form gradients; gn_dbn_local_cov's tot is this device's sums plus those of a second, random
+"device" (a global mean and count that are not this device's own).
 
 Bad calls: `violations(c)` lists the message fragments of every rule the call breaks (attribute
 spellings and values, dtypes, shapes, the planted `corrupt` input, zero-size data); the op must
@@ -19,10 +22,12 @@ import numpy as np
 
 from gn_mx.selftest import _dbn_apply_ref, _whiten_ref
 
-SYNC_OPS = ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
+LOCAL_OPS = ("gn_dbn_local_sums", "gn_dbn_local_cov")
+SYNC_OPS = ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply") + LOCAL_OPS
 ATTRS = {"gn_sync_sum": ["key", "num_devices", "timeout"],
          "gn_dbn_whiten": ["eps", "momentum", "whitening", "iterations"],
-         "gn_dbn_apply": ["num_groups"]}
+         "gn_dbn_apply": ["num_groups"], "gn_dbn_local_sums": ["num_groups"],
+         "gn_dbn_local_cov": ["num_groups"]}
 EMPTY = "empty tensors are not supported"
 # The planted bad input of a case -> the message fragment it must raise (besides the attributes').
 CORRUPT = {
@@ -37,6 +42,9 @@ CORRUPT = {
                      "w_shape": "W must have shape", "mean_dtype": "mean must be float64",
                      "w_dtype": "W must be float64", "gamma_len": "gamma must have shape",
                      "rank1": "data must have at least 2 dims"},
+    "gn_dbn_local_sums": {"empty": EMPTY, "rank1": "data must have at least 2 dims"},
+    "gn_dbn_local_cov": {"empty": EMPTY, "rank1": "data must have at least 2 dims",
+                         "tot_shape": "tot must have shape", "tot_dtype": "tot must be float64"},
 }
 _calls = itertools.count()
 UNCHECKED = "unchecked"  # fuzz_worker.UNCHECKED
@@ -94,8 +102,10 @@ def violations(c, parse_int, parse_num):
     bad += e1
     if not e1 and c["shape"][1] % G:
         bad.append("must be divisible by num_groups")
-    elif not e1 and G != c["G"]:
-        bad.append("W must have shape")
+    elif not e1 and G != c["G"] and op != "gn_dbn_local_sums":
+        bad.append("W must have shape" if op == "gn_dbn_apply" else "tot must have shape")
+    if op in LOCAL_OPS:
+        return bad
     dt, pdt = c["dtype"], c["pdtype"]
     if pdt != dt and not (dt == "float16" and pdt == "float32"):
         bad.append("dtype must equal the data dtype (or be float32 with float16 data)")
@@ -119,6 +129,8 @@ def inputs(c, rng):
         return [(rng.standard_normal(shape) * c["scale"] + c["shift"]).astype(dt)]
     if op == "gn_dbn_whiten":
         return _whiten_inputs(c, rng)
+    if op in LOCAL_OPS:
+        return _local_inputs(c, rng, shape)
     C, G = shape[1], c["G"]
     D = C // G
     x = (rng.standard_normal(shape) * c["scale"] + c["shift"]).astype(dt)
@@ -131,6 +143,38 @@ def inputs(c, rng):
     if bad == "rank1":
         x = x.reshape(-1)
     return [x, gamma, beta, mean, W]
+
+
+def _local_inputs(c, rng, shape):
+    """x, and for gn_dbn_local_cov tot = x's group sums and count plus a second device's."""
+    x = (rng.standard_normal(shape) * c["scale"] + c["shift"]).astype(c["dtype"])
+    if c["op"] == "gn_dbn_local_sums":
+        return [x.reshape(-1) if c.get("corrupt") == "rank1" else x]
+    G = c["G"]
+    other = rng.standard_normal([rng.integers(1, 4)] + list(c["shape"][1:]))
+    other = other * c["scale"] + c["shift"]
+    tot = _local_sums_ref(x.astype(np.float64), G) + _local_sums_ref(other, G)
+    bad = c.get("corrupt")
+    if bad == "tot_shape":
+        tot = tot[:, :-1]
+    if bad == "rank1":
+        x = x.reshape(-1)
+    return [x, tot.astype("float32" if bad == "tot_dtype" else "float64")]
+
+
+def _local_sums_ref(x, G):
+    """(G, D + 1): per group the channel sums over the (sample, position) columns and their
+    count."""
+    cols = _group_cols(x, G)
+    return np.concatenate([cols.sum(axis=2), np.full((G, 1), float(cols.shape[2]))], axis=1)
+
+
+def _group_cols(x, G):
+    """x (N, C, *spatial) as float64 (G, D, N * S) columns."""
+    N, C = x.shape[:2]
+    S = int(np.prod(x.shape[2:], dtype=np.int64))
+    return x.astype(np.float64).reshape(N, G, C // G, S).transpose(1, 2, 0, 3).reshape(
+        G, C // G, N * S)
 
 
 def _whiten_inputs(c, rng):
@@ -247,6 +291,40 @@ def _apply_grads_ref(x, gamma, mean, W, dy):
             np.einsum("ngis,ngjs->gij", a, xc)]
 
 
+def _check_local(c, inputs, outs, heads, grads, close, units):
+    """gn_dbn_local_sums: the sums and count, d data = d sums of the element's channel;
+    gn_dbn_local_cov: cov about the global mean tot[:D] / tot[D], divided by tot[D], and the
+    gradients of sum(dcov * cov) (the one head) for data and tot (dbn_sync.h's formulas)."""
+    G = int(c["attrs"].get("num_groups", "1"))  # valid here: may differ from the case's G (sums)
+    x = inputs[0].astype(np.float64)
+    N, C = x.shape[:2]
+    D, u = C // G, units[c["dtype"]]
+    cols = _group_cols(x, G)
+    scale = max(1.0, float(np.abs(cols).max()) if cols.size else 1.0) ** 2
+    if c["op"] == "gn_dbn_local_sums":
+        errs = [close("tot", outs[0], _local_sums_ref(x, G), 1e-14 * cols.shape[2])]
+        if grads:
+            dx = np.broadcast_to(heads[0][:, :D].reshape(1, C, *([1] * (x.ndim - 2))), x.shape)
+            errs.append(close("ddata", grads[0], dx, u))
+        return errs
+    tot = inputs[1]
+    M = tot[:, D:]                                                     # (G, 1)
+    mu = tot[:, :D] / M
+    xc = cols - mu[:, :, None]
+    cov = np.einsum("gik,gjk->gij", xc, xc) / M[:, :, None]
+    errs = [close("cov", outs[0], cov, 1e-13 * scale * max(1, cols.shape[2]))]
+    if grads:
+        R = heads[0].astype(np.float64)
+        B = (R + R.transpose(0, 2, 1)) / M[:, :, None]
+        dx = np.einsum("gij,gjk->gik", B, xc).reshape(G, D, N, -1).transpose(2, 0, 1, 3)
+        dmu = -np.einsum("gij,gj->gi", B, xc.sum(axis=2))
+        dcount = -((dmu * mu).sum(axis=1) + (R * cov).sum(axis=(1, 2))) / M[:, 0]
+        dtot = np.concatenate([dmu / M, dcount[:, None]], axis=1)
+        errs += [close("ddata", grads[0], dx.reshape(x.shape), 10 * u),
+                 close("dtot", grads[1], dtot, 1e-12 * scale * max(1, cols.shape[2]))]
+    return errs
+
+
 def check(c, inputs, outs, heads, grads, after, close, units):
     """Mismatch texts (None entries for matches) or UNCHECKED, for one valid call of a sync op."""
     op = c["op"]
@@ -255,6 +333,8 @@ def check(c, inputs, outs, heads, grads, after, close, units):
             [close("ddata", grads[0], heads[0], 0.0)] if grads else [])
     if op == "gn_dbn_whiten":
         return _check_whiten(c, inputs, outs, heads, grads, after, close)
+    if op in LOCAL_OPS:
+        return _check_local(c, inputs, outs, heads, grads, close, units)
     x, gamma, beta, mean, W = [a.astype(np.float64) for a in inputs]
     u, up = units[c["dtype"]], units[c["pdtype"]]
     errs = [close("out", outs[0], _dbn_apply_ref(x, gamma, beta, mean, W), 10 * u)]
@@ -276,6 +356,8 @@ _SHORT = ["0.001", "0.01", "1e-3", "0", "nan", "x"]  # with num_devices > 1: nev
 
 def draw_dtypes(draw, st, op):
     """(dtype, pdtype): float64 mostly where the op takes float64 only."""
+    if op in LOCAL_OPS:
+        return draw(st.sampled_from(["float16", "float32", "float64"])), None
     if op == "gn_dbn_apply":
         dt = draw(st.sampled_from(["float16", "float32", "float64"]))
         return dt, draw(st.sampled_from([dt, dt, dt, "float32", "float64", "float16"]))
@@ -287,7 +369,7 @@ def draw_dtypes(draw, st, op):
 def draw_attrs(draw, st, op, G, int_strs, eps_strs, mom_strs, parse_int):
     """Attribute strings of a sync-op case (valid mostly, every rule broken sometimes)."""
     a = {}
-    if op == "gn_dbn_apply":
+    if op == "gn_dbn_apply" or op in LOCAL_OPS:
         a["num_groups"] = str(G) if draw(st.integers(0, 5)) else draw(int_strs)
     elif op == "gn_dbn_whiten":
         a["eps"] = draw(st.sampled_from(["1e-3", "1e-5", "0.1"]) if draw(st.integers(0, 3)) < 3

@@ -9,9 +9,10 @@ attribute STRINGS (valid and invalid spellings), a mode (imperative, hybridized,
 forward or forward+backward. `expect_error` (a Python mirror of the ops' documented rules) says
 whether the op must raise MXNetError; otherwise outputs and gradients are compared with the float64
 references of tests/reference.py. The synchronized-DBN ops (gn_sync_sum, gn_dbn_whiten,
-gn_dbn_apply) have their rules, inputs (planted bad ones included) and checks in tests/fuzz_sync.py;
-their errors must also name one of the broken rules. Before each call the case is printed as
-`START <json>` so that the parent can name the input of a crash.
+gn_dbn_apply, gn_dbn_local_sums, gn_dbn_local_cov) have their rules, inputs (planted bad ones
+included) and checks in tests/fuzz_sync.py; their errors must also name one of the broken rules.
+Before each call the case is printed as `START <json>` so that the parent can name the input of a
+crash.
 """
 import json
 import math
@@ -147,7 +148,7 @@ def _run(c, inputs, rng):
     inputs after the call (the running statistics an op updates in place)."""
     op, mode, attrs = c["op"], c["mode"], fuzz_sync.unique_attrs(c)
     n_out = {"gn_moments": 2, "gn_group_norm": 3, "gn_dbn": 4, "gn_weight_standardize": 3,
-             "gn_dbn_whiten": 3}.get(op, 1)
+             "gn_dbn_whiten": 3, "gn_dbn_local_cov": 2}.get(op, 1)
     heads_for = [0, 1] if op == "gn_moments" else [0]
     if mode == "symbolic":
         names = ["data", "p1", "p2", "p3", "p4"][:len(inputs)]

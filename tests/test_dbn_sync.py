@@ -129,6 +129,152 @@ def test_apply_gradients_match_central_differences(dtype):
         np.testing.assert_allclose(a.grad.asnumpy(), fd, rtol=rtol, atol=rtol, err_msg=str(k))
 
 
+def _cols(x, G):
+    """x (N, C, *spatial) as float64 (G, D, N * S) columns."""
+    N, C = x.shape[:2]
+    return x.astype(np.float64).reshape(N, G, C // G, -1).transpose(1, 2, 0, 3).reshape(
+        G, C // G, -1)
+
+
+def _local_stats(x, tot_other, G, dtype):
+    """gn_dbn_local_cov(x, local_sums(x) + tot_other): the step of one device whose peers
+    contributed tot_other; returns (tot, cov, mean) as numpy."""
+    xs = mx.nd.array(x, dtype=dtype)
+    tot = mx.nd.gn_dbn_local_sums(xs, num_groups=G) + mx.nd.array(tot_other, dtype="float64")
+    cov, mean = mx.nd.gn_dbn_local_cov(xs, tot, num_groups=G)
+    return tot.asnumpy(), cov.asnumpy(), mean.asnumpy()
+
+
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+@pytest.mark.parametrize("shape", [(3, 6), (2, 6, 5), (2, 4, 3, 2), (1, 8, 2, 3, 2)],
+                         ids=lambda s: f"{len(s) - 2}d")
+def test_local_statistics_match_float64(shape, dtype):
+    """gn_dbn_local_sums / gn_dbn_local_cov with a peer's sums added: the float64 global mean and
+    this device's share of the covariance (its columns about the global mean, over the global
+    count), for every dtype and 0-3 spatial dims; G = 1 and G = C (D = 1) included."""
+    rng = np.random.RandomState(7)
+    x = (rng.randn(*shape) * 2 + 1).astype(dtype)
+    for G in (1, 2, shape[1]):
+        peer = rng.randn(*((4,) + shape[1:]))
+        pc, xc = _cols(peer, G), _cols(x, G)
+        tot_peer = np.concatenate([pc.sum(axis=2), np.full((G, 1), float(pc.shape[2]))], axis=1)
+        tot, cov, mean = _local_stats(x, tot_peer, G, dtype)
+        m = xc.shape[2] + pc.shape[2]
+        mu = (xc.sum(axis=2) + pc.sum(axis=2)) / m
+        want_cov = np.einsum("gik,gjk->gij", xc - mu[..., None], xc - mu[..., None]) / m
+        np.testing.assert_allclose(tot[:, -1], m)
+        np.testing.assert_allclose(mean, mu.reshape(-1), rtol=1e-13, atol=1e-14)
+        np.testing.assert_allclose(cov, want_cov, rtol=1e-12, atol=1e-14)
+
+
+def test_local_statistics_gradients_match_central_differences():
+    """d data through gn_dbn_local_sums -> (+ a peer's sums) -> gn_dbn_local_cov, and d tot of
+    gn_dbn_local_cov (the count included) on its own, against float64 central differences of
+    sum(cov * R) + sum(mean * r)."""
+    rng = np.random.RandomState(8)
+    shape, G = (3, 4, 2), 2
+    x, R, r = rng.randn(*shape), rng.randn(G, 2, 2), rng.randn(4)
+    tot_peer = np.concatenate([rng.randn(G, 2), np.full((G, 1), 5.0)], axis=1)
+
+    def f(xv, tv=None):
+        xs = mx.nd.array(xv, dtype="float64")
+        tot = (mx.nd.gn_dbn_local_sums(xs, num_groups=G) + mx.nd.array(tot_peer, dtype="float64")
+               if tv is None else mx.nd.array(tv, dtype="float64"))
+        cov, mean = mx.nd.gn_dbn_local_cov(xs, tot, num_groups=G)
+        return float((cov.asnumpy() * R).sum() + (mean.asnumpy() * r).sum())
+
+    def fd(fun, v, h=1e-6):
+        out = np.zeros_like(v)
+        for idx in np.ndindex(*v.shape):
+            p, m = v.copy(), v.copy()
+            p[idx] += h
+            m[idx] -= h
+            out[idx] = (fun(p) - fun(m)) / (2 * h)
+        return out
+    xs = mx.nd.array(x, dtype="float64")
+    xs.attach_grad()
+    tot_fixed = mx.nd.gn_dbn_local_sums(xs, num_groups=G) + mx.nd.array(tot_peer, dtype="float64")
+    tot_fixed.attach_grad()
+    with autograd.record():
+        tot = mx.nd.gn_dbn_local_sums(xs, num_groups=G) + mx.nd.array(tot_peer, dtype="float64")
+        cov, mean = mx.nd.gn_dbn_local_cov(xs, tot, num_groups=G)
+        cov2, mean2 = mx.nd.gn_dbn_local_cov(xs.detach(), tot_fixed, num_groups=G)
+        loss = sum(mx.nd.sum(c * mx.nd.array(R, dtype="float64"))
+                   + mx.nd.sum(m_ * mx.nd.array(r, dtype="float64"))
+                   for c, m_ in ((cov, mean), (cov2, mean2)))
+    loss.backward()
+    np.testing.assert_allclose(xs.grad.asnumpy(), fd(f, x), rtol=1e-6, atol=1e-8)
+    tv = tot_fixed.asnumpy()
+    np.testing.assert_allclose(tot_fixed.grad.asnumpy(), fd(lambda t: f(x, t), tv), rtol=1e-6,
+                               atol=1e-8)
+
+
+_PATHS = """
+import json, sys
+import numpy as np, mxnet as mx, gn_mx
+rng = np.random.RandomState(9)
+res = []
+# D = 20 / 14: 6 x 8 tiles with row and column tails; 300 columns: two 256-column blocks of the
+# outer products; 2 * 64 * 12 * 12 > 65536: the groups in parallel
+for shape, G in (((3, 40, 10, 10), 2), ((2, 56, 12, 12), 4)):
+    for dt in ("float16", "float32", "float64"):
+        x = (rng.randn(*shape) + 0.5).astype(dt)
+        N, C = shape[:2]
+        D = C // G
+        cols = x.astype(np.float64).reshape(N, G, D, -1).transpose(1, 2, 0, 3).reshape(G, D, -1)
+        xs = mx.nd.array(x, dtype=dt)
+        tot = mx.nd.gn_dbn_local_sums(xs, num_groups=G)
+        cov, mean = mx.nd.gn_dbn_local_cov(xs, tot, num_groups=G)
+        mu = cols.mean(axis=2)
+        want = np.einsum("gik,gjk->gij", cols - mu[..., None], cols - mu[..., None]) / cols.shape[2]
+        e_cov = float(np.abs(cov.asnumpy() - want).max() / np.abs(want).max())
+        W = rng.randn(G, D, D) / np.sqrt(D)
+        sd = "float32" if dt == "float16" else dt
+        gamma, beta = rng.rand(C).astype(sd) + 0.5, rng.randn(C).astype(sd)
+        ins = [xs, mx.nd.array(gamma, dtype=sd), mx.nd.array(beta, dtype=sd), mean,
+               mx.nd.array(W, dtype="float64")]
+        for a in ins:
+            a.attach_grad()
+        dy = rng.randn(*shape).astype(dt).astype(np.float64)
+        with mx.autograd.record():
+            y = mx.nd.gn_dbn_apply(*ins, num_groups=G)
+        y.backward(mx.nd.array(dy, dtype=dt))
+        xc = cols - mu[..., None]
+        yr = np.einsum("gij,gjk->gik", W, xc)
+        a = dy.reshape(N, G, D, -1).transpose(1, 2, 0, 3).reshape(G, D, -1) * gamma.reshape(
+            G, D, 1).astype(np.float64)
+        back = lambda v: v.reshape(G, D, N, -1).transpose(2, 0, 1, 3).reshape(shape)
+        want_y = back(yr) * gamma.reshape(1, C, 1, 1) + beta.reshape(1, C, 1, 1)
+        want_dx = back(np.einsum("gji,gjk->gik", W, a))
+        want_dW = np.einsum("gik,gjk->gij", a, xc)
+        rel = lambda g, w: float(np.abs(g.astype(np.float64) - w).max() / np.abs(w).max())
+        res.append([dt, e_cov, rel(y.asnumpy(), want_y), rel(ins[0].grad.asnumpy(), want_dx),
+                    rel(ins[4].grad.asnumpy(), want_dW)])
+print("RESULT " + json.dumps(res))
+"""
+
+
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512"])
+def test_data_pass_paths_every_isa_level(level):
+    """The statistics and apply passes (dbn_sync_data_cpu.cc) on each forced CPU level, shapes
+    with tile tails, two column blocks and the groups in parallel: cov to float64 rounding, out /
+    dx / dW within one rounding of the data dtype (float64 math inside)."""
+    from test_cpu_isa import LEVELS
+    if level not in LEVELS:
+        pytest.skip(f"this CPU has no {level}")
+    env = dict(os.environ, GNMX_CPU_ISA=level, OMP_NUM_THREADS="2")
+    p = subprocess.run([sys.executable, "-c", _PATHS], capture_output=True, text=True, env=env,
+                       timeout=300, cwd=ROOT)
+    assert p.returncode == 0, p.stderr[-3000:]
+    res = [ln for ln in p.stdout.splitlines() if ln.startswith("RESULT ")][-1][7:]
+    import json
+    for dt, e_cov, e_y, e_dx, e_dw in json.loads(res):
+        u = {"float16": 1e-3, "float32": 1e-6, "float64": 1e-14}[dt]
+        assert e_cov <= 1e-13, (level, dt, e_cov)
+        assert max(e_y, e_dx) <= u, (level, dt, e_y, e_dx)
+        assert e_dw <= 1e-12, (level, dt, e_dw)
+
+
 def test_inference_and_export_have_no_sync_op(tmp_path):
     blk = gn_mx.SyncDecorrelatedBatchNorm(num_devices=2, key=_key(), num_groups=2, in_channels=4)
     blk.initialize()

@@ -232,7 +232,8 @@ def test_training_graph_is_refused_clearly(tmp_path):
                              onnx_file_path=str(tmp_path / "train.onnx"))
 
 
-@pytest.mark.parametrize("op", ["gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply"])
+@pytest.mark.parametrize("op", ["gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply",
+                                "gn_dbn_local_sums", "gn_dbn_local_cov"])
 def test_sync_training_graph_is_refused_clearly(op, tmp_path):
     """Synchronized DBN's training ops have no ONNX form (the exported SyncDecorrelatedBatchNorm
     graph holds gn_dbn_inference): the exporter names the op and the inference graph."""
@@ -241,10 +242,14 @@ def test_sync_training_graph_is_refused_clearly(op, tmp_path):
     sym = {"gn_sync_sum": lambda: mx.sym.gn_sync_sum(x, key="k", name="s"),
            "gn_dbn_whiten": lambda: mx.sym.gn_dbn_whiten(x, V("m"), V("rm"), V("rp"), name="s")[0],
            "gn_dbn_apply": lambda: mx.sym.gn_dbn_apply(x, V("g"), V("b"), V("m"), V("w"),
-                                                       num_groups=2, name="s")}[op]()
+                                                       num_groups=2, name="s"),
+           "gn_dbn_local_sums": lambda: mx.sym.gn_dbn_local_sums(x, num_groups=2, name="s"),
+           "gn_dbn_local_cov": lambda: mx.sym.gn_dbn_local_cov(x, V("t"), num_groups=2,
+                                                               name="s")[0]}[op]()
     shape = (2, 2, 2) if op == "gn_dbn_whiten" else (8, 4)
     F = lambda *s: mx.nd.ones(s, dtype="float64")  # noqa: E731
-    params = {"m": F(4), "rm": F(4), "rp": F(2, 2, 2), "g": F(4), "b": F(4), "w": F(2, 2, 2)}
+    params = {"m": F(4), "rm": F(4), "rp": F(2, 2, 2), "g": F(4), "b": F(4), "w": F(2, 2, 2),
+              "t": F(2, 3)}
     params = {k: v for k, v in params.items() if k in sym.list_inputs()}
     with pytest.raises(NotImplementedError, match=f"s is {op}.*inference graph"):
         gn_onnx.export_model(sym, params, in_shapes=[shape], in_types=[np.float64],

@@ -24,7 +24,7 @@ from gn_mx._library import OPS
 from reference import dbn_ref, group_norm_ref
 
 # The ops each section covers; every op of the one list (gn_mx._library.OPS) is in each.
-_SYNC = {"gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply"}
+_SYNC = {"gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply", "gn_dbn_local_sums", "gn_dbn_local_cov"}
 _COVERED = {
     "symbolic inference": {"gn_group_norm", "gn_channel_affine", "gn_dbn", "gn_dbn_inference",
                            "gn_moments", "gn_weight_standardize"} | _SYNC,
@@ -174,6 +174,10 @@ for nsp in range(4):
     x = np.arange(np.prod(shp), dtype=np.float64).reshape(shp)
     res[f'gn_sync_sum/{nsp}'] = dict(shapes(s, data=shp), json=reloaded(s, data=shp),
                                      module_equal=module_out(s, 'data', shp, x) == x.tolist())
+    s = mx.sym.gn_dbn_local_cov(V('data'), V('tot'), num_groups=2)
+    res[f'gn_dbn_local_cov/{nsp}'] = dict(shapes(s, data=shp), json=reloaded(s, data=shp))
+    s = mx.sym.gn_dbn_local_sums(V('data'), num_groups=2)
+    res[f'gn_dbn_local_sums/{nsp}'] = dict(shapes(s, data=shp), json=reloaded(s, data=shp))
 s = mx.sym.gn_dbn_whiten(V('cov'), V('mean'), V('running_mean'), V('running_projection'))
 r = shapes(s, cov=(2, 3, 3))
 r['json'] = reloaded(s, cov=(2, 3, 3))
@@ -198,6 +202,11 @@ def test_symbolic_inference_sync_ops_with_shapeless_inputs():
         r = res[f"gn_sync_sum/{nsp}"]
         assert r["shapes"] == r["partial"] == {"data": shp} and r["outs"] == [shp], r
         assert r["json"] == [shp] and r["module_equal"], r
+        r = res[f"gn_dbn_local_cov/{nsp}"]  # tot (G, D + 1) from data; cov (G, D, D), mean (C,)
+        assert r["shapes"] == r["partial"] == {"data": shp, "tot": [2, 4]}, r
+        assert r["outs"] == [[2, 3, 3], [6]] and r["json"] == [shp, [2, 4]], r
+        r = res[f"gn_dbn_local_sums/{nsp}"]
+        assert r["shapes"] == r["partial"] == {"data": shp} and r["outs"] == [[2, 4]], r
     r = res["gn_dbn_whiten"]
     want = {"cov": [2, 3, 3], "mean": [6], "running_mean": [6], "running_projection": [2, 3, 3]}
     assert r["shapes"] == r["partial"] == want, r
@@ -469,6 +478,39 @@ def test_nonfinite_stays_in_its_group_dbn(ctx, bad, dtype):
 
 
 @pytest.mark.parametrize("bad", BAD)
+@pytest.mark.parametrize("dtype", [np.float16, np.float32, np.float64])
+def test_nonfinite_stays_in_its_group_dbn_local_stats(bad, dtype):
+    """A non-finite x in group 1 (of 3) reaches group 1's sums, mean and covariance only; through
+    both ops the gradient of the other groups' x stays finite and right."""
+    rng = np.random.RandomState(4)
+    N, G, D, S = 2, 3, 2, 4
+    x = rng.randn(N, G * D, S).astype(dtype)
+    clean = x.astype(np.float64)
+    x[1, 3, 2] = bad  # group 1
+    xs = mx.nd.array(x, dtype=dtype)
+    xs.attach_grad()
+    with mx.autograd.record():
+        tot = mx.nd.gn_dbn_local_sums(xs, num_groups=G)
+        cov, mean = mx.nd.gn_dbn_local_cov(xs, tot, num_groups=G)
+        loss = mx.nd.sum(cov * cov) + mx.nd.sum(mean)
+    loss.backward()
+    cols = clean.reshape(N, G, D, S).transpose(1, 2, 0, 3).reshape(G, D, -1)
+    mu = cols.mean(axis=2)
+    want = np.einsum("gik,gjk->gij", cols - mu[..., None], cols - mu[..., None]) / cols.shape[2]
+    ok, t, c, m = [0, 2], tot.asnumpy(), cov.asnumpy(), mean.asnumpy().reshape(G, D)
+    np.testing.assert_allclose(c[ok], want[ok], rtol=1e-12, atol=1e-14)
+    np.testing.assert_allclose(m[ok], mu[ok], rtol=1e-12, atol=1e-14)
+    assert np.isfinite(t[ok]).all() and not np.isfinite(t[1, 1])
+    assert not np.isfinite(c[1]).all() and not np.isfinite(m[1]).all()
+    dx = xs.grad.asnumpy().astype(np.float64).reshape(N, G, D, S)
+    # d/dx of sum(C_g^2) + sum(mu_g) = (4 C_g (x - mu) + 1) / m per column, groups 0 and 2
+    want_dx = (4 * np.einsum("gij,gjk->gik", want, cols - mu[..., None]) + 1) / cols.shape[2]
+    want_dx = want_dx.reshape(G, D, N, S).transpose(2, 0, 1, 3)
+    rtol = {np.float16: 2e-3, np.float32: 1e-5, np.float64: 1e-12}[dtype]
+    np.testing.assert_allclose(dx[:, ok], want_dx[:, ok], rtol=rtol, atol=rtol)
+
+
+@pytest.mark.parametrize("bad", BAD)
 def test_nonfinite_stays_in_its_element_sync_sum(bad):
     """One caller: out is data and ddata is dout, a non-finite element included, in place."""
     x = np.arange(6.0).reshape(2, 3)
@@ -720,6 +762,8 @@ def test_attribute_parser_rejects(key, val, text):
     ("gn_dbn_whiten", (_f64(np.eye(3)[None]), _f64(np.zeros(3))), "momentum"),
     ("gn_dbn_whiten", (_f64(np.eye(3)[None]), _f64(np.zeros(3))), "iterations"),
     ("gn_dbn_apply", (X6, G6, B6, _f64(np.zeros(6)), _f64(np.ones((1, 6, 6)))), "num_groups"),
+    ("gn_dbn_local_sums", (X6,), "num_groups"),
+    ("gn_dbn_local_cov", (X6, _f64(np.ones((1, 7)))), "num_groups"),
 ])
 def test_attribute_parser_same_rules_every_op(op, args, key):
     fn = getattr(mx.nd, op)
@@ -769,13 +813,21 @@ def _sync_stats(op):
     ("gn_dbn_apply", {"num_groups": "0"}, "num_groups must be positive"),
     ("gn_dbn_apply", {"num_groups": "4"}, "must be divisible by num_groups (4)"),
     ("gn_dbn_apply", {"num_groups": "1", "eps": "1e-5"}, "unknown attribute 'eps'"),
+    ("gn_dbn_local_sums", {"num_groups": "0"}, "num_groups must be positive"),
+    ("gn_dbn_local_sums", {"num_groups": "4"}, "must be divisible by num_groups (4)"),
+    ("gn_dbn_local_sums", {"num_groups": "1", "key": "k"}, "unknown attribute 'key'"),
+    ("gn_dbn_local_cov", {"num_groups": "-1"}, "num_groups must be positive"),
+    ("gn_dbn_local_cov", {"num_groups": "4"}, "must be divisible by num_groups (4)"),
+    ("gn_dbn_local_cov", {"num_groups": "1", "eps": "1e-5"}, "unknown attribute 'eps'"),
 ])
 def test_attribute_parser_sync_op_rules(op, attrs, text):
     """The synchronized-DBN ops' own attribute rules: each broken one is named (no call waits:
     every gn_sync_sum case fails before its barrier)."""
     args = {"gn_sync_sum": (_f64(np.ones(3)),),
             "gn_dbn_whiten": (_f64(np.eye(3)[None]), _f64(np.zeros(3))) + _sync_stats(op),
-            "gn_dbn_apply": (X6, G6, B6, _f64(np.zeros(6)), _f64(np.ones((1, 6, 6))))}[op]
+            "gn_dbn_apply": (X6, G6, B6, _f64(np.zeros(6)), _f64(np.ones((1, 6, 6)))),
+            "gn_dbn_local_sums": (X6,),
+            "gn_dbn_local_cov": (X6, _f64(np.ones((1, 7))))}[op]
     with pytest.raises(mx.base.MXNetError) as e:
         r = getattr(mx.nd, op)(*args, **attrs)
         (r[0] if isinstance(r, (list, tuple)) else r).wait_to_read()
@@ -858,6 +910,18 @@ _BAD_INPUTS = {
                              "W must have shape (2, 2, 2) for data shape (1, 4, 2); got (1, 4, 4)"),
     "gn_dbn_apply/mean_dtype": (_AP.format("A(1, 4, 2), A(4), A(4), A(4), F(2, 2, 2)"),
                                 "mean must be float64; got float32"),
+    "gn_dbn_local_sums/empty": ("mx.nd.gn_dbn_local_sums(A(0, 4, 2), num_groups=2)", _EMPTY),
+    "gn_dbn_local_sums/int_data": ("mx.nd.gn_dbn_local_sums(A(1, 4, dtype='int32'), num_groups=2)",
+                                   "int32"),
+    "gn_dbn_local_cov/empty": ("mx.nd.gn_dbn_local_cov(A(2, 4, 0), F(2, 3), num_groups=2)[0]",
+                               _EMPTY),
+    "gn_dbn_local_cov/tot_shape": ("mx.nd.gn_dbn_local_cov(A(1, 4, 2), F(2, 2), num_groups=2)[0]",
+                                   "tot must have shape (2, 3) for data shape (1, 4, 2); got (2, 2)"),
+    "gn_dbn_local_cov/tot_dtype": ("mx.nd.gn_dbn_local_cov(A(1, 4, 2), A(2, 3), num_groups=2)[0]",
+                                   "tot must be float64; got float32"),
+    "gn_dbn_local_cov/group_too_large": ("mx.nd.gn_dbn_local_cov(A(1, 4097), F(1, 4098), "
+                                         "num_groups=1)[0]",
+                                         "group size C / num_groups must be <= "),
 }
 
 

@@ -152,10 +152,11 @@ def _import_mxnet():
 
 #: The ops libgn_mx.so registers (docs/reference/ops.md); all of them present = the library is loaded.
 #: The one list: the fuzz and robustness suites (tests/fuzz_worker.py, tests/test_robust.py) and the
-#: self-test read it, so an op added here is fuzzed and checked there too. The last three are the
+#: self-test read it, so an op added here is fuzzed and checked there too. The last five are the
 #: synchronized-DBN ops (python/gn_mx/sync.py; CPU only).
 OPS = ("gn_moments", "gn_group_norm", "gn_dbn", "gn_dbn_inference", "gn_channel_affine",
-       "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
+       "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply",
+       "gn_dbn_local_sums", "gn_dbn_local_cov")
 
 
 def ops_registered(mx=None):

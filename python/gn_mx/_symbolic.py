@@ -34,6 +34,7 @@ PARAM_RANKS = {
     "gn_weight_standardize": (None, 1),  # the weight is the "data"; gain (O,) from it
     "gn_dbn_apply": (None, 1, 1, 1, 3),  # gamma, beta, mean (C,); W (G, D, D)
     "gn_dbn_whiten": (None, 1, 1, 3),  # cov (G, D, D) is the "data"; mean, running stats from it
+    "gn_dbn_local_cov": (None, 2),  # tot (G, D + 1) from data
 }
 _SHAPE_KEY = "__shape__"
 

@@ -13,8 +13,10 @@
    ``gn_dbn``, ``gn_dbn_inference``      ``FP32_FUNCS``               ``FP32_FUNCS``
    ``gn_weight_standardize`` (WSConv)    ``FP32_FUNCS``               ``FP32_FUNCS``
    ``gn_channel_affine`` (old DBN)       ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
-   ``gn_sync_sum``, ``gn_dbn_whiten``    ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
-   (SyncDBN training, float64)
+   ``gn_sync_sum``, ``gn_dbn_whiten``,   ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
+   ``gn_dbn_local_sums``,
+   ``gn_dbn_local_cov`` (SyncDBN
+   training, float64 statistics)
    ``gn_dbn_apply`` (SyncDBN training)   ``FP16_FP32_FUNCS``: no cast ``FP32_FUNCS``
    ===================================== ============================ ==========================
 
@@ -62,8 +64,9 @@ FP32_OPS = ("gn_dbn", "gn_dbn_inference", "gn_weight_standardize")
 #: Ops that run in whatever precision reaches them (AMP inserts no casts): DecorrelatedBatchNorm's
 #: fused affine takes float16 or float32 data, with float32 (master) gamma/beta for either.
 #: Synchronized DBN's training ops: its statistics are float64 whatever the data's dtype, and
-#: gn_dbn_apply takes float16 / float32 / float64 data like gn_channel_affine.
-EITHER_OPS = ("gn_channel_affine", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
+#: gn_dbn_local_sums / gn_dbn_local_cov / gn_dbn_apply take float16 / float32 / float64 data.
+EITHER_OPS = ("gn_channel_affine", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply",
+              "gn_dbn_local_sums", "gn_dbn_local_cov")
 #: MXNet 1.9.1 has no CPU float16 gemm: AMP on CPU must run these in float32. (``dot`` and
 #: ``batch_dot`` are widest-type ops, which the converters refuse in any other list: they stay
 #: float32 as long as no float16 tensor reaches them.)

@@ -48,8 +48,9 @@ gn_dbn_inference     Sub running_mean -> MatMul(running_projection (G, D, D), x 
 gn_channel_affine    per-channel Mul / Add on an (N, C, -1) view.
 gn_dbn               not exported: it is the training op (``HybridBlock.export`` always writes the
                      inference graph with ``gn_dbn_inference``); a clear error says so.
-gn_sync_sum          not exported, as gn_dbn (nor ``gn_dbn_whiten``, ``gn_dbn_apply``): synchronized
-                     DBN's training ops (a barrier across devices, batch statistics);
+gn_sync_sum          not exported, as gn_dbn (nor ``gn_dbn_whiten``, ``gn_dbn_apply``,
+                     ``gn_dbn_local_sums``, ``gn_dbn_local_cov``): synchronized DBN's training
+                     ops (a barrier across devices, batch statistics);
                      ``SyncDecorrelatedBatchNorm.export`` writes ``gn_dbn_inference``. A clear
                      error says so.
 ==================== ============================================================================
@@ -217,7 +218,8 @@ _wrap_graph_proto()
 
 #: Every op of the library (``_library.OPS``) has a converter; the training ops' refuse clearly.
 CONVERTED_OPS = ("gn_group_norm", "gn_moments", "gn_dbn_inference", "gn_channel_affine", "gn_dbn",
-                 "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply")
+                 "gn_weight_standardize", "gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply",
+                 "gn_dbn_local_sums", "gn_dbn_local_cov")
 ACT_TYPES = ("none", "relu", "silu")
 
 
@@ -504,5 +506,6 @@ def _refuse_sync(node, **kwargs):
         "the symbol and params it saves.")
 
 
-for _op in ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply"):
+for _op in ("gn_sync_sum", "gn_dbn_whiten", "gn_dbn_apply", "gn_dbn_local_sums",
+            "gn_dbn_local_cov"):
     _register(_op)(_refuse_sync)

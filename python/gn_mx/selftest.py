@@ -9,7 +9,8 @@ Runs, on each device:
     (gn_mx/_reference.py; IterNorm's gradient by central differences of its float64 forward),
     gn_weight_standardize forward and gradient, gn_group_norm on channels-last data (axis=-1) and
     its double backward; the synchronized-DBN ops (CPU-only, checked on the CPU): gn_sync_sum
-    with one device, gn_dbn_whiten (ZCA, IterNorm) of a known covariance, gn_dbn_apply;
+    with one device, gn_dbn_whiten (ZCA, IterNorm) of a known covariance, gn_dbn_apply,
+    gn_dbn_local_sums / gn_dbn_local_cov (group sums, mean, covariance);
   * a short timing table: gn_mx's GroupNorm next to MXNet's own GroupNorm and BatchNorm.
 It prints a report (gn_mx build, MXNet, GPUs with driver and CUDA versions, PASS/FAIL per check
 with the error's message, timings) and exits 0 when every check passed, 1 when one failed, 2 when
@@ -359,11 +360,31 @@ def _dbn_apply_ref(x, gamma, beta, mean, W):
     return y * gamma.astype(np.float64).reshape(bshape) + beta.astype(np.float64).reshape(bshape)
 
 
+def check_dbn_local_stats(ctx, dtype, shape, G=2):
+    """gn_dbn_local_sums / gn_dbn_local_cov of one device: the group sums and count, the mean and
+    covariance against float64 numpy."""
+    import mxnet as mx
+    N, C, D = shape[0], shape[1], shape[1] // G
+    x = _data(shape, dtype, 40)
+    xs = _nd(mx.cpu(), x)
+    tot = mx.nd.gn_dbn_local_sums(xs, num_groups=G)
+    cov, mean = mx.nd.gn_dbn_local_cov(xs, tot, num_groups=G)
+    cols = x.astype(np.float64).reshape((N, G, D, -1)).transpose(1, 2, 0, 3).reshape((G, D, -1))
+    m = cols.shape[-1]
+    mu = cols.mean(axis=2, keepdims=True)
+    want_tot = np.concatenate([cols.sum(axis=2), np.full((G, 1), float(m))], axis=1)
+    want_cov = np.einsum("gik,gjk->gij", cols - mu, cols - mu) / m
+    return max(_close("tot", tot.asnumpy(), want_tot, np.float64, TOL),
+               _close("mean", mean.asnumpy(), mu.reshape(-1), np.float64, TOL),
+               _close("cov", cov.asnumpy(), want_cov, np.float64, TOL))
+
+
 #: Every op of the library (``_library.OPS``) -> the prefix of its checks' names.
 CHECKED_OPS = {"gn_group_norm": "group_norm", "gn_moments": "moments", "gn_dbn": "dbn zca",
                "gn_dbn_inference": "dbn_inference", "gn_channel_affine": "channel_affine",
                "gn_weight_standardize": "weight_standardize", "gn_sync_sum": "sync_sum",
-               "gn_dbn_whiten": "dbn_whiten", "gn_dbn_apply": "dbn_apply"}
+               "gn_dbn_whiten": "dbn_whiten", "gn_dbn_apply": "dbn_apply",
+               "gn_dbn_local_sums": "dbn_local_stats", "gn_dbn_local_cov": "dbn_local_stats"}
 
 
 def op_checks():
@@ -397,6 +418,8 @@ def op_checks():
                         lambda c, d=dtype, s=shape: check_dbn_iternorm(c, d, s)))
         out.append((f"dbn_apply {dn} 3x4x2x2",
                     lambda c, d=dtype: check_dbn_apply(c, d, (3, 4, 2, 2))))
+        out.append((f"dbn_local_stats {dn} 3x4x2x2",
+                    lambda c, d=dtype: check_dbn_local_stats(c, d, (3, 4, 2, 2))))
     out.append(("sync_sum float64 2x3", lambda c: check_sync_sum(c, (2, 3))))
     for whitening in ("zca", "iternorm"):
         out.append((f"dbn_whiten {whitening} float64 2x3x3",

@@ -5,11 +5,12 @@ all devices together: N devices with batch b each give the outputs, gradients an
 of one DBN on the N*b batch. Devices are the contexts of one process (the Gluon ``split_and_load``
 loop, ``num_devices`` of them, as MXNet's ``SyncBatchNorm``) or Horovod ranks (``horovod=True``).
 
-The training step, per group (python here, MXNet's own ops; the native pieces in ``gn_sync_sum``,
-``gn_dbn_whiten``, ``gn_dbn_apply``; src/operator/kernels/dbn_sync.h), all in float64:
+The training step, per group (the native ops ``gn_dbn_local_sums``, ``gn_dbn_local_cov``,
+``gn_sync_sum``, ``gn_dbn_whiten``, ``gn_dbn_apply``; src/operator/kernels/dbn_sync.h), statistics
+in float64:
 
 1. ``[sum_cols(X_p) | m_p]`` summed over the devices gives the global mean ``mu``;
-2. ``(X_p - mu)(X_p - mu)^T`` summed over the devices, divided by ``m``, the covariance ``C``;
+2. ``(X_p - mu)(X_p - mu)^T / m`` summed over the devices, the covariance ``C``;
 3. ``W = whitening(C + eps I)`` (ZCA or IterNorm, the fused op's D x D math), running statistics;
 4. ``gamma * W (X_p - mu) + beta``, rounded once to the data's dtype (``gn_dbn_apply``).
 
@@ -87,13 +88,6 @@ def _pool_problem(num_devices):
             f"set {need} before importing mxnet (gn_mx.sync.cpu_pool_environment)")
 
 
-def _group_columns(F, x, num_groups):
-    """x (N, C, *spatial) as float64 (G, D, m) columns."""
-    x3 = F.reshape(F.cast(x, dtype="float64"), shape=(0, 0, -1))
-    xt = F.transpose(F.reshape(x3, shape=(0, -4, num_groups, -1, 0)), axes=(1, 2, 0, 3))
-    return F.reshape(xt, shape=(0, 0, -1))
-
-
 def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_groups, reduce,
                       eps=1e-5, momentum=0.9, whitening="zca", iterations=5):
     """Synchronized DBN's training output (the module docstring's steps), nd or sym.
@@ -102,19 +96,11 @@ def sync_dbn_training(F, x, gamma, beta, running_mean, running_projection, num_g
     'mean' or 'cov', one barrier each); the identity gives single-device DBN. Running statistics
     are updated in place (``gn_dbn_whiten``).
     """
-    xg = _group_columns(F, x, num_groups)
-    s1 = F.sum(xg, axis=2, keepdims=True)                                      # (G, D, 1)
-    cnt = F.sum(F.ones_like(F.slice_axis(xg, axis=1, begin=0, end=1)), axis=2,
-                keepdims=True)                                                 # (G, 1, 1)
-    tot = reduce(F, F.concat(s1, cnt, dim=1), "mean")
-    m = F.slice_axis(tot, axis=1, begin=-1, end=None)
-    mu = F.broadcast_div(F.slice_axis(tot, axis=1, begin=0, end=-1), m)
-    xc = F.broadcast_sub(xg, mu)
-    cov = F.broadcast_div(reduce(F, F.batch_dot(xc, xc, transpose_b=True), "cov"), m)
+    tot = reduce(F, F.gn_dbn_local_sums(x, num_groups=num_groups), "mean")
+    cov, mu = F.gn_dbn_local_cov(x, tot, num_groups=num_groups)
     kw = {} if whitening == "zca" else {"whitening": whitening, "iterations": iterations}
-    mu = F.reshape(mu, shape=(-1,))
-    W = F.gn_dbn_whiten(cov, mu, running_mean, running_projection, eps=eps, momentum=momentum,
-                        **kw)[0]
+    W = F.gn_dbn_whiten(reduce(F, cov, "cov"), mu, running_mean, running_projection, eps=eps,
+                        momentum=momentum, **kw)[0]
     return F.gn_dbn_apply(x, gamma, beta, mu, W, num_groups=num_groups)
 
 

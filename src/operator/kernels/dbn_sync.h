@@ -1,13 +1,16 @@
 /*
- * dbn_sync.h: the native pieces of synchronized DBN (python/gn_mx/sync.py computes the statistics'
- * sums with MXNet's own ops): the D x D whitening step from a given covariance, with its backward,
- * the apply step out = gamma W (x - mu) + beta with its backward, and the in-process sum of one
- * float64 tensor across the devices of a key. No MXNet types.
+ * dbn_sync.h: the native pieces of synchronized DBN (python/gn_mx/sync.py strings them together):
+ * each device's local sums and its local covariance about the global mean, the D x D whitening
+ * step from a given covariance, the apply step out = gamma W (x - mu) + beta, each with its
+ * backward, and the in-process sum of one float64 tensor across the devices of a key. No MXNet
+ * types.
  *
  * Synchronized DBN over P devices (each with m_p = N_p * S columns per group):
- *   round 1: mu = sum_p sum_cols(X_p) / sum_p m_p                  (gn_sync_sum of [sums | counts])
- *   round 2: C  = sum_p (X_p - mu 1^T)(X_p - mu 1^T)^T / m         (gn_sync_sum of the local grams)
- *   W = whitening(C + eps I) (this file), Y_p = W (X_p - mu 1^T), out = gamma Y_p + beta (this file)
+ *   round 1: tot = sum_p [sum_cols(X_p) | m_p]                    (gn_dbn_local_sums, gn_sync_sum)
+ *            mu = tot[:D] / m, m = tot[D]
+ *   round 2: C  = sum_p (X_p - mu 1^T)(X_p - mu 1^T)^T / m         (gn_dbn_local_cov, gn_sync_sum)
+ *   W = whitening(C + eps I) (gn_dbn_whiten), Y_p = W (X_p - mu 1^T), out = gamma Y_p + beta
+ *   (gn_dbn_apply)
  * Two rounds instead of raw moments keep the exact two-pass covariance (no E[xx^T] - mu mu^T).
  * All of it runs in float64; the backward of each sum is the same sum of the gradients.
  *
@@ -82,7 +85,8 @@ struct SyncSumArgs {
 //   backward  dx = W_g^T a,  dW_g += a xc^T,  dmean_g -= W_g^T a,  dgamma_i += dy_i (W_g xc)_i,
 //             dbeta_i += dy_i                   (the sums run over every (n, s) of this device)
 // Layout (N, C, S); gamma / beta in param_dtype; mean (C,) and W (G, D, D) float64. Loops in
-// float64, one thread (the data passes of a few images per device; D^2 per column).
+// float64: each group's columns gathered into a panel, the D x D products as BLAS gemms
+// (dbn_sync_data_cpu.cc).
 struct DbnApplyArgs {
   DType dtype = DType::kFloat32;        // x / y / dy / dx
   DType param_dtype = DType::kFloat32;  // gamma / beta / dgamma / dbeta
@@ -102,6 +106,29 @@ struct DbnApplyArgs {
 };
 const char* dbn_apply_cpu(const DbnApplyArgs& a);
 const char* dbn_apply_bwd_cpu(const DbnApplyArgs& a);
+
+// Local statistics of one device (layout (N, C, S), data in dtype; everything else float64):
+//   sums:  tot[g, i] = sum over (n, s) of x[n, g D + i, s] (i < D), tot[g, D] = N S (the count);
+//          backward dx[n, g D + i, s] = dtot[g, i].
+//   cov:   from the global tot (summed over the devices): mean[g D + i] = tot[g, i] / tot[g, D],
+//          cov[g] = (X_g - mean)(X_g - mean)^T / tot[g, D] over this device's columns;
+//          backward (dcov, dmean -> dx, dtot) through both outputs, tot's count included.
+struct DbnLocalArgs {
+  DType dtype = DType::kFloat32;  // x / dx
+  const void* x = nullptr;
+  double* tot = nullptr;          // (G, D + 1): sums' output, cov's input
+  double* mean = nullptr;         // (C,): cov's output
+  double* cov = nullptr;          // (G, D, D): cov's output
+  const double* dcov = nullptr;   // cov backward: output gradients (dmean may be null)
+  const double* dmean = nullptr;
+  double* dtot = nullptr;         // backward: sums' input gradient; cov's output
+  void* dx = nullptr;             // backward output, written in full
+  GroupDims dims;
+};
+const char* dbn_local_sums_cpu(const DbnLocalArgs& a);
+const char* dbn_local_sums_bwd_cpu(const DbnLocalArgs& a);
+const char* dbn_local_cov_cpu(const DbnLocalArgs& a);
+const char* dbn_local_cov_bwd_cpu(const DbnLocalArgs& a);
 
 // nullptr, or the error of this round (thread-local text, valid until the next call).
 const char* sync_sum_cpu(const SyncSumArgs& a);

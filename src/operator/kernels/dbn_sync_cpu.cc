@@ -1,8 +1,8 @@
 /*
- * dbn_sync_cpu.cc: synchronized DBN's native pieces on the host (contract and math: dbn_sync.h).
- * The D x D steps are dbn_math.h's, run with the CPU executor, so a given Sigma gives the fused
- * op's W and dL/dSigma; groups run one after another (G D x D problems, small next to the data
- * passes, which MXNet's own ops do in python/gn_mx/sync.py).
+ * dbn_sync_cpu.cc: synchronized DBN's D x D whitening step and in-process barrier on the host
+ * (contract and math: dbn_sync.h; the passes over the data: dbn_sync_data_cpu.cc). The D x D steps
+ * are dbn_math.h's, run with the CPU executor, so a given Sigma gives the fused op's W and
+ * dL/dSigma; groups run one after another (G D x D problems, small next to the data passes).
  */
 #include "dbn_sync.h"
 
@@ -108,76 +108,6 @@ const char* dbn_whiten_bwd_cpu(const DbnWhitenBwdArgs& a) {
                     nullptr, W.data(), B,
                     DbnBwdScratch{p, p + DD, p + 2 * DD, p + 3 * DD, p + 3 * DD + a.D});
     }
-  }
-  return nullptr;
-}
-
-namespace {
-
-// The centred column x[n, g, :, s] - mu_g into xc (float64).
-void centred_column(const DbnApplyArgs& a, int64_t base, int64_t g, int64_t s, double* xc) {
-  const int64_t D = a.dims.D, S = a.dims.S;
-  for (int64_t d = 0; d < D; ++d)
-    xc[d] = dbn_load_stat(a.dtype, a.x, base + d * S + s) - a.mean[g * D + d];
-}
-
-}  // namespace
-
-const char* dbn_apply_cpu(const DbnApplyArgs& a) {
-  const int64_t N = a.dims.N, C = a.dims.C, G = a.dims.G, D = a.dims.D, S = a.dims.S;
-  std::vector<double> xc(D);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t base = (n * C + g * D) * S;
-      const double* W = a.W + g * D * D;
-      for (int64_t s = 0; s < S; ++s) {
-        centred_column(a, base, g, s, xc.data());
-        for (int64_t i = 0; i < D; ++i) {
-          double v = 0.0;
-          for (int64_t j = 0; j < D; ++j) v += W[i * D + j] * xc[j];
-          const int64_t c = g * D + i;
-          v = dbn_load_stat(a.param_dtype, a.gamma, c) * v +
-              dbn_load_stat(a.param_dtype, a.beta, c);
-          dbn_store_stat(a.dtype, a.y, base + i * S + s, v);
-        }
-      }
-    }
-  return nullptr;
-}
-
-const char* dbn_apply_bwd_cpu(const DbnApplyArgs& a) {
-  const int64_t N = a.dims.N, C = a.dims.C, G = a.dims.G, D = a.dims.D, S = a.dims.S;
-  std::vector<double> xc(D), ag(D), sdy(C, 0.0), sdyx(C, 0.0);
-  std::fill(a.dW, a.dW + G * D * D, 0.0);
-  std::fill(a.dmean, a.dmean + C, 0.0);
-  for (int64_t n = 0; n < N; ++n)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t base = (n * C + g * D) * S;
-      const double* W = a.W + g * D * D;
-      double* dW = a.dW + g * D * D;
-      for (int64_t s = 0; s < S; ++s) {
-        centred_column(a, base, g, s, xc.data());
-        for (int64_t i = 0; i < D; ++i) {
-          const int64_t c = g * D + i;
-          const double dy = dbn_load_stat(a.dtype, a.dy, base + i * S + s);
-          double xhat = 0.0;
-          for (int64_t j = 0; j < D; ++j) xhat += W[i * D + j] * xc[j];
-          sdy[c] += dy;
-          sdyx[c] += dy * xhat;
-          ag[i] = dbn_load_stat(a.param_dtype, a.gamma, c) * dy;
-          for (int64_t j = 0; j < D; ++j) dW[i * D + j] += ag[i] * xc[j];
-        }
-        for (int64_t j = 0; j < D; ++j) {
-          double v = 0.0;
-          for (int64_t i = 0; i < D; ++i) v += W[i * D + j] * ag[i];
-          dbn_store_stat(a.dtype, a.dx, base + j * S + s, v);
-          a.dmean[g * D + j] -= v;
-        }
-      }
-    }
-  for (int64_t c = 0; c < C; ++c) {
-    dbn_store_stat(a.param_dtype, a.dgamma, c, sdyx[c]);
-    dbn_store_stat(a.param_dtype, a.dbeta, c, sdy[c]);
   }
   return nullptr;
 }

@@ -1,5 +1,5 @@
 /*
- * dbn_sync_ops.cc: MXNet registration of synchronized DBN's three native ops (contract:
+ * dbn_sync_ops.cc: MXNet registration of synchronized DBN's native ops (contract:
  * docs/reference/ops.md; math: ../kernels/dbn_sync.h). CPU only: no "gpu" registration yet.
  *
  * gn_sync_sum:   input data (any shape, float64); output the sum of data over the num_devices calls
@@ -17,6 +17,13 @@
  *                float16 data), mean (C,) float64, W (G, D, D) float64; attribute num_groups;
  *                output out = gamma[c] (W_g (x - mean))[c] + beta[c] in the data dtype.
  *                Backward: gradients of all five inputs (dbn_sync.h).
+ * gn_dbn_local_sums: input data (N, C, *spatial); attribute num_groups; output (G, D + 1) float64:
+ *                per group the channel sums over this device's (sample, position) columns and
+ *                their count. Backward: d data (each element gets its channel's sum gradient).
+ * gn_dbn_local_cov: inputs data, tot (G, D + 1) float64 (gn_dbn_local_sums summed over the
+ *                devices); attribute num_groups; outputs cov (G, D, D) (this device's columns'
+ *                outer products about the global mean, divided by the global count) and mean (C,),
+ *                float64. Backward: d data and d tot (count included).
  */
 #include <cmath>
 #include <cstdlib>
@@ -36,6 +43,8 @@ namespace {
 constexpr char kSum[] = "gn_sync_sum";
 constexpr char kWhiten[] = "gn_dbn_whiten";
 constexpr char kApply[] = "gn_dbn_apply";
+constexpr char kSums[] = "gn_dbn_local_sums";
+constexpr char kLocalCov[] = "gn_dbn_local_cov";
 
 // ---- gn_sync_sum --------------------------------------------------------------------------------
 struct SumParams {
@@ -331,12 +340,15 @@ MXReturnValue whiten_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
 // ---- gn_dbn_apply -------------------------------------------------------------------------------
 enum ApplyIn { kApMean = kAffNumIn, kApW, kApNumIn };
 
-int64_t apply_groups(const AttrMap& attrs) {
-  Attrs a(kApply, attrs, {"num_groups"});
+// The num_groups attribute of the data-pass ops (their only one).
+int64_t groups_attr(const char* op, const AttrMap& attrs) {
+  Attrs a(op, attrs, {"num_groups"});
   const int64_t G = a.get_int("num_groups", 1);
-  if (G <= 0) fail(kApply, ": num_groups must be positive; got ", G);
+  if (G <= 0) fail(op, ": num_groups must be positive; got ", G);
   return G;
 }
+
+int64_t apply_groups(const AttrMap& attrs) { return groups_attr(kApply, attrs); }
 
 MXReturnValue apply_parse(const AttrMap& attrs, int* num_in, int* num_out) {
   return guarded(kApply, [&] {
@@ -437,6 +449,160 @@ MXReturnValue apply_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
   });
 }
 
+
+// ---- gn_dbn_local_sums, gn_dbn_local_cov ----------------------------------------------------------
+enum CovIn { kCovData = 0, kCovTot, kCovNumIn };
+enum CovOut { kCovCov = 0, kCovMean, kCovNumOut };
+
+template <const char* Op, int NumIn, int NumOut>
+MXReturnValue local_parse(const AttrMap& attrs, int* num_in, int* num_out) {
+  return guarded(Op, [&] {
+    groups_attr(Op, attrs);
+    *num_in = NumIn;
+    *num_out = NumOut;
+    return MX_SUCCESS;
+  });
+}
+
+// (G, D + 1): the shape of the sums (and of gn_dbn_local_cov's tot) for data in dims d.
+std::vector<unsigned> tot_shape(const GroupDims& d) {
+  return {static_cast<unsigned>(d.G), static_cast<unsigned>(d.D + 1)};
+}
+
+// Data dims from the data input; the D limit of the whitening step (gn_dbn_whiten) for cov.
+GroupDims local_dims(const char* op, const std::vector<int64_t>& shape, const AttrMap& attrs) {
+  const GroupDims d = data_groups(op, shape, groups_attr(op, attrs));
+  if (op == kLocalCov && d.D > kDbnMaxGroupSizeCpu)
+    fail(op, ": group size C / num_groups must be <= ", kDbnMaxGroupSizeCpu, "; got ", d.D,
+         " for data shape ", shape_str(shape));
+  return d;
+}
+
+MXReturnValue sums_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
+                         std::vector<std::vector<unsigned>>* out) {
+  return guarded(kSums, [&] {
+    const auto& ds = (*in)[0];
+    if (data_shape_unknown(kSums, ds)) return MX_SUCCESS;
+    (*out)[0] = tot_shape(local_dims(kSums, to_i64(ds), attrs));
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue cov_shape(const AttrMap& attrs, std::vector<std::vector<unsigned>>* in,
+                        std::vector<std::vector<unsigned>>* out) {
+  return guarded(kLocalCov, [&] {
+    const auto& ds = (*in)[kCovData];
+    if (data_shape_unknown(kLocalCov, ds)) return MX_SUCCESS;
+    const GroupDims d = local_dims(kLocalCov, to_i64(ds), attrs);
+    const std::vector<unsigned> want = tot_shape(d);
+    auto& ts = (*in)[kCovTot];
+    if (shape_unknown(ts)) {
+      ts = want;
+    } else if (ts != want) {
+      fail(kLocalCov, ": tot must have shape ", shape_str(to_i64(want)), " for data shape ",
+           shape_str(to_i64(ds)), "; got ", shape_str(to_i64(ts)));
+    }
+    const unsigned G = static_cast<unsigned>(d.G), D = static_cast<unsigned>(d.D);
+    (*out)[kCovCov] = {G, D, D};
+    (*out)[kCovMean] = {static_cast<unsigned>(d.C)};
+    return MX_SUCCESS;
+  });
+}
+
+// data: any float dtype; the other inputs (tot) and every output float64.
+template <const char* Op>
+MXReturnValue local_type(const AttrMap& attrs, std::vector<int>* in, std::vector<int>* out) {
+  return guarded(Op, [&] {
+    groups_attr(Op, attrs);
+    check_float_data(Op, (*in)[0]);
+    for (size_t i = 1; i < in->size(); ++i) {
+      int& t = (*in)[i];
+      if (t != kDtypeUnknown && t != kFloat64)
+        fail(Op, ": tot must be float64; got ", mx_dtype_name(t));
+      t = kFloat64;
+    }
+    for (int& t : *out) t = kFloat64;
+    return MX_SUCCESS;
+  });
+}
+
+// Args from the forward inputs (data[, tot]) after the run-time checks (cpu, sizes).
+DbnLocalArgs local_args(const char* op, const AttrMap& attrs, const MXTensor* ins, int num_in,
+                        const OpResource& res) {
+  if (device_of(op, ins[0], res).gpu) fail(op, ": gpu contexts are not supported yet (cpu only)");
+  DbnLocalArgs a;
+  a.dims = local_dims(op, ins[0].shape, attrs);
+  a.dtype = to_dtype(ins[0].dtype);
+  a.x = ins[0].data_ptr;
+  if (num_in > kCovTot) {
+    if (ins[kCovTot].size() != a.dims.G * (a.dims.D + 1) || ins[kCovTot].dtype != kFloat64)
+      fail(op, ": tot must be float64 of shape (", a.dims.G, ", ", a.dims.D + 1,
+           ") for data shape ", shape_str(ins[0].shape), "; got ", shape_str(ins[kCovTot].shape));
+    a.tot = static_cast<double*>(ins[kCovTot].data_ptr);
+  }
+  return a;
+}
+
+MXReturnValue sums_fwd(const AttrMap& attrs, std::vector<MXTensor>* in,
+                       std::vector<MXTensor>* out, const OpResource& res) {
+  return guarded(kSums, [&] {
+    DbnLocalArgs a = local_args(kSums, attrs, in->data(), 1, res);
+    a.tot = static_cast<double*>((*out)[0].data_ptr);
+    if (const char* e = dbn_local_sums_cpu(a)) fail(kSums, ": ", e);
+    return MX_SUCCESS;
+  });
+}
+
+// Backward inputs: [dtot, data, tot]; output: ddata.
+MXReturnValue sums_bwd(const AttrMap& attrs, std::vector<MXTensor>* in,
+                       std::vector<MXTensor>* out, const OpResource& res) {
+  return guarded(kSums, [&] {
+    if (in->size() != 3 || out->size() != 1)
+      fail(kSums, ": backward expected 3 inputs and 1 output; got ", in->size(), " and ",
+           out->size());
+    DbnLocalArgs a = local_args(kSums, attrs, in->data() + 1, 1, res);
+    check_grad_dtype(kSums, (*in)[0], kFloat64, "tot");
+    a.dtot = static_cast<double*>((*in)[0].data_ptr);
+    a.dx = (*out)[0].data_ptr;
+    if (const char* e = dbn_local_sums_bwd_cpu(a)) fail(kSums, ": ", e);
+    return MX_SUCCESS;
+  });
+}
+
+MXReturnValue cov_fwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                      const OpResource& res) {
+  return guarded(kLocalCov, [&] {
+    DbnLocalArgs a = local_args(kLocalCov, attrs, in->data(), kCovNumIn, res);
+    a.cov = static_cast<double*>((*out)[kCovCov].data_ptr);
+    a.mean = static_cast<double*>((*out)[kCovMean].data_ptr);
+    if (const char* e = dbn_local_cov_cpu(a)) fail(kLocalCov, ": ", e);
+    return MX_SUCCESS;
+  });
+}
+
+// Backward inputs: [dcov, dmean, data, tot, cov, mean]; outputs: ddata, dtot.
+MXReturnValue cov_bwd(const AttrMap& attrs, std::vector<MXTensor>* in, std::vector<MXTensor>* out,
+                      const OpResource& res) {
+  return guarded(kLocalCov, [&] {
+    if (in->size() != 2 * kCovNumOut + kCovNumIn || out->size() != kCovNumIn)
+      fail(kLocalCov, ": backward expected ", 2 * kCovNumOut + kCovNumIn, " inputs and ",
+           int(kCovNumIn), " outputs; got ", in->size(), " and ", out->size());
+    const MXTensor* ins = in->data() + kCovNumOut;
+    const MXTensor* outs = ins + kCovNumIn;
+    DbnLocalArgs a = local_args(kLocalCov, attrs, ins, kCovNumIn, res);
+    check_grad_dtype(kLocalCov, (*in)[kCovCov], kFloat64, "cov");
+    check_grad_dtype(kLocalCov, (*in)[kCovMean], kFloat64, "mean");
+    a.cov = static_cast<double*>(outs[kCovCov].data_ptr);
+    a.mean = static_cast<double*>(outs[kCovMean].data_ptr);
+    a.dcov = static_cast<const double*>((*in)[kCovCov].data_ptr);
+    a.dmean = static_cast<const double*>((*in)[kCovMean].data_ptr);
+    a.dx = (*out)[kCovData].data_ptr;
+    a.dtot = static_cast<double*>((*out)[kCovTot].data_ptr);
+    if (const char* e = dbn_local_cov_bwd_cpu(a)) fail(kLocalCov, ": ", e);
+    return MX_SUCCESS;
+  });
+}
+
 }  // namespace
 }  // namespace mxa
 }  // namespace gn_mx
@@ -465,3 +631,20 @@ REGISTER_OP(gn_dbn_whiten)
     .setMutateInputs(gn_mx::mxa::whiten_mutate)
     .setForward(gn_mx::mxa::whiten_fwd, "cpu")
     .setBackward(gn_mx::mxa::whiten_bwd, "cpu");
+
+REGISTER_OP(gn_dbn_local_sums)
+    .setParseAttrs(gn_mx::mxa::local_parse<gn_mx::mxa::kSums, 1, 1>)
+    .setInferType(gn_mx::mxa::local_type<gn_mx::mxa::kSums>)
+    .setInferShape(gn_mx::mxa::sums_shape)
+    .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kSums>)
+    .setForward(gn_mx::mxa::sums_fwd, "cpu")
+    .setBackward(gn_mx::mxa::sums_bwd, "cpu");
+
+REGISTER_OP(gn_dbn_local_cov)
+    .setParseAttrs(gn_mx::mxa::local_parse<gn_mx::mxa::kLocalCov, gn_mx::mxa::kCovNumIn,
+                                           gn_mx::mxa::kCovNumOut>)
+    .setInferType(gn_mx::mxa::local_type<gn_mx::mxa::kLocalCov>)
+    .setInferShape(gn_mx::mxa::cov_shape)
+    .setInferSType(gn_mx::mxa::dense_storage<gn_mx::mxa::kLocalCov>)
+    .setForward(gn_mx::mxa::cov_fwd, "cpu")
+    .setBackward(gn_mx::mxa::cov_bwd, "cpu");
