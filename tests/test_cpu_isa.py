@@ -110,6 +110,82 @@ def test_each_level(level):
     assert r.returncode == 0 and f"LONG_OK {level}" in r.stdout, r.stdout[-4000:] + r.stderr[-3000:]
 
 
+@pytest.mark.parametrize("fp16_avx512", ["0", "1"])
+def test_avx512_level_both_fp16_tables(fp16_avx512):
+    """The avx512 level's fp16 primitives: the AVX2/F16C table (other vendors) and the 512-bit one
+    (Intel), each forced with GNMX_CPU_FP16_AVX512 so that both run on any AVX-512 CPU: the
+    long-run cases (the selftest's checks too) within the same tolerances."""
+    if "avx512" not in LEVELS:
+        pytest.skip("this CPU has no avx512 level")
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "GNMX_CPU_ISA": "avx512",
+           "GNMX_CPU_FP16_AVX512": fp16_avx512}
+    r = subprocess.run([sys.executable, "-c", textwrap.dedent(LONG_RUNS), "avx512", "none"],
+                       capture_output=True, text=True, env=env, timeout=600)
+    assert r.returncode == 0 and "LONG_OK avx512" in r.stdout, r.stdout[-4000:] + r.stderr[-3000:]
+
+
+DBN_BITS = """
+    import hashlib, numpy as np, mxnet as mx, gn_mx
+    out = []
+    # D = 136: 16-double / 32-float strips, then an 8-wide avx2 strip or the generic columns;
+    # D = 100: dmm_nn's 16-column strips and 4 columns left; G = 2 groups
+    for D, wh in ((136, "iternorm"), (100, "zca"), (136, "zca")):
+        for dt in ("float32", "float64"):
+            rng = np.random.RandomState(D)
+            x = mx.nd.array(rng.randn(48, 2 * D, 2, 2), dtype=dt)
+            x.attach_grad()
+            blk = gn_mx.DecorrelatedBatchNorm(num_groups=2, in_channels=2 * D, whitening=wh,
+                                              epsilon=1e-3)
+            blk.initialize()
+            blk.cast(dt)
+            with mx.autograd.record():
+                y = blk(x)
+            y.backward(mx.nd.array(rng.randn(*x.shape), dtype=dt))
+            b = y.asnumpy().tobytes() + x.grad.asnumpy().tobytes() + blk.gamma.grad().asnumpy().tobytes()
+            out.append(hashlib.md5(b).hexdigest())
+    print("BITS " + " ".join(out))
+"""
+
+
+def test_dbn_products_same_bits_on_avx2_and_avx512():
+    """DBN's D x D products (ZCA's dmm_nn, IterNorm's blocked chains) run 512-bit tiles on the
+    avx512 level; each entry is the same FMA chain as the avx2 tile's, so outputs and gradients of
+    ZCA and IterNorm (fp32 and fp64) are bit for bit the avx2 level's, strips, leftover avx2 strips
+    and generic columns included."""
+    if "avx512" not in LEVELS:
+        pytest.skip("this CPU has no avx512 level")
+    got = {}
+    for level in ("avx2", "avx512"):
+        r = _run(DBN_BITS, level)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got[level] = r.stdout.split("BITS ", 1)[1].split()
+    assert got["avx2"] == got["avx512"], got
+
+
+FP16_HASH = """
+    import hashlib, numpy as np, mxnet as mx, gn_mx
+    x = mx.nd.array(np.random.RandomState(0).randn(2, 64, 37, 29), dtype="float16")
+    g, b = mx.nd.ones(64, dtype="float16"), mx.nd.zeros(64, dtype="float16")
+    mean = mx.nd.gn_group_norm(x, g, b, num_groups=32)[1].asnumpy()
+    print("HASH " + hashlib.md5(mean.tobytes()).hexdigest())
+"""
+
+
+def test_fp16_avx512_override_takes_effect():
+    """GNMX_CPU_FP16_AVX512 switches the avx512 level's fp16 table: 16- and 8-lane sums round
+    differently, so the float32 group means of the same fp16 data differ in their last bits."""
+    if "avx512" not in LEVELS:
+        pytest.skip("this CPU has no avx512 level")
+    got = []
+    for v in ("0", "1"):
+        env = {**os.environ, "GNMX_CPU_ISA": "avx512", "GNMX_CPU_FP16_AVX512": v}
+        r = subprocess.run([sys.executable, "-c", textwrap.dedent(FP16_HASH)], capture_output=True,
+                           text=True, env=env, timeout=300)
+        assert r.returncode == 0, r.stderr[-3000:]
+        got.append(r.stdout.split("HASH ", 1)[1].strip())
+    assert got[0] != got[1], got
+
+
 # EVEX-only operands: zmm registers, mask registers k1-k7, xmm/ymm 16-31, embedded broadcasts.
 EVEX = re.compile(r"%zmm|%k[1-7]|%[xy]mm(1[6-9]|2[0-9]|3[01])\b|\{1to")
 

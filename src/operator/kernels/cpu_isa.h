@@ -68,6 +68,22 @@ inline CpuIsa cpu_isa() {
 inline bool cpu_has_avx2() { return cpu_isa() >= CpuIsa::kAvx2; }
 inline bool cpu_has_avx512() { return cpu_isa() >= CpuIsa::kAvx512; }
 
+// Whether the avx512 level also converts fp16 512 bits at a time (simd_cpu.h's fp16 primitives):
+// on an Intel Xeon (full-width AVX-512 units) they beat the AVX2/F16C ones by 5-18%; on AMD's
+// Zen 4, which splits 512-bit work into two 256-bit halves, they were 1.15x slower
+// (benchmarks/results/simd_levels_cpu.md). So the rule is the vendor: Intel yes, others no;
+// GNMX_CPU_FP16_AVX512=1 / 0 overrides it (read once per process; the tests run both tables on
+// any AVX-512 CPU).
+inline bool cpu_fast_avx512_fp16() {
+  static const bool fast = [] {
+    const char* e = std::getenv("GNMX_CPU_FP16_AVX512");
+    if (e != nullptr && (std::strcmp(e, "0") == 0 || std::strcmp(e, "1") == 0)) return *e == '1';
+    __builtin_cpu_init();
+    return __builtin_cpu_is("intel") != 0;
+  }();
+  return fast;
+}
+
 // Horizontal sums (inlined into any avx2,fma[,f16c] caller).
 __attribute__((target("avx2,fma"), always_inline)) inline float hsum8(__m256 v) {
   __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
@@ -107,29 +123,69 @@ template <> struct Avx2Vec<double> {
 };
 #undef GNMX_AVX2_INLINE
 
+// The same operations 512 bits wide (the avx512 level): 16 floats / 8 doubles a vector.
+#define GNMX_AVX512_VEC_INLINE __attribute__((target(GNMX_AVX512_TARGET), always_inline)) static inline
+template <typename S> struct Avx512Vec;
+template <> struct Avx512Vec<float> {
+  using V = __m512;
+  static constexpr int kLanes = 16;
+  GNMX_AVX512_VEC_INLINE V zero() { return _mm512_setzero_ps(); }
+  GNMX_AVX512_VEC_INLINE V load(const float* p) { return _mm512_loadu_ps(p); }
+  GNMX_AVX512_VEC_INLINE V bcast(const float* p) { return _mm512_set1_ps(*p); }
+  GNMX_AVX512_VEC_INLINE V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+  GNMX_AVX512_VEC_INLINE V add(V a, V b) { return _mm512_add_ps(a, b); }
+  GNMX_AVX512_VEC_INLINE void store(float* p, V v) { _mm512_storeu_ps(p, v); }
+};
+template <> struct Avx512Vec<double> {
+  using V = __m512d;
+  static constexpr int kLanes = 8;
+  GNMX_AVX512_VEC_INLINE V zero() { return _mm512_setzero_pd(); }
+  GNMX_AVX512_VEC_INLINE V load(const double* p) { return _mm512_loadu_pd(p); }
+  GNMX_AVX512_VEC_INLINE V bcast(const double* p) { return _mm512_set1_pd(*p); }
+  GNMX_AVX512_VEC_INLINE V fma(V a, V b, V c) { return _mm512_fmadd_pd(a, b, c); }
+  GNMX_AVX512_VEC_INLINE V add(V a, V b) { return _mm512_add_pd(a, b); }
+  GNMX_AVX512_VEC_INLINE void store(double* p, V v) { _mm512_storeu_pd(p, v); }
+};
+#undef GNMX_AVX512_VEC_INLINE
+
 // C rows [0, R) x columns [0, 2 lanes) = A (R x K, row stride lda) B (K x 2 lanes, row stride
-// ldb), k ascending per entry: 2R accumulators (R <= 6: 12 + 2 + 1 of 16 registers). DBN's
-// float panel products (16 columns) and fp64 D x D products (8 columns) are this tile.
+// ldb) (acc: C + A B), k ascending per entry (one FMA chain from zero, then C added): 2R accumulators (R <= 6: 12 + 2 + 1 of 16
+// registers). X: Avx2Vec<S> (avx2_tile2) or Avx512Vec<S> (avx512_tile2, twice the columns); every
+// entry is the same chain on both, so the two levels give the same bits. DBN's float panel products
+// (16 / 32 columns) and fp64 D x D products (8 / 16 columns) are this tile.
+#define GNMX_TILE2_BODY                                                 \
+  typename X::V c0[R], c1[R];                                           \
+  for (int r = 0; r < R; ++r) c0[r] = c1[r] = X::zero();                \
+  const S* b = B;                                                       \
+  for (int k = 0; k < K; ++k, b += ldb) {                               \
+    const typename X::V b0 = X::load(b), b1 = X::load(b + X::kLanes);   \
+    for (int r = 0; r < R; ++r) {                                       \
+      const typename X::V w = X::bcast(A + r * lda + k);                \
+      c0[r] = X::fma(w, b0, c0[r]);                                     \
+      c1[r] = X::fma(w, b1, c1[r]);                                     \
+    }                                                                   \
+  }                                                                     \
+  for (int r = 0; r < R; ++r) {                                         \
+    if (acc) {                                                          \
+      c0[r] = X::add(X::load(C + r * ldc), c0[r]);                      \
+      c1[r] = X::add(X::load(C + r * ldc + X::kLanes), c1[r]);          \
+    }                                                                   \
+    X::store(C + r * ldc, c0[r]);                                       \
+    X::store(C + r * ldc + X::kLanes, c1[r]);                           \
+  }
 template <typename S, int R>
 __attribute__((target("avx2,fma"), always_inline)) inline void avx2_tile2(
-    const S* A, int64_t lda, const S* B, int64_t ldb, S* C, int64_t ldc, int K) {
+    const S* A, int64_t lda, const S* B, int64_t ldb, S* C, int64_t ldc, int K, bool acc = false) {
   using X = Avx2Vec<S>;
-  typename X::V c0[R], c1[R];
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = X::zero();
-  const S* b = B;
-  for (int k = 0; k < K; ++k, b += ldb) {
-    const typename X::V b0 = X::load(b), b1 = X::load(b + X::kLanes);
-    for (int r = 0; r < R; ++r) {
-      const typename X::V w = X::bcast(A + r * lda + k);
-      c0[r] = X::fma(w, b0, c0[r]);
-      c1[r] = X::fma(w, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    X::store(C + r * ldc, c0[r]);
-    X::store(C + r * ldc + X::kLanes, c1[r]);
-  }
+  GNMX_TILE2_BODY
 }
+template <typename S, int R>
+__attribute__((target(GNMX_AVX512_TARGET), always_inline)) inline void avx512_tile2(
+    const S* A, int64_t lda, const S* B, int64_t ldb, S* C, int64_t ldc, int K, bool acc = false) {
+  using X = Avx512Vec<S>;
+  GNMX_TILE2_BODY
+}
+#undef GNMX_TILE2_BODY
 
 // Rows left by 6-row tiles: f(std::integral_constant<int, n>{}) for n in 1..5 (nothing for 0).
 template <typename F>

@@ -59,15 +59,37 @@ __attribute__((target("avx2,fma"))) void dmm_rows_avx2(const double* A, int lda,
     }
 }
 
-inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, double* C, int ldc,
-                        int M, int N, int K) {
+// The avx512 level: 16-column strips, then the avx2 rows for the rest (the same bits per entry).
+template <int R>
+__attribute__((target(GNMX_AVX512_TARGET))) void dmm_rows_avx512(const double* A, int lda,
+                                                                const double* B, int ldb,
+                                                                double* C, int ldc, int N, int K) {
+  int j = 0;
+  for (; j + 16 <= N; j += 16) avx512_tile2<double, R>(A, lda, B + j, ldb, C + j, ldc, K);
+  if (j < N) dmm_rows_avx2<R>(A, lda, B + j, ldb, C + j, ldc, N - j, K);
+}
+
+template <int R, bool W512>
+inline void dmm_rows_x86(const double* A, int lda, const double* B, int ldb, double* C, int ldc,
+                         int N, int K) {
+  if (W512)
+    dmm_rows_avx512<R>(A, lda, B, ldb, C, ldc, N, K);
+  else
+    dmm_rows_avx2<R>(A, lda, B, ldb, C, ldc, N, K);
+}
+
+template <bool W512>
+inline void dmm_nn_x86(const double* A, int lda, const double* B, int ldb, double* C, int ldc,
+                       int M, int N, int K) {
   int i = 0;
   for (; i + 6 <= M; i += 6)
-    dmm_rows_avx2<6>(A + static_cast<long>(i) * lda, lda, B, ldb, C + static_cast<long>(i) * ldc,
-                     ldc, N, K);
+    dmm_rows_x86<6, W512>(A + static_cast<long>(i) * lda, lda, B, ldb,
+                          C + static_cast<long>(i) * ldc, ldc, N, K);
   const double* a = A + static_cast<long>(i) * lda;
   double* c = C + static_cast<long>(i) * ldc;
-  with_tail_rows(M - i, [&](auto r) { dmm_rows_avx2<decltype(r)::value>(a, lda, B, ldb, c, ldc, N, K); });
+  with_tail_rows(M - i, [&](auto r) {
+    dmm_rows_x86<decltype(r)::value, W512>(a, lda, B, ldb, c, ldc, N, K);
+  });
 }
 
 #endif
@@ -75,7 +97,8 @@ inline void dmm_nn_avx2(const double* A, int lda, const double* B, int ldb, doub
 inline void dmm_nn(const double* A, int lda, const double* B, int ldb, double* C, int ldc, int M,
                    int N, int K) {
 #if defined(GNMX_CPU_X86)
-  if (cpu_has_avx2()) return dmm_nn_avx2(A, lda, B, ldb, C, ldc, M, N, K);
+  if (cpu_has_avx512()) return dmm_nn_x86<true>(A, lda, B, ldb, C, ldc, M, N, K);
+  if (cpu_has_avx2()) return dmm_nn_x86<false>(A, lda, B, ldb, C, ldc, M, N, K);
 #endif
   dmm_nn_generic(A, lda, B, ldb, C, ldc, M, N, K);
 }
@@ -111,64 +134,59 @@ inline void mm_block_generic(const S* A, const S* B, S* C, int D, int j0, int k0
 }
 
 #if defined(GNMX_CPU_X86)
-// C rows [0, R) x 2 lanes (+)= A (R x kn, row stride D) B (kn x 2 lanes, row stride D).
+// One tile of a strip, C rows [0, R) x 2 lanes (+)= A (R x kn, row stride D) B (kn x 2 lanes, row
+// stride D): cpu_isa.h's tile, 2 x 8 floats / 2 x 4 doubles (avx2) or twice that (avx512), each
+// entry the same FMA chain on both.
 template <typename S, int R>
-__attribute__((target("avx2,fma"), always_inline)) inline void mm_tile_acc(
-    const S* A, const S* B, S* C, int D, int kn, bool acc) {
-  using X = Avx2Vec<S>;
-  typename X::V c0[R], c1[R];
-  for (int r = 0; r < R; ++r) c0[r] = c1[r] = X::zero();
-  const S* b = B;
-  for (int k = 0; k < kn; ++k, b += D) {
-    const typename X::V b0 = X::load(b), b1 = X::load(b + X::kLanes);
-    for (int r = 0; r < R; ++r) {
-      const typename X::V w = X::bcast(A + r * D + k);
-      c0[r] = X::fma(w, b0, c0[r]);
-      c1[r] = X::fma(w, b1, c1[r]);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    if (acc) {
-      c0[r] = X::add(X::load(C + r * D), c0[r]);
-      c1[r] = X::add(X::load(C + r * D + X::kLanes), c1[r]);
-    }
-    X::store(C + r * D, c0[r]);
-    X::store(C + r * D + X::kLanes, c1[r]);
-  }
+__attribute__((target("avx2,fma"), noinline)) void mm_tile_avx2(const S* A, const S* B, S* C, int D,
+                                                               int kn, bool acc) {
+  avx2_tile2<S, R>(A, D, B, D, C, D, kn, acc);
+}
+template <typename S, int R>
+__attribute__((target(GNMX_AVX512_TARGET), noinline)) void mm_tile_avx512(const S* A, const S* B, S* C,
+                                                                      int D, int kn, bool acc) {
+  avx512_tile2<S, R>(A, D, B, D, C, D, kn, acc);
+}
+template <typename S, int R, bool W512>
+inline void mm_tile(const S* A, const S* B, S* C, int D, int kn, bool acc) {
+  if (W512)
+    mm_tile_avx512<S, R>(A, B, C, D, kn, acc);
+  else
+    mm_tile_avx2<S, R>(A, B, C, D, kn, acc);
 }
 
-// The tail rows' tile as a call (with_tail_rows' lambda is not an avx2 function to inline into).
-template <typename S, int R>
-__attribute__((target("avx2,fma"), noinline)) void mm_tile_tail(const S* A, const S* B, S* C,
-                                                                 int D, int kn, bool acc) {
-  mm_tile_acc<S, R>(A, B, C, D, kn, acc);
-}
-
-// sym: only tiles reaching the upper triangle (j >= i) are computed (the caller mirrors).
-template <typename S>
-__attribute__((target("avx2,fma"))) void mm_block_avx2(const S* A, const S* B, S* C, int D,
-                                                       int k0, int kn, bool acc, bool sym) {
-  constexpr int W = 2 * Avx2Vec<S>::kLanes;
-  int j = 0;
+// The column strips of one k-block from column j on, each strip's rows in 6-row tiles; returns
+// the first column no strip covers. sym: only tiles reaching the upper triangle (j >= i) are
+// computed (the caller mirrors).
+template <typename S, bool W512>
+int mm_strips(const S* A, const S* B, S* C, int D, int k0, int kn, bool acc, bool sym, int j) {
+  constexpr int W = 2 * (W512 ? Avx512Vec<S>::kLanes : Avx2Vec<S>::kLanes);
   for (; j + W <= D; j += W) {
     const S* b = B + static_cast<long>(k0) * D + j;
     const int iend = sym ? std::min(D, j + W) : D;  // rows past j + W - 1 are below the strip
     int i = 0;
     for (; i + 6 <= iend; i += 6)
-      mm_tile_acc<S, 6>(A + static_cast<long>(i) * D + k0, b, C + static_cast<long>(i) * D + j, D,
-                        kn, acc);
+      mm_tile<S, 6, W512>(A + static_cast<long>(i) * D + k0, b, C + static_cast<long>(i) * D + j,
+                          D, kn, acc);
     if (i >= iend) continue;
     const int rows = std::min(6, D - i);
     const S* a = A + static_cast<long>(i) * D + k0;
     S* c = C + static_cast<long>(i) * D + j;
     if (rows == 6) {
-      mm_tile_acc<S, 6>(a, b, c, D, kn, acc);
+      mm_tile<S, 6, W512>(a, b, c, D, kn, acc);
       continue;
     }
-    with_tail_rows(rows, [&](auto r) {
-      mm_tile_tail<S, decltype(r)::value>(a, b, c, D, kn, acc);
-    });
+    with_tail_rows(rows, [&](auto r) { mm_tile<S, decltype(r)::value, W512>(a, b, c, D, kn, acc); });
   }
+  return j;
+}
+
+// One k-block: avx512 strips first where the level has them, then avx2 strips, then the generic
+// loops for the last columns.
+template <typename S>
+void mm_block_x86(const S* A, const S* B, S* C, int D, int k0, int kn, bool acc, bool sym) {
+  int j = cpu_has_avx512() ? mm_strips<S, true>(A, B, C, D, k0, kn, acc, sym, 0) : 0;
+  j = mm_strips<S, false>(A, B, C, D, k0, kn, acc, sym, j);
   if (j < D) mm_block_generic(A, B, C, D, j, k0, kn, acc);  // remaining columns
 }
 #endif
@@ -183,7 +201,7 @@ void mm_square(const S* A, const S* B, S* C, int D, bool acc, bool sym = false) 
     const bool a = acc || k0 > 0;
 #if defined(GNMX_CPU_X86)
     if (cpu_has_avx2()) {
-      mm_block_avx2(A, B, C, D, k0, kn, a, sym);
+      mm_block_x86(A, B, C, D, k0, kn, a, sym);
       continue;
     }
 #endif

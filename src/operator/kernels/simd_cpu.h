@@ -431,10 +431,10 @@ const Prims<T>& avx2_prims() {
 // ------------------------------------------------------------------------------------------------
 // AVX-512 versions (the avx512 level of cpu_isa.h) for fp32: 16 floats a vector, the last n % 16
 // elements of a run done by masked loads / stores instead of scalar loops; fp64 gets the portable
-// loops compiled for AVX-512. fp16 keeps the AVX2/F16C versions on this level: written with the
-// 512-bit vcvtph2ps / vcvtps2ph they were 1.15x slower than those on a Zen 4 (double-pumped 512-bit
-// conversions; cached forward of a 64x3136 sample 29.2 vs 25.4 us, benchmarks/simd_levels.cc), so
-// prims<Half>() never picks an AVX-512 table.
+// loops compiled for AVX-512. fp16 (the 512-bit vcvtph2ps / vcvtps2ph) runs here only on Intel
+// CPUs (cpu_fast_avx512_fp16): on a Zen 4 (double-pumped 512-bit conversions) it was 1.15x slower
+// than the AVX2/F16C table (cached forward of a 64x3136 sample 29.2 vs 25.4 us), on an Intel Xeon
+// 1.05-1.18x faster (benchmarks/results/simd_levels_cpu.md).
 
 #define GNMX_AVX512 __attribute__((target(GNMX_AVX512_TARGET)))
 #define GNMX_AVX512_INLINE __attribute__((target(GNMX_AVX512_TARGET), always_inline)) inline
@@ -446,10 +446,31 @@ GNMX_AVX512_INLINE __mmask16 lanes16(int64_t n) {
 GNMX_AVX512_INLINE __m512 ld16(const float* p, __mmask16 m) { return _mm512_maskz_loadu_ps(m, p); }
 GNMX_AVX512_INLINE __m512 ld16(const float* p) { return _mm512_loadu_ps(p); }
 GNMX_AVX512_INLINE void st16(float* p, __m512 v, __mmask16 m) { _mm512_mask_storeu_ps(p, m, v); }
-// Full vectors; streaming needs a 64-byte aligned destination.
+// fp16: 16 halves (32 bytes) widened / rounded (to nearest even, as st8) by the 512-bit conversions;
+// masked-off lanes load +0.0 and are not written.
+GNMX_AVX512_INLINE __m512 ld16(const Half* p, __mmask16 m) {
+  return _mm512_cvtph_ps(_mm256_maskz_loadu_epi16(m, p));
+}
+GNMX_AVX512_INLINE __m512 ld16(const Half* p) {
+  return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
+}
+GNMX_AVX512_INLINE __m256i half16(__m512 v) {
+  return _mm512_cvtps_ph(v, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+}
+GNMX_AVX512_INLINE void st16(Half* p, __m512 v, __mmask16 m) {
+  _mm256_mask_storeu_epi16(p, m, half16(v));
+}
+// Full vectors; streaming needs a 16-element (64-byte fp32, 32-byte fp16) aligned destination.
 template <bool NT>
 GNMX_AVX512_INLINE void st16x(float* p, __m512 v) {
   if (NT) _mm512_stream_ps(p, v); else _mm512_storeu_ps(p, v);
+}
+template <bool NT>
+GNMX_AVX512_INLINE void st16x(Half* p, __m512 v) {
+  if (NT)
+    _mm256_stream_si256(reinterpret_cast<__m256i*>(p), half16(v));
+  else
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), half16(v));
 }
 // Elements before the first streaming-aligned one (0 when not streaming).
 template <bool NT, typename T>
@@ -671,7 +692,9 @@ const Prims<T>& avx512_prims() {
 
 template <typename T>
 const Prims<T>& prims() {
-  if constexpr (!std::is_same<T, Half>::value) {
+  if constexpr (std::is_same<T, Half>::value) {
+    if (cpu_has_avx512() && cpu_fast_avx512_fp16()) return avx512_prims<T>();
+  } else {
     if (cpu_has_avx512()) return avx512_prims<T>();
   }
   return cpu_has_avx2() ? avx2_prims<T>() : generic_prims<T>();
