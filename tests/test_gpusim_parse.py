@@ -1,5 +1,6 @@
 """benchmarks/gpusim/_gpusim_parse.py on a hand-written excerpt of GPGPU-Sim's timing-mode output:
 per-kernel cycles, DRAM bytes from the CUMULATIVE counters (differences), blocks per SM, ratios."""
+import json
 import os
 import sys
 
@@ -52,9 +53,57 @@ def test_row_from_simulator_lines():
     rows = {"r": {"label": "L"}, "q": {"label": "Q"}}
     table = parse.markdown({"meta": {}, "rows": {"r": r}}, rows, {"q": "bound by X"})
     assert "| r | L | 1500 |" in table and "| q | Q | not run |" in table and "bound by X" in table
+    assert [ln for ln in table.splitlines() if ln.startswith("| r |")][0].endswith("| shared |")
+    r["process"] = "own"
+    table = parse.markdown({"meta": {}, "rows": {"r": r}}, rows, {})
+    assert [ln for ln in table.splitlines() if ln.startswith("| r |")][0].endswith("| own |")
 
 
 def test_short_name():
     assert parse.short_name(STATS_K) == "stats_kernel"
     assert parse.short_name(COPY_K) == "sim_copy_kernel"
     assert parse.short_name("plain") == "plain"
+
+
+def test_driver_runs_each_row_in_its_own_process(tmp_path, monkeypatch):
+    """bench_gpusim.main: one simulator process per row; rows already stored are skipped; --rerun
+    measures a row again and keeps its old result until the new one is stored (a failed rerun
+    leaves it); rows stored before runs were per row are marked shared."""
+    import bench_gpusim as bench
+    calls = []
+
+    def fake(name, results, out):
+        calls.append(name)
+        if name == "gn_fwd_fp16":
+            raise SystemExit("simulator process failed")
+        results["rows"][name] = {"label": name, "kind": "copy", "cycles": 10, "us": 0.01,
+                                 "ref_cycles": 5, "ratio": 0.5, "kernels": [], "warp_idle": 0,
+                                 "warp_scoreboard": 0, "warp_stall": 0, "process": bench.OWN}
+        bench.save(results, out)
+
+    monkeypatch.setattr(bench, "run_process", fake)
+    monkeypatch.setattr(bench, "LOGS", str(tmp_path / "logs"))
+    monkeypatch.setenv("GNMX_GPGPUSIM_SRC", str(tmp_path))
+    out = str(tmp_path / "res")
+    bench.main(["--rows", "gn_fwd_fp32,gn_bwd_fp32", "--out", out])
+    assert calls == ["gn_fwd_fp32", "gn_bwd_fp32"]
+    bench.main(["--rows", "gn_fwd_fp32,gn_bwd_fp32", "--out", out])  # both stored: nothing runs
+    assert calls == ["gn_fwd_fp32", "gn_bwd_fp32"]
+    with open(os.path.join(out, "gpusim_v100.json")) as f:
+        old = json.load(f)
+    old["rows"]["gn_fwd_fp16"] = dict(old["rows"]["gn_fwd_fp32"], cycles=99)
+    del old["rows"]["gn_fwd_fp16"]["process"]  # stored by the group runs of before
+    with open(os.path.join(out, "gpusim_v100.json"), "w") as f:
+        json.dump(old, f)
+    with pytest.raises(SystemExit):
+        bench.main(["--rerun", "gn_fwd_fp16", "--out", out])
+    assert calls[-1] == "gn_fwd_fp16"
+    with open(os.path.join(out, "gpusim_v100.json")) as f:
+        kept = json.load(f)["rows"]
+    assert kept["gn_fwd_fp16"]["cycles"] == 99  # the old row, not dropped by the failed rerun
+    bench.main(["--out", out, "--rows", "gn_fwd_fp32"])
+    with open(os.path.join(out, "gpusim_v100.md")) as f:
+        md = f.read()
+    assert [ln for ln in md.splitlines() if ln.startswith("| gn_fwd_fp16 |")][0].endswith(
+        "| shared |")
+    assert [ln for ln in md.splitlines() if ln.startswith("| gn_fwd_fp32 |")][0].endswith("| own |")

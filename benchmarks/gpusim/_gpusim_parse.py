@@ -201,19 +201,23 @@ def markdown(results, rows, bounds):
            "the D x D math is fp64). "
            "DRAM x min: bytes the op moved to/from DRAM / its minimum (< 1: L2 kept written data). "
            "Empty issue slots (summed over the schedulers): idle = no warp resident (too few "
-           "blocks/warps), scoreboard = warps waiting on a result (latency), stall = pipeline.",
+           "blocks/warps), scoreboard = warps waiting on a result (latency), stall = pipeline. "
+           "process: own = the row alone in its simulator process (cold caches and counters); "
+           "shared = measured after other rows in one process (before runs were per row), which "
+           "moved op and copy by up to 30%.",
            "", "| row | case | op cycles | us @1132 MHz | yardstick cycles | ratio | DRAM x min | "
-           "empty slots % idle/scoreboard/stall | kernels: cycles (blocks, blocks/SM) |",
-           "|---|---|---|---|---|---|---|---|---|"]
+           "empty slots % idle/scoreboard/stall | kernels: cycles (blocks, blocks/SM) | process |",
+           "|---|---|---|---|---|---|---|---|---|---|"]
     for name in rows:
         r = results["rows"].get(name)
         if r is None:
-            out.append(f"| {name} | {rows[name]['label']} | not run | | | | | | |")
+            out.append(f"| {name} | {rows[name]['label']} | not run | | | | | | | |")
             continue
         ratio = "" if r.get("ratio") is None else f"{r['ratio']:.2f}"
         tvm = "" if r.get("traffic_vs_min") is None else f"{r['traffic_vs_min']:.2f}"
         out.append(f"| {name} | {r['label']} | {r['cycles']} | {r['us']:.1f} | {r['ref_cycles']} "
-                   f"| {ratio} | {tvm} | {_fmt_warps(r)} | {_fmt_kernels(r)} |")
+                   f"| {ratio} | {tvm} | {_fmt_warps(r)} | {_fmt_kernels(r)} "
+                   f"| {r.get('process', 'shared').split(' ')[0]} |")
     notes = [f"- {n}: {b}" for n, b in bounds.items()]
     if notes:
         out += ["", "Bounds named per row (from the simulator's counters):", ""] + notes

@@ -1,6 +1,6 @@
 """The rows of the simulated-V100 benchmark (bench_gpusim.py): what each runs and against what.
 
-Each row: group (rows of one group share one simulator process, in the order of ROWS), label,
+Each row: group (its kernel family, for --list; every row runs in its own simulator process), label,
 kind ("copy": ratio to a float4 copy of min_bytes = the op's unavoidable reads + writes; "fma":
 ratio of its useful FLOPs per cycle to the simulated fp32 FMA kernel's), make(hnp, lib) -> (op, ref,
 info): two closures, each one cold launch sequence (inputs are prepared before, outside the timed

@@ -5,12 +5,16 @@ next to a yardstick run in the same process: a float4 grid-stride copy of the op
     GNMX_GPGPUSIM_SRC=<simulator source> python benchmarks/gpusim/bench_gpusim.py [--rows a,b]
         [--out benchmarks/results] [--fresh] [--rerun a,b] [--list]
 
-Rows run in groups, one simulator process per group (each process first parses the ~13 MB of PTX:
-30-90 s), ONE process at a time under `nice -n 5`, through tests/gpu/sim/gpgpusim.sh in timing mode
+Each row runs in its own simulator process (which first parses the ~13 MB of PTX: 30-90 s), ONE
+process at a time under `nice -n 5`, through tests/gpu/sim/gpgpusim.sh in timing mode
 (GNMX_GPGPUSIM_TIMING=1: -gpgpu_ptx_sim_mode 0 + PTX_SIM_MODE_FUNC=0, no launch latency, host copies
-not simulated). Every finished row is written at once to <out>/gpusim_v100.json; a rerun skips the
-rows already there (resumable; --fresh starts over, --rerun a,b measures those rows again) and
-rewrites <out>/gpusim_v100.md; each row records the commit whose kernels it timed.
+not simulated). Its own process: rows that ran before another in one process left its caches,
+DRAM row buffers and counters in another state and moved both its op and its copy by up to 30%
+(docs/performance/gpu.md); `process` in each stored row says how it ran. Every finished row is
+written at once to <out>/gpusim_v100.json; a rerun skips the rows already there (resumable; --fresh
+starts over; --rerun a,b measures those rows again, each old row kept until its new one is done)
+and rewrites <out>/gpusim_v100.md; each row records the commit whose kernels it timed. The
+simulator's output of a row is build/gpusim/<row>.log.
 Each op runs once, cold (inputs copied from the host bypass L2); the copy reads a fresh buffer.
 """
 import argparse
@@ -30,7 +34,9 @@ import _gpusim_parse as parse  # noqa: E402
 
 SIM = os.path.join(ROOT, "tests", "gpu", "sim", "gpgpusim.sh")
 RESULT = "gpusim_v100"
-LOGS = os.path.join(ROOT, "build", "gpusim")  # the simulator's output per group (git-ignored)
+LOGS = os.path.join(ROOT, "build", "gpusim")  # the simulator's output per row (git-ignored)
+OWN = "own"  # `process` of a row run alone in its simulator process
+SHARED = "shared (after other rows of its group)"  # rows stored before runs were per row
 
 
 # ---- worker: runs inside the simulator process ---------------------------------------------------
@@ -77,11 +83,12 @@ def save(results, out):
         f.write(parse.markdown(results, rows_mod.ROWS, rows_mod.BOUNDS))
 
 
-def run_group(names, results, out, log_path):
-    """One simulator process for `names`; each row is stored as soon as its markers close."""
+def run_process(name, results, out):
+    """One simulator process for the row `name`; the row is stored as soon as its markers close."""
+    log_path = os.path.join(LOGS, f"{name}.log")
     env = dict(os.environ, GNMX_GPGPUSIM_TIMING="1", PYTHONUNBUFFERED="1")
     cmd = ["nice", "-n", "5", "bash", SIM, "run", sys.executable, os.path.abspath(__file__),
-           "--worker", ",".join(names)]
+           "--worker", name]
     t0 = time.time()
     stream = parse.Stream()
     with open(log_path, "w") as log, subprocess.Popen(
@@ -94,6 +101,7 @@ def run_group(names, results, out, log_path):
                 results["rows"][done] = parse.row_result(rows_mod.ROWS[done], stream.rows[done])
                 results["rows"][done]["sim_wall_s"] = round(time.time() - t0, 1)
                 results["rows"][done]["git"] = results["meta"].get("git", "?")
+                results["rows"][done]["process"] = OWN
                 save(results, out)
                 print(f"[gpusim] {done}: {parse.summary(results['rows'][done])}", flush=True)
                 t0 = time.time()
@@ -142,17 +150,14 @@ def main(argv=None):
     results = load_results(path, a.fresh)
     for r in results["rows"].values():  # rows of an earlier run keep the commit they timed
         r.setdefault("git", results["meta"].get("git", "?"))
-    for n in rerun:
-        results["rows"].pop(n, None)
+        r.setdefault("process", SHARED)
     results["meta"] = meta()
-    todo = [n for n in wanted if n not in results["rows"]]
-    groups = {}
+    todo = [n for n in wanted if n not in results["rows"] or n in rerun]
+    os.makedirs(LOGS, exist_ok=True)
     for n in todo:
-        groups.setdefault(rows_mod.ROWS[n]["group"], []).append(n)
-    for g, names in groups.items():
-        print(f"[gpusim] group {g}: {', '.join(names)}", flush=True)
-        os.makedirs(LOGS, exist_ok=True)
-        run_group(names, results, a.out, os.path.join(LOGS, f"{g}.log"))
+        print(f"[gpusim] {n}: own simulator process, log {os.path.join(LOGS, n + '.log')}",
+              flush=True)
+        run_process(n, results, a.out)
     save(results, a.out)
     return 0
 
