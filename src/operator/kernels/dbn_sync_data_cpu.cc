@@ -3,8 +3,9 @@
  * dbn_sync.h): the local sums, the local covariance about the global mean, and the apply step,
  * each with its backward. Per group the device's columns are gathered once into a float64 panel
  * (D rows x M = N*S columns, centred where the step needs it) and the products run on it as
- * row-major gemms: cpu_isa.h's AVX2 tiles where the CPU has them, else BLAS (dbn_blas_cpu.h;
- * MXNet's OpenBLAS runs its SSE3 "Prescott" kernels on CPUs newer than it knows, ~3x slower here);
+ * row-major gemms: dbn_small_cpu.h's dmm_nn (AVX2 / AVX-512 tiles) where the CPU has AVX2, else
+ * BLAS (dbn_blas_cpu.h; MXNet's OpenBLAS runs its SSE3 "Prescott" kernels on CPUs newer than it
+ * knows, ~3x slower here);
  * groups run in parallel when the data is large enough.
  */
 #include <algorithm>
@@ -12,46 +13,23 @@
 
 #include "cpu_isa.h"
 #include "dbn_blas_cpu.h"
+#include "dbn_small_cpu.h"
 #include "dbn_sync.h"
 #include "dispatch_cpu.h"
 
 namespace gn_mx {
 namespace {
 
-#if defined(GNMX_CPU_X86)
-// C (rows x cols) = A (rows x K) B (K x cols), row-major with row strides lda / ldb / ldc: tiles
-// of 6 rows x 8 columns (avx2_tile2), scalar tails.
-template <int R>
-__attribute__((target("avx2,fma"))) void gemm_rows_avx2(const double* A, int64_t lda,
-                                                        const double* B, int64_t ldb, double* C,
-                                                        int64_t ldc, int64_t cols, int K) {
-  int64_t c = 0;
-  for (; c + 8 <= cols; c += 8) avx2_tile2<double, R>(A, lda, B + c, ldb, C + c, ldc, K);
-  for (; c < cols; ++c)
-    for (int r = 0; r < R; ++r) {
-      double v = 0.0;
-      for (int k = 0; k < K; ++k) v += A[r * lda + k] * B[k * ldb + c];
-      C[r * ldc + c] = v;
-    }
-}
-
-void gemm_avx2(const double* A, int64_t lda, const double* B, int64_t ldb, double* C,
-               int64_t ldc, int64_t rows, int64_t cols, int K) {
-  int64_t i = 0;
-  for (; i + 6 <= rows; i += 6)
-    gemm_rows_avx2<6>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, cols, K);
-  with_tail_rows(static_cast<int>(rows - i), [&](auto r) {
-    gemm_rows_avx2<decltype(r)::value>(A + i * lda, lda, B, ldb, C + i * ldc, ldc, cols, K);
-  });
-}
-#endif
-
-// Row-major C (rows x cols) = A (rows x K) B (K x cols). BLAS sees the column-major transposes:
+// Row-major C (rows x cols) = A (rows x K) B (K x cols): DBN's register-tiled dmm_nn (AVX2 or
+// AVX-512 tiles) where the CPU has AVX2, else BLAS, which sees the column-major transposes:
 // C^T = B^T A^T.
 void gemm_rm(const double* A, int64_t lda, const double* B, int64_t ldb, double* C, int64_t ldc,
              int64_t rows, int64_t cols, int64_t K) {
 #if defined(GNMX_CPU_X86)
-  if (cpu_has_avx2()) return gemm_avx2(A, lda, B, ldb, C, ldc, rows, cols, static_cast<int>(K));
+  if (cpu_has_avx2())
+    return dbn_small::dmm_nn(A, static_cast<int>(lda), B, static_cast<int>(ldb), C,
+                             static_cast<int>(ldc), static_cast<int>(rows),
+                             static_cast<int>(cols), static_cast<int>(K));
 #endif
   dbn_cpu::gemm('N', 'N', static_cast<int>(cols), static_cast<int>(rows), static_cast<int>(K),
                 1.0, B, static_cast<int>(ldb), A, static_cast<int>(lda), 0.0, C,
