@@ -152,3 +152,33 @@ def test_cuda_iternorm_vs_float64(dtype, T, kind, D, G):
         bdx = (growth + 2 * D + 2) * U32 + 2 * out
     assert rel(y, yr) <= by, (rel(y, yr), by)
     assert rel(dx, dxr) <= bdx, (rel(dx, dxr), bdx)
+
+
+@pytest.mark.parametrize("dtype,T,D,G", [
+    (np.float32, 3, 136, 2),   # 3 x 3 tiles: 6 pair owners forward, 9 tile owners backward
+    (np.float64, 2, 130, 1),   # a one-column edge tile; float64 iterations
+    (np.float32, 2, 64, 3),    # one tile: the split launches one block per group anyway
+], ids=lambda v: getattr(v, "__name__", str(v)))
+def test_tile_split_is_bitwise_one_block(dtype, T, D, G, monkeypatch):
+    """The product stages spread a group's output tiles over gridDim.y blocks (dbn_iternorm_cuda.cuh);
+    every entry is summed as by the one block per group, so y and dx are bitwise equal."""
+    rng = np.random.default_rng(D + G)
+    N = D + 24
+    x = make("well", D, G, N, rng).astype(dtype)
+    dy = rng.standard_normal(x.shape).astype(dtype)
+    monkeypatch.setenv("GNMX_DBN_CUDA_ITER_SPLIT", "0")
+    y1, dx1 = cuda_iternorm(x, dy, G, T)
+    monkeypatch.setenv("GNMX_DBN_CUDA_ITER_SPLIT", "1")
+    y2, dx2 = cuda_iternorm(x, dy, G, T)
+    assert np.isfinite(y1).all() and np.isfinite(dx1).all()
+    assert np.array_equal(y1, y2) and np.array_equal(dx1, dx2)
+    yr, dxr = ref_fwd_bwd(x.astype(np.float64), dy.astype(np.float64), G, T)
+    assert rel(y2, yr) < 1e-3 and rel(dx2, dxr) < 1e-3  # and both are IterNorm's (tight: above)
+
+
+def test_invalid_split_is_an_error(monkeypatch):
+    monkeypatch.setenv("GNMX_DBN_CUDA_ITER_SPLIT", "yes")
+    rng = np.random.default_rng(0)
+    x = make("well", 8, 1, 24, rng).astype(np.float32)
+    with pytest.raises(RuntimeError, match="GNMX_DBN_CUDA_ITER_SPLIT must be 0 or 1"):
+        cuda_iternorm(x, x, 1, 2)

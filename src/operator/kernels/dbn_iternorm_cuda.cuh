@@ -7,6 +7,8 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
 
 #include "dbn_small_cuda.cuh"
 
@@ -16,11 +18,37 @@ namespace {
 // ---- IterNorm: the Newton iterations and their backward, in launches of at most two products ---
 // The per-group state lives in the scratch (IterScratch; the iteration's matrices in S: float when
 // dbn_iternorm_fp32, else double). Forward: eig_kernel (Sigma, flag) -> kStart -> kIter (k, part)
-// for k < T, parts < kDbnIterFwdParts -> kFwdFinish (W, saved Sigma / diag, running statistics).
-// Backward: bwd_small_kernel stage 0 (G_W, Sigma, dymean, dbeta) -> kStart -> kIter ... ->
-// kHeadFinish (W, dgamma, G) -> kBack (k, part) for k = T-1 .. 0, parts < kDbnIterBwdParts ->
-// kTail (B; W and B out). At D = 512 a launch is then <= 2 products (docs/performance/gpu.md).
+// for k < T, parts < dbn_iternorm_iter_parts(k) -> kFwdFinish (W, saved Sigma / diag, running
+// statistics). Backward: bwd_small_kernel stage 0 (G_W, Sigma, dymean, dbeta) -> kStart -> kIter
+// ... -> kHeadFinish (W, dgamma, G) -> kBack (k, part) for k = T-1 .. 0, parts <
+// dbn_bwd_iternorm_step_parts(k) -> kTail (B; W and B out). At D = 512 a launch is then <= 2
+// products (docs/performance/gpu.md).
+// Grid: blockIdx.x is the group. The product stages (kIter, kBack) spread a group's 64 x 64 output
+// tiles over gridDim.y = iter_owners(...) blocks (TileOwner: tile pairs for kIter's symmetric
+// products, tiles for kBack's), which dbn_math.h's parts allow with no barrier between blocks; a
+// block computes each of its entries exactly as the one block per group did, so the results do not
+// depend on the split (GNMX_DBN_CUDA_ITER_SPLIT=0 keeps one block per group). The other stages
+// (traces, sums over whole matrices) run one block per group.
 enum class IterStage : int { kStart, kIter, kFwdFinish, kHeadFinish, kBack, kTail };
+
+// GNMX_DBN_CUDA_ITER_SPLIT: unset, "" or "1" -> split the product stages (the default); "0" -> one
+// block per group; anything else -> -1 (an error).
+inline int iter_split_env() {
+  const char* v = std::getenv("GNMX_DBN_CUDA_ITER_SPLIT");
+  if (!v || !*v || std::strcmp(v, "1") == 0) return 1;
+  return std::strcmp(v, "0") == 0 ? 0 : -1;
+}
+constexpr const char* kIterSplitEnvError =
+    "GNMX_DBN_CUDA_ITER_SPLIT must be 0 or 1 (docs/dbn.md)";
+
+// The blocks per group of a stage's launch (gridDim.y) and the owner unit of its blocks.
+__host__ __device__ inline bool iter_stage_pairs(IterStage stage) {
+  return stage == IterStage::kIter;
+}
+inline int iter_owners(IterStage stage, int D, bool split) {
+  const bool products = stage == IterStage::kIter || stage == IterStage::kBack;
+  return split && products ? TileOwner::owners(D, iter_stage_pairs(stage)) : 1;
+}
 
 template <typename A>
 struct IterArgs {
@@ -70,7 +98,8 @@ __global__ void __launch_bounds__(kBlock, kOneBlockPerSm)
 iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {
   __shared__ double s_gam[kMaxD], s_dgam[kMaxD];
   extern __shared__ __align__(16) unsigned char smem[];  // kTileBytes: BlockExec's tiles
-  const BlockExec ex{reinterpret_cast<double*>(smem), false};
+  const TileOwner own{gridDim.y > 1 ? static_cast<int>(blockIdx.y) : -1, iter_stage_pairs(stage)};
+  const BlockExec ex{reinterpret_cast<double*>(smem), false, own};
   const int64_t g = blockIdx.x;
   const int D = a.D, DD = D * D, T = a.T;
   const IterScratch z = iter_scratch(a.scratch + g * a.spg, D, T, a.bwd);
@@ -131,25 +160,30 @@ iternorm_kernel(IterArgs<A> a, IterStage stage, int k, int part) {
 // The launches of one IterNorm forward (bwd = false: from kStart to kFwdFinish) or backward (from
 // kStart to kTail), S chosen by dbn_iternorm_fp32.
 template <typename A, typename S>
-const char* launch_iternorm_s(const IterArgs<A>& a, int64_t G, cudaStream_t st) {
+const char* launch_iternorm_s(const IterArgs<A>& a, int64_t G, bool split, cudaStream_t st) {
   auto run = [&](IterStage stage, int k, int part) -> const char* {
-    iternorm_kernel<A, S><<<static_cast<unsigned>(G), kBlock, kTileBytes, st>>>(a, stage, k, part);
+    const dim3 grid(static_cast<unsigned>(G),
+                    static_cast<unsigned>(iter_owners(stage, a.D, split)));
+    iternorm_kernel<A, S><<<grid, kBlock, kTileBytes, st>>>(a, stage, k, part);
     GN_CUDA_CHECK_LAUNCH();
     return nullptr;
   };
   const char* e = run(IterStage::kStart, 0, 0);
   for (int k = 0; k < a.T && !e; ++k)
-    for (int p = 0; p < kDbnIterFwdParts && !e; ++p) e = run(IterStage::kIter, k, p);
+    for (int p = 0; p < dbn_iternorm_iter_parts(k) && !e; ++p) e = run(IterStage::kIter, k, p);
   if (e || !a.bwd) return e ? e : run(IterStage::kFwdFinish, 0, 0);
   e = run(IterStage::kHeadFinish, 0, 0);
   for (int k = a.T - 1; k >= 0 && !e; --k)
-    for (int p = 0; p < kDbnIterBwdParts && !e; ++p) e = run(IterStage::kBack, k, p);
+    for (int p = 0; p < dbn_bwd_iternorm_step_parts(k) && !e; ++p)
+      e = run(IterStage::kBack, k, p);
   return e ? e : run(IterStage::kTail, 0, 0);
 }
 template <typename A>
 const char* launch_iternorm(const IterArgs<A>& a, DType dtype, int64_t G, cudaStream_t st) {
-  return dbn_iternorm_fp32(dtype, a.T) ? launch_iternorm_s<A, float>(a, G, st)
-                                       : launch_iternorm_s<A, double>(a, G, st);
+  const int split = iter_split_env();
+  if (split < 0) return kIterSplitEnvError;
+  return dbn_iternorm_fp32(dtype, a.T) ? launch_iternorm_s<A, float>(a, G, split != 0, st)
+                                       : launch_iternorm_s<A, double>(a, G, split != 0, st);
 }
 
 }  // namespace

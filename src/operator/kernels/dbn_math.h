@@ -116,6 +116,9 @@ GN_HOST_DEVICE inline void dbn_jacobi_eigh(double* A, double* U, double* l, int 
 //   ex.each(n, f)        f(e) for every e in [0, n)        (host: a loop; device: the block's
 //   ex.each_ij(D, f)     f(i, j) for every i, j in [0, D)   threads stride over the range)
 //   ex.each_lower(D, f)  f(i, j) for every 0 <= j <= i < D
+//   ex.sum(n, f)         sum of f(e) over [0, n) as a double, returned to every thread (host: in
+//                        ascending order; device: per-thread strided sums, then the block's fixed
+//                        tree; every thread of the block must call it)
 //   ex.sync()            what each()/each_ij() wrote is visible to all (host: nothing;
 //                        device: __syncthreads())
 //   ex.mm(A, B, C, D)    C = A B for D x D row-major fp64 matrices, inputs already visible,
@@ -301,14 +304,11 @@ GN_HOST_DEVICE inline bool dbn_iternorm_fp32(DType dtype, int T) {
   return dtype != DType::kFloat64 && T <= kDbnIterNormFp32MaxT;
 }
 
-// *tr = trace(A) by one thread (D additions), visible to all on return.
+// *tr = trace(A), visible to all on return.
 template <class Ex>
 GN_HOST_DEVICE void dbn_trace(Ex& ex, const double* A, int D, double* tr) {
-  ex.each(1, [&](int) {
-    double t = 0.0;
-    for (int i = 0; i < D; ++i) t += A[i * D + i];
-    *tr = t;
-  });
+  const double t = ex.sum(D, [&](int i) { return A[i * D + i]; });
+  ex.each(1, [&](int) { *tr = t; });
   ex.sync();
 }
 
@@ -361,12 +361,18 @@ GN_HOST_DEVICE void dbn_iternorm_start(Ex& ex, const double* Sigma, int D,
   ex.sync();
 }
 
-// Launch granularity: a device may run an iteration in kDbnIterFwdParts calls (part 0: R1, R2;
-// part 1: R3 and the update) and a back step in kDbnIterBwdParts (Y1, Y2 | Y3, dSn, G R2 |
-// the rest), so that no call has more than two D x D products (dbn_cuda.cu: the longest launch
-// then stays under ~100 ms at D = 512 on a T4's fp64, docs/performance/gpu.md). part = -1: all.
-constexpr int kDbnIterFwdParts = 2;
-constexpr int kDbnIterBwdParts = 3;
+// Launch granularity: a device may run an iteration, or a back step, as separate calls, one per
+// part (part = -1: all of it). Each part has at most two D x D products, and no part reads what
+// another thread block of the same part writes: its products read only matrices finished by
+// earlier parts, and its elementwise steps touch only entries of the products it wrote itself.
+// So a device may spread a part's output tiles over several blocks of one launch with no barrier
+// between them (dbn_iternorm_cuda.cuh: the tiles of a group's products over gridDim.y blocks):
+//   iteration k > 0:  R1 | R2 | R3 and the update (Q_k is read by all three, written by none);
+//   back step k > 0:  Y1 | Y2 | Y3, dSn, G R2 | the rest and G's update (G is read by parts 0 and
+//                     2 and written by part 3 only);
+//   k = 0:            the iteration and the back step are elementwise (one part each).
+GN_HOST_DEVICE inline int dbn_iternorm_iter_parts(int k) { return k == 0 ? 1 : 3; }
+GN_HOST_DEVICE inline int dbn_bwd_iternorm_step_parts(int k) { return k == 0 ? 1 : 4; }
 // The k-blocks of the iteration's products (the executors' mm_it): each entry is summed as
 // partial sums of kDbnIterKb products (docs/numerics.md: blocked accumulation).
 constexpr int kDbnIterKb = 128;
@@ -392,12 +398,10 @@ GN_HOST_DEVICE int dbn_iternorm_iter(Ex& ex, int D, int k, bool keep, const DbnI
     ex.sync();
     return nxt;
   }
-  if (part <= 0) {
-    ex.mm_it_sym(L.Sn, Qk, R1, D);  // (P Sn)^T
-    ex.mm_it_sym(R1, Qk, R2, D);    // (P^2 Sn)^T
-  }
-  if (part == 0) return nxt;
-  ex.mm_it_sym(R2, Qk, Qn, D);    // (P^3 Sn)^T
+  if (part < 0 || part == 0) ex.mm_it_sym(L.Sn, Qk, R1, D);  // (P Sn)^T
+  if (part < 0 || part == 1) ex.mm_it_sym(R1, Qk, R2, D);     // (P^2 Sn)^T
+  if (part >= 0 && part != 2) return nxt;
+  ex.mm_it_sym(R2, Qk, Qn, D);  // (P^3 Sn)^T
   ex.each_ij(D, [&](int i, int j) {
     Qn[i * D + j] = S(1.5) * Qk[i * D + j] - S(0.5) * Qn[i * D + j];
   });
@@ -438,7 +442,8 @@ GN_HOST_DEVICE void dbn_iternorm_whitening(Ex& ex, const double* Sigma, int D, i
 // derivation, steps 1, 3, 4). With the kept transposes (M^T = Q_k, (M Sn)^T = R1_k,
 // (M^2 Sn)^T = R2_k, Sn^T = Sn) a back step is six products:
 //   Y1 = Q G, Y2 = Q Y1, dSn -= 1/2 Q Y2, X = G R2 + Y2 Sn + Y1 R1, G <- 3/2 G - 1/2 X
-// and one for k = 0 (Q_0 = I: X = 3 G Sn, dSn -= G/2). Fused affine as dbn_bwd_small.
+// and none for k = 0 (Q_0 = I: dSn -= G/2; G's own update there would be dL/dP_0, which nothing
+// reads). Fused affine as dbn_bwd_small.
 // B may alias GW; W must not alias the scratch. Ends synced.
 // In three stages that keep all their state in the scratch (so that a device may run each in its
 // own launch, dbn_cuda.cu): head (the iterations, W, dgamma, G, dSn = 0; the iterations may also
@@ -457,13 +462,10 @@ GN_HOST_DEVICE void dbn_bwd_iternorm_head_finish(Ex& ex, double* GW, int D, int 
     ex.sync();
   }
   dbn_symmetrize(ex, GW, D, 1.0);
-  // dL/dtr through W's 1/sqrt(tr), by one thread: <sym(GW), P_T> = <sym(GW), Q_T>.
+  // dL/dtr through W's 1/sqrt(tr): <sym(GW), P_T> = <sym(GW), Q_T>.
   const double rs = 1.0 / sqrt(*L.tr);
-  ex.each(1, [&](int) {
-    double s = 0.0;
-    for (int e = 0; e < DD; ++e) s += GW[e] * static_cast<double>(QT[e]);
-    *L.dtr = -0.5 * rs * rs * rs * s;
-  });
+  const double s = ex.sum(DD, [&](int e) { return GW[e] * static_cast<double>(QT[e]); });
+  ex.each(1, [&](int) { *L.dtr = -0.5 * rs * rs * rs * s; });
   ex.each_ij(D, [&](int i, int j) {
     L.G[i * D + j] = static_cast<S>(GW[i * D + j] * rs);
     L.dSn[i * D + j] = 0.0;
@@ -487,31 +489,24 @@ GN_HOST_DEVICE void dbn_bwd_iternorm_step(Ex& ex, int D, int k, const DbnIterScr
   const int64_t DD = int64_t(D) * D;
   S *G = L.G, *Y1 = L.Y1, *Y2 = L.Y2, *X = L.X;
   double* dSn = L.dSn;
-  if (k == 0) {  // Q_0 = I
-    if (part > 0) return;
-    ex.mm_it(G, L.Sn, X, D);
+  if (k == 0) {  // Q_0 = I: dSn -= G / 2; dL/dP_0 is not needed (P_0 = I is no function of Sn)
     ex.each_ij(D, [&](int i, int j) {
-      const int e = i * D + j;
-      dSn[e] -= 0.5 * static_cast<double>(G[e]);
-      G[e] = S(1.5) * G[e] - S(1.5) * X[e];
+      dSn[i * D + j] -= 0.5 * static_cast<double>(G[i * D + j]);
     });
     ex.sync();
     return;
   }
   const S* Q = L.Q + k * DD;
-  if (part <= 0) {
-    ex.mm_it(Q, G, Y1, D);       // M^T G
-    ex.mm_it(Q, Y1, Y2, D);      // (M^2)^T G
-  }
-  if (part == 0) return;
-  if (part < 0 || part == 1) {
-    ex.mm_it(Q, Y2, X, D);       // (M^3)^T G
+  if (part < 0 || part == 0) ex.mm_it(Q, G, Y1, D);   // M^T G
+  if (part < 0 || part == 1) ex.mm_it(Q, Y1, Y2, D);  // (M^2)^T G
+  if (part < 0 || part == 2) {
+    ex.mm_it(Q, Y2, X, D);                             // (M^3)^T G
     ex.each_ij(D, [&](int i, int j) { dSn[i * D + j] -= 0.5 * static_cast<double>(X[i * D + j]); });
     ex.sync();
-    ex.mm_it(G, L.R2 + k * DD, X, D);   // G (M^2 Sn)^T
+    ex.mm_it(G, L.R2 + k * DD, X, D);                  // G (M^2 Sn)^T
   }
-  if (part == 1) return;
-  ex.mm_it_acc(Y2, L.Sn, X, D);       // + (M^2)^T G Sn^T
+  if (part >= 0 && part != 3) return;
+  ex.mm_it_acc(Y2, L.Sn, X, D);           // + (M^2)^T G Sn^T
   ex.mm_it_acc(Y1, L.R1 + k * DD, X, D);  // + M^T G (M Sn)^T
   ex.each_ij(D, [&](int i, int j) {
     G[i * D + j] = S(1.5) * G[i * D + j] - S(0.5) * X[i * D + j];
@@ -526,12 +521,9 @@ GN_HOST_DEVICE void dbn_bwd_iternorm_tail(Ex& ex, const double* Sigma, int D, do
   const int DD = D * D;
   const double trv = *L.tr, dtr_w = *L.dtr;
   const double* dSn = L.dSn;
+  const double s = ex.sum(DD, [&](int e) { return dSn[e] * Sigma[e]; });
   ex.sync();  // every thread has read tr before it is overwritten
-  ex.each(1, [&](int) {
-    double s = 0.0;
-    for (int e = 0; e < DD; ++e) s += dSn[e] * Sigma[e];
-    *L.tr = dtr_w - s / (trv * trv);
-  });
+  ex.each(1, [&](int) { *L.tr = dtr_w - s / (trv * trv); });
   ex.sync();
   const double diag = *L.tr;
   ex.each_ij(D, [&](int i, int j) { B[i * D + j] = dSn[i * D + j] / trv + (i == j ? diag : 0.0); });

@@ -227,6 +227,11 @@ struct CpuExec {
     for (int i = 0; i < D; ++i)
       for (int j = 0; j <= i; ++j) f(i, j);
   }
+  template <class F> double sum(int n, F&& f) const {
+    double s = 0.0;
+    for (int e = 0; e < n; ++e) s += f(e);
+    return s;
+  }
   void sync() const {}
   void mm(const double* A, const double* B, double* C, int D) const {
     dmm_nn(A, D, B, D, C, D, D, D, D);

@@ -27,23 +27,65 @@ constexpr int kTile = 64, kTileK = 16, kTileLdA = kTileK + 1;
 constexpr size_t kTileBytes = size_t(kTile * kTileLdA + kTileK * kTile) * sizeof(double);
 static_assert(kBlock == 256, "BlockExec::mm maps 16 x 16 threads onto 4 x 4 outputs each");
 
+// Which 64 x 64 output tiles of a D x D result a block works on (IterNorm's product stages,
+// dbn_iternorm_cuda.cuh: a group's tiles spread over gridDim.y blocks). Owner p < 0: all of them
+// (one block per group). Otherwise the unit is a tile (I, J), p = I nt + J (nt = tiles per side),
+// or, for symmetric results (mm_it_sym computes the upper tile and mirrors it), the pair of tiles
+// (I, J) and (J, I), p = its rank among the pairs I <= J in row order.
+struct TileOwner {
+  int p = -1;
+  bool pairs = false;
+  __host__ __device__ static int tiles(int D) { return (D + kTile - 1) / kTile; }
+  __host__ __device__ static int owners(int D, bool pairs) {
+    const int nt = tiles(D);
+    return pairs ? nt * (nt + 1) / 2 : nt * nt;
+  }
+  __device__ bool owns(int I, int J, int nt) const {
+    if (p < 0) return true;
+    if (!pairs) return I * nt + J == p;
+    const int a = I < J ? I : J, b = I < J ? J : I;
+    return a * nt - a * (a - 1) / 2 + (b - a) == p;
+  }
+};
+
 struct BlockExec {
   double* tile = nullptr;  // kTileBytes of shared memory (products only)
   bool fp32_orth = false;  // mm_orth sums in fp32
+  TileOwner own{};         // the tiles mm_it* and each_ij cover (each, each_lower, mm: all)
   template <class F> __device__ void each(int n, F&& f) const {
     for (int e = threadIdx.x; e < n; e += blockDim.x) f(e);
   }
   template <class F> __device__ void each_ij(int D, F&& f) const {
-    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
-      const int i = e / D;
-      f(i, e - i * D);
+    if (own.p < 0) {
+      for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
+        const int i = e / D;
+        f(i, e - i * D);
+      }
+      return;
     }
+    const int nt = TileOwner::tiles(D);
+    for (int I = 0; I < nt; ++I)
+      for (int J = 0; J < nt; ++J) {
+        if (!own.owns(I, J, nt)) continue;
+        const int i0 = I * kTile, j0 = J * kTile;
+        const int h = D - i0 < kTile ? D - i0 : kTile, w = D - j0 < kTile ? D - j0 : kTile;
+        for (int e = threadIdx.x; e < h * w; e += blockDim.x) {
+          const int r = e / w;
+          f(i0 + r, j0 + e - r * w);
+        }
+      }
   }
   template <class F> __device__ void each_lower(int D, F&& f) const {
     for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
       const int i = e / D, j = e - i * D;
       if (j <= i) f(i, j);
     }
+  }
+  // Whole-matrix stages only (own.p < 0): every thread of the block calls it.
+  template <class F> __device__ double sum(int n, F&& f) const {
+    double v = 0.0;
+    for (int e = threadIdx.x; e < n; e += blockDim.x) v += f(e);
+    return block_sum<kBlock>(v);
   }
   __device__ void sync() const { __syncthreads(); }
   __device__ void mm(const double* A, const double* B, double* Cm, int D) const {
@@ -137,19 +179,19 @@ struct BlockExec {
   template <typename S>
   __device__ void mm_it_sym(const S* A, const S* B, S* Cm, int D) const {
     mm_it_tiled(A, B, Cm, D, false, true);
-    for (int e = threadIdx.x; e < D * D; e += blockDim.x) {
-      const int i = e / D, j = e - i * D;
-      if (i > j) Cm[e] = Cm[j * D + i];
-    }
+    each_ij(D, [&](int i, int j) {  // a pair owner wrote (min, max) of both tiles it mirrors
+      if (i > j) Cm[i * D + j] = Cm[j * D + i];
+    });
     __syncthreads();
   }
   template <typename S>
   __device__ void mm_it_tiled(const S* __restrict__ A, const S* __restrict__ B, S* Cm, int D,
                               bool acc, bool sym = false) const {
     static_assert(kDbnIterKb % kTileK == 0, "k-blocks of whole panels");
-    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16;
+    const int tx = threadIdx.x % 16, ty = threadIdx.x / 16, nt = TileOwner::tiles(D);
     for (int i0 = 0; i0 < D; i0 += kTile)
       for (int j0 = sym ? i0 : 0; j0 < D; j0 += kTile) {
+        if (!own.owns(i0 / kTile, j0 / kTile, nt)) continue;  // uniform over the block
         S tot[4][4];
 #pragma unroll
         for (int r = 0; r < 4; ++r)

@@ -27,7 +27,9 @@
  *               (what the threads wait at), reported;
  *   uniformity  GN_ASSERT_UNIFORM(kTeam, v) (cuda_common.cuh): v bitwise the same on the team;
  *   schedules   between barriers the block's threads run in forward, reverse or seeded random
- *               order: GNMX_EMU_SCHED=forward (default) | reverse | random:SEED.
+ *               order: GNMX_EMU_SCHED=forward (default) | reverse | random:SEED; reverse also
+ *               runs the grid's blocks last to first (a block that reads what a higher block of
+ *               the same launch writes then sees something else).
  * Architecture: GNMX_EMU_ARCH=sm_90 (default) | sm_80 | sm_86 | sm_75 | sm_70 | sm_61 | sm_60 sets
  * the compute capability, the opt-in shared memory per block and the threads per SM (occupancy);
  * GNMX_EMU_CC / GNMX_EMU_SMEM_OPTIN override the first two.
@@ -590,6 +592,7 @@ namespace {
 }  // namespace
 
 inline const std::function<void()>* g_body = nullptr;
+inline bool g_blocks_reversed = false;  // GNMX_EMU_SCHED=reverse: the last block first
 inline size_t g_dyn_bytes = 0;
 inline bool g_poison = true;
 
@@ -614,15 +617,16 @@ inline void fiber_main() {
   const unsigned me = g_cur;
   t_linear = me;
   t_thread = dim3(me % g_bdim.x, me / g_bdim.x % g_bdim.y, me / (g_bdim.x * g_bdim.y));
-  for (unsigned bz = 0; bz < g_grid.z; ++bz)
-    for (unsigned by = 0; by < g_grid.y; ++by)
-      for (unsigned bx = 0; bx < g_grid.x; ++bx) {
-        t_block = dim3(bx, by, bz);
-        (*g_body)();
+  const uint64_t nx = g_grid.x, nxy = nx * g_grid.y, nb = nxy * g_grid.z;
+  for (uint64_t b = 0; b < nb; ++b) {
+    const uint64_t l = g_blocks_reversed ? nb - 1 - b : b;  // x fastest, then y, then z
+    t_block = dim3(static_cast<unsigned>(l % nx), static_cast<unsigned>(l % nxy / nx),
+                   static_cast<unsigned>(l / nxy));
+    (*g_body)();
         // kernels never __syncthreads after a return; the last thread of the block to end
         // poisons shared memory for the next one
-        if (barrier(&g_end_count, &g_end_gen, g_nt, kBlockEnd)) poison_shared();
-      }
+    if (barrier(&g_end_count, &g_end_gen, g_nt, kBlockEnd)) poison_shared();
+  }
   (*g_fibers)[me].done = true;
   _longjmp(g_sched_jb, 1);
 }
@@ -698,6 +702,7 @@ inline void run_grid(dim3 grid, dim3 block, size_t smem, const std::function<voi
   }
   poison_shared();
   const Sched sc = sched();
+  g_blocks_reversed = sc.kind == Sched::kReverse;
   std::mt19937_64 rng(sc.seed * 1000003u + g_launches++);
   std::vector<unsigned> order(nt);
   for (unsigned t = 0; t < nt; ++t) order[t] = sc.kind == Sched::kReverse ? nt - 1 - t : t;
