@@ -131,17 +131,27 @@ struct BlockExec {
     }
     __syncthreads();
     const int kc = kend - k0 < kTileK ? kend - k0 : kTileK;
-    for (int k = 0; k < kc; ++k) {
-      S a[4], b[4];
+    // A whole panel unrolled: the shared loads of later k issue ahead of earlier k's FMAs (one
+    // block per SM has too few warps to hide their latency otherwise); same FMAs, same order.
+    if (kc == kTileK) {
 #pragma unroll
-      for (int r = 0; r < 4; ++r) a[r] = As[(ty + 16 * r) * kTileLdA + k];
-#pragma unroll
-      for (int c = 0; c < 4; ++c) b[c] = Bs[k * kTile + tx + 16 * c];
-#pragma unroll
-      for (int r = 0; r < 4; ++r)
-#pragma unroll
-        for (int c = 0; c < 4; ++c) acc[r][c] += a[r] * b[c];
+      for (int k = 0; k < kTileK; ++k) panel_k(As, Bs, k, tx, ty, acc);
+    } else {
+      for (int k = 0; k < kc; ++k) panel_k(As, Bs, k, tx, ty, acc);
     }
+  }
+  template <typename S>
+  __device__ __forceinline__ static void panel_k(const S* As, const S* Bs, int k, int tx,
+                                                 int ty, S (&acc)[4][4]) {
+    S a[4], b[4];
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[r] = As[(ty + 16 * r) * kTileLdA + k];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) b[c] = Bs[k * kTile + tx + 16 * c];
+#pragma unroll
+    for (int r = 0; r < 4; ++r)
+#pragma unroll
+      for (int c = 0; c < 4; ++c) acc[r][c] += a[r] * b[c];
   }
   template <typename S>
   __device__ static void zero4x4(S (&v)[4][4]) {
