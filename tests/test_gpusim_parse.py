@@ -59,6 +59,18 @@ def test_row_from_simulator_lines():
     assert [ln for ln in table.splitlines() if ln.startswith("| r |")][0].endswith("| own |")
 
 
+def test_blocks_per_launch_when_the_next_launch_is_pushed_first():
+    """The simulator prints a launch's push before the previous launch's statistics: each launch
+    keeps its own grid (first pushed, first reported), not the name's last one."""
+    a, b = kernel(STATS_K, 1, 100, 0, 0), kernel(STATS_K, 3, 200, 0, 0)
+    log = ([f"{parse.MARK} begin r op", a[0], b[0]] + a[1:] + b[1:]
+           + [f"{parse.MARK} end r op"])
+    s = parse.Stream()
+    for ln in log:
+        s.feed(ln)
+    assert [k["blocks"] for k in s.rows["r"]["op"]] == [1, 3]
+
+
 def test_short_name():
     assert parse.short_name(STATS_K) == "stats_kernel"
     assert parse.short_name(COPY_K) == "sim_copy_kernel"

@@ -57,7 +57,8 @@ class Stream:
         self.dram = [0, 0]    # cumulative (reads, writes) at the last kernel end
         self.warps = [0, 0, 0]  # cumulative (Stall, W0_Idle, W0_Scoreboard)
         self.cta = None       # the last CTA/core line: (blocks, limiter)
-        self.grid = {}        # kernel name -> blocks of its last launch
+        self.grid = {}        # kernel name -> blocks of its launches not yet reported (FIFO: the
+        #                       simulator may push the next launch before the last one's stats)
         self.cur = None
 
     def feed(self, line):
@@ -67,7 +68,8 @@ class Stream:
             return self._marker(line[len(MARK):].split())
         m = _PUSH.search(line)
         if m:
-            self.grid[m.group(1)] = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+            blocks = int(m.group(2)) * int(m.group(3)) * int(m.group(4))
+            self.grid.setdefault(m.group(1), []).append(blocks)
             return None
         m = _CTA.search(line)
         if m:
@@ -99,7 +101,7 @@ class Stream:
     def _value(self, key, val):
         if key == "kernel_name":
             self.cur = {"kernel": short_name(val), "mangled": val,
-                        "blocks": self.grid.get(val, 0),
+                        "blocks": self.grid[val].pop(0) if self.grid.get(val) else 0,
                         "cta_per_sm_limit": self.cta[0] if self.cta else None,
                         "limited_by": self.cta[1] if self.cta else None}
             if self.part:
