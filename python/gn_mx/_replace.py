@@ -321,6 +321,31 @@ def _checked_arguments(norm, num_groups, group_size, include, norm_kwargs):
     return rule, value, include
 
 
+def _plan_symbol_blocks(root, norm, rule, value, fit_groups, include, norm_kwargs):
+    """The replacement plans of every SymbolBlock under ``root``: ([(block, path, plans)], the
+    layers left in place, the errors)."""
+    sym_plans, left, errors = [], [], []
+    for path, sb in _symblock.symbol_blocks(root):
+        plans, sb_left, sb_errors = _symblock.plan(
+            sb, path, lambda c: _grouping(c, rule, value, norm, fit_groups)["num_groups"],
+            norm.__name__, include, norm_kwargs)
+        sym_plans.append((sb, path, plans))
+        left += sb_left
+        errors += sb_errors
+    return sym_plans, left, errors
+
+
+def _replace_planned(todo, graph_c, norm, rule, value, copy_affine, norm_kwargs, report):
+    """Swaps each planned Gluon layer for its new norm layer and records it in ``report``."""
+    for parent, key, child, path, kind, c, grouping in todo:
+        new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
+        _blocktree.replace_child(parent, key, child, new)
+        fitted = (f" (fitted: num_groups={value} does not divide C="
+                  f"{c or graph_c.get(id(child))})" if grouping.get("num_groups", value) != value
+                  and rule == "num_groups" else "")
+        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}{fitted}"))
+
+
 def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
                  include=("batch_norm",), sample=None, copy_affine=True, verbose=False,
                  fit_groups=False, **norm_kwargs):
@@ -418,24 +443,14 @@ def replace_norm(block, norm=GroupNorm, num_groups=None, group_size=None,
         graph_c = _graph_channels(block, [f[2] for f in found])
     report = ReplacementReport()
     todo, report.left, errors = _plan_layers(found, shapes, graph_c, norm, rule, value, fit_groups)
-    sym_plans = []
-    for path, sb in _symblock.symbol_blocks(root):
-        plans, left, sym_errors = _symblock.plan(
-            sb, path, lambda c: _grouping(c, rule, value, norm, fit_groups)["num_groups"],
-            norm.__name__, include, norm_kwargs)
-        sym_plans.append((sb, path, plans))
-        report.left += left
-        errors += sym_errors
+    sym_plans, sym_left, sym_errors = _plan_symbol_blocks(root, norm, rule, value, fit_groups,
+                                                          include, norm_kwargs)
+    report.left += sym_left
+    errors += sym_errors
     if errors:
         raise ValueError(f"replace_norm({norm.__name__}, {rule}={value}): "
                          f"{len(errors)} layer(s) cannot be replaced:\n  " + "\n  ".join(errors))
-    for parent, key, child, path, kind, c, grouping in todo:
-        new = _new_layer(child, kind, norm, c, grouping, copy_affine, norm_kwargs)
-        _blocktree.replace_child(parent, key, child, new)
-        fitted = (f" (fitted: num_groups={value} does not divide C="
-                  f"{c or graph_c.get(id(child))})" if grouping.get("num_groups", value) != value
-                  and rule == "num_groups" else "")
-        report.replaced.append((path, f"{type(child).__name__}(C={c or '?'}) -> {new!r}{fitted}"))
+    _replace_planned(todo, graph_c, norm, rule, value, copy_affine, norm_kwargs, report)
     for sb, path, plans in sym_plans:
         if plans:
             _symblock.apply(sb, path, plans, copy_affine, report)
